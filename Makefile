@@ -1,0 +1,30 @@
+# Two entry points (see README): `make demo` and `make test`. Both create .venv on
+# first use. On a machine without CUDA the CPU build of torch is installed first
+# (`pip install torch==2.13.0` resolves to a local CPU wheel here), so nothing pulls a
+# multi-GB CUDA build; a machine that already has torch (e.g. a GPU box) keeps its own.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test install clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@if ! $(PY) -c "import torch" 2>/dev/null; then \
+	  if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q "torch>=2.6"; \
+	  else $(PY) -m pip install -q "torch==2.13.0"; fi; fi
+	$(PY) -m pip install -q -e ".[test,lora]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/longtrain train --out runs/demo --overwrite
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) runs

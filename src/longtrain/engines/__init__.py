@@ -1,0 +1,3 @@
+"""Gradient engines. Each module registers one engine with :mod:`longtrain.registry`."""
+
+from . import backprop  # noqa: F401  (registers "backprop")

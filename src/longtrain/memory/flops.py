@@ -1,0 +1,73 @@
+"""Model FLOPs and MFU for causal decoders.
+
+Model FLOPs per sample follow the usual convention, 6·s·P + 6·n·h·s²: 6 FLOPs per
+matmul parameter per token (forward 2, backward 4) plus causal attention (QKᵀ and PV,
+forward and backward, half the s×s square). Recomputation (checkpointing) does not
+count: MFU measures useful work.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+# Dense bf16 tensor-core peaks (no sparsity), FLOP/s.
+_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+
+
+def causal_lm_flops(seq_len: int, matmul_params: int, n_layers: int, attn_width: int) -> float:
+    """FLOPs of one forward + backward over one sample of ``seq_len`` tokens."""
+    return 6.0 * seq_len * matmul_params + 6.0 * n_layers * attn_width * seq_len**2
+
+
+def matmul_parameters(model: nn.Module) -> int:
+    """Parameters that take part in matmuls: all but the input embedding table
+    (a lookup). A head tied to that table is counted once, as a matmul."""
+    unique = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() for p in unique.values())
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is embed
+    return total if tied else total - embed.numel()
+
+
+def attention_width(config) -> int:
+    """Heads × head dimension (differs from the hidden size in e.g. Gemma-2)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_attention_heads * head_dim
+
+
+def model_flops_per_sample(model: nn.Module, seq_len: int) -> float:
+    config = model.config
+    return causal_lm_flops(seq_len, matmul_parameters(model), config.num_hidden_layers, attention_width(config))
+
+
+def count_flops(fn, *args, **kwargs) -> tuple[int, object]:
+    """Run ``fn`` under ``FlopCounterMode`` and return (FLOPs counted, fn's result).
+
+    The counter sees matmuls and attention kernels that PyTorch registers formulas for;
+    it counts attention as a full (non-causal) square.
+    """
+    with FlopCounterMode(display=False) as counter:
+        result = fn(*args, **kwargs)
+    return counter.get_total_flops(), result
+
+
+def device_peak_flops(device: torch.device | str) -> float | None:
+    """Dense bf16 peak of a known CUDA device, or None (CPU, unknown GPU)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in _PEAK_BF16.items():
+        if key in name:
+            return peak
+    return None
+
+
+def mfu(flops: float, seconds: float, peak_flops: float | None) -> float | None:
+    """Model FLOPs utilization: achieved FLOP/s over the device's peak (None if unknown)."""
+    if not peak_flops or seconds <= 0:
+        return None
+    return flops / seconds / peak_flops

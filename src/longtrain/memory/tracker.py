@@ -1,0 +1,315 @@
+"""Exact accounting of live tensor storages, by category and by location.
+
+:class:`MemoryTracker` is a ``TorchDispatchMode``: every ATen op's outputs pass through
+it, each new storage is recorded with its size, and a weak reference tells us the
+moment the storage is freed. This gives the exact number of bytes held by tensors at
+every instant — on real CPU tensors (the "exact CPU measurement") and, unchanged, on
+fake tensors (the simulator), so the two agree by construction.
+
+Every storage carries a category — parameters, gradients, optimizer_state,
+activations (allocated in forward), temporaries (allocated in backward or in the
+optimizer step) — and a location: ``device`` or ``host``. Techniques that park tensors
+in host memory call :func:`mark_host_resident`, so the simulator counts them as host
+bytes. The peak is the device peak; the report reconstructs what was alive at that
+instant from a small event log, so keeping the breakdown costs O(1) per allocation.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+DEVICE, HOST = "device", "host"
+
+_ACTIVE: list["MemoryTracker"] = []
+
+
+def mark_host_resident(tensor: torch.Tensor) -> None:
+    """Declare that ``tensor`` lives in host memory (pinned or pageable), not on the device.
+
+    Techniques call this for every tensor they offload; active trackers then count it
+    as host bytes. Without a tracker it does nothing.
+    """
+    for tracker in _ACTIVE:
+        tracker.set_location(tensor, HOST)
+
+
+@dataclass
+class TensorInfo:
+    """One storage alive at the peak."""
+
+    nbytes: int
+    category: str
+    location: str
+    shape: tuple
+    dtype: str
+    origin: str  # the op (and module, when known) that allocated it
+
+
+@dataclass
+class MemoryReport:
+    """What was alive at the device peak of the tracked window."""
+
+    peak_device_bytes: int
+    host_bytes_at_peak: int
+    peak_host_bytes: int
+    by_category: dict = field(default_factory=dict)  # category -> {"device": bytes, "host": bytes}
+    largest: list = field(default_factory=list)  # TensorInfo, biggest first
+
+    def device_bytes(self, category: str) -> int:
+        return self.by_category.get(category, {}).get(DEVICE, 0)
+
+    def host_bytes(self, category: str) -> int:
+        return self.by_category.get(category, {}).get(HOST, 0)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        for info in data["largest"]:
+            info["shape"] = list(info["shape"])
+        return data
+
+
+class _Record:
+    __slots__ = ("nbytes", "alloc_t", "free_t", "history", "shape", "dtype", "origin")
+
+    def __init__(self, nbytes, t, category, location, shape, dtype, origin):
+        self.nbytes = nbytes
+        self.alloc_t = t
+        self.free_t = None
+        self.history = [(t, category, location)]  # (time, category, location) changes
+        self.shape = shape
+        self.dtype = dtype
+        self.origin = origin
+
+    @property
+    def category(self) -> str:
+        return self.history[-1][1]
+
+    @property
+    def location(self) -> str:
+        return self.history[-1][2]
+
+    def state_at(self, t: int) -> tuple[str, str]:
+        state = self.history[0]
+        for entry in self.history:
+            if entry[0] > t:
+                break
+            state = entry
+        return state[1], state[2]
+
+
+def _in_backward() -> bool:
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Track every live tensor storage while active (``with MemoryTracker(model, opt):``).
+
+    ``model`` and ``optimizer`` are optional; when given, their parameters, buffers,
+    gradients and optimizer state are registered on entry and re-categorized as they
+    appear (gradients when autograd accumulates them, state after each optimizer step).
+    Call :meth:`reset_peak` at the start of each measured step and :meth:`report` at
+    its end.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None):
+        super().__init__()
+        self.model = model
+        self.optimizer = optimizer
+        self._lock = threading.RLock()
+        self._live: dict[int, _Record] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self._records: list[_Record] = []
+        self._clock = 0
+        self._current = {DEVICE: 0, HOST: 0}
+        self._peak = 0
+        self._peak_t = 0
+        self._peak_host = 0
+        self._in_optimizer_step = False
+        self._handles: list = []
+        self._module_names: dict[int, str] = {}
+        self._module_stack: list[str] = []
+
+    # ---- public ----------------------------------------------------------------------
+    @property
+    def current_bytes(self) -> int:
+        return self._current[DEVICE]
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._peak
+
+    def reset_peak(self) -> None:
+        """Start a new measurement window at the current live set."""
+        with self._lock:
+            self._records = [r for r in self._records if r.free_t is None]
+            self._peak = self._current[DEVICE]
+            self._peak_host = self._current[HOST]
+            self._peak_t = self._clock
+
+    def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
+        """Record ``tensor``'s storage (if new); optionally set its category."""
+        record = self._record_for(tensor, category or self._phase_category(), "")
+        if record is not None and category is not None and record.category != category:
+            self._change(record, category=category)
+
+    def set_location(self, tensor: torch.Tensor, location: str) -> None:
+        record = self._record_for(tensor, self._phase_category(), "")
+        if record is not None and record.location != location:
+            self._change(record, location=location)
+
+    def report(self, top: int = 8) -> MemoryReport:
+        """Breakdown of what was alive at the device peak since the last reset."""
+        with self._lock:
+            t = self._peak_t
+            by_category = {c: {DEVICE: 0, HOST: 0} for c in CATEGORIES}
+            alive = []
+            for rec in self._records:
+                if rec.alloc_t <= t and (rec.free_t is None or rec.free_t > t):
+                    category, location = rec.state_at(t)
+                    by_category[category][location] += rec.nbytes
+                    alive.append((rec, category, location))
+            alive.sort(key=lambda item: -item[0].nbytes)
+            largest = [
+                TensorInfo(r.nbytes, c, loc, r.shape, r.dtype, r.origin) for r, c, loc in alive[:top]
+            ]
+            host_at_peak = sum(v[HOST] for v in by_category.values())
+            return MemoryReport(self._peak, host_at_peak, max(self._peak_host, host_at_peak), by_category, largest)
+
+    # ---- context ---------------------------------------------------------------------
+    def __enter__(self):
+        super().__enter__()
+        _ACTIVE.append(self)
+        self._register_existing()
+        self.reset_peak()
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        _ACTIVE.remove(self)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        category = self._phase_category()
+        origin = None
+        for item in tree_flatten(out)[0]:
+            if isinstance(item, torch.Tensor):
+                if origin is None:
+                    module = self._module_stack[-1] if self._module_stack else ""
+                    origin = f"{func.__name__}" + (f" in {module}" if module else "")
+                self._record_for(item, category, origin)
+        return out
+
+    # ---- internals -------------------------------------------------------------------
+    def _phase_category(self) -> str:
+        if self._in_optimizer_step or _in_backward():
+            return "temporaries"
+        return "activations"
+
+    def _record_for(self, tensor: torch.Tensor, category: str, origin: str) -> _Record | None:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, nested, ... : not tracked
+            return None
+        key = id(storage)
+        with self._lock:
+            record = self._live.get(key)
+            nbytes = storage.nbytes()
+            if record is not None:
+                if nbytes != record.nbytes:  # resized in place (out= ops, resize_)
+                    self._current[record.location] += nbytes - record.nbytes
+                    record.nbytes = nbytes
+                    self._update_peaks()
+                return record
+            if nbytes == 0:
+                return None
+            self._clock += 1
+            record = _Record(nbytes, self._clock, category, DEVICE, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""), origin)
+            self._live[key] = record
+            self._records.append(record)
+            self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._on_free(key))
+            self._current[DEVICE] += nbytes
+            self._update_peaks()
+            return record
+
+    def _on_free(self, key: int) -> None:
+        with self._lock:
+            record = self._live.pop(key, None)
+            self._refs.pop(key, None)
+            if record is None:
+                return
+            self._clock += 1
+            record.free_t = self._clock
+            self._current[record.location] -= record.nbytes
+
+    def _change(self, record: _Record, category: str | None = None, location: str | None = None) -> None:
+        with self._lock:
+            self._clock += 1
+            new_location = location or record.location
+            if new_location != record.location:
+                self._current[record.location] -= record.nbytes
+                self._current[new_location] += record.nbytes
+            record.history.append((self._clock, category or record.category, new_location))
+            self._update_peaks()
+
+    def _update_peaks(self) -> None:
+        if self._current[DEVICE] > self._peak:
+            self._peak = self._current[DEVICE]
+            self._peak_t = self._clock
+        self._peak_host = max(self._peak_host, self._current[HOST])
+
+    def _register_existing(self) -> None:
+        if self.model is not None:
+            self._module_names = {id(m): name for name, m in self.model.named_modules()}
+            for p in self.model.parameters():
+                self.track(p, "parameters")
+                if p.grad is not None:
+                    self.track(p.grad, "gradients")
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            for b in self.model.buffers():
+                self.track(b, "parameters")
+            self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(self._enter_module))
+            self._handles.append(torch.nn.modules.module.register_module_forward_hook(self._leave_module, always_call=True))
+        if self.optimizer is not None:
+            self._register_optimizer_state()
+            self._handles.append(self.optimizer.register_step_pre_hook(self._before_step))
+            self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
+
+    def _register_optimizer_state(self) -> None:
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    self.track(value, "optimizer_state")
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self.track(param.grad, "gradients")
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        self._in_optimizer_step = True
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        self._in_optimizer_step = False
+        self._register_optimizer_state()
+
+    def _enter_module(self, module, args) -> None:
+        name = self._module_names.get(id(module))
+        if name is not None:
+            self._module_stack.append(name or "model")
+
+    def _leave_module(self, module, args, output) -> None:
+        # always_call: also runs when a forward stops early (checkpoint recomputation
+        # ends by raising once it has what backward needs), keeping the stack balanced.
+        if id(module) in self._module_names and self._module_stack:
+            self._module_stack.pop()

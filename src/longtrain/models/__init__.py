@@ -1,0 +1,1 @@
+"""Model adapters, presets and loading."""

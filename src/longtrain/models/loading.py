@@ -1,0 +1,95 @@
+"""Build or load the models longtrain trains: presets (random weights) or local
+Hugging Face directories, optionally wrapped with LoRA."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from ..errors import LongtrainError
+from .attention import attention_backend
+from .presets import preset_config, resolve_preset
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+    "float64": torch.float64, "fp64": torch.float64,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise LongtrainError(f"unknown dtype {name!r}; choose one of {', '.join(_DTYPES)}") from None
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Create parameters directly in ``dtype`` (also under fake tensors, where a later
+    ``.to(dtype)`` would count both copies)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def is_model_dir(spec: str) -> bool:
+    return os.path.isdir(spec)
+
+
+def load_config(spec: str | PretrainedConfig) -> PretrainedConfig:
+    """Config of a preset name, a local model directory, or a config passed through."""
+    if isinstance(spec, PretrainedConfig):
+        return copy.deepcopy(spec)
+    if is_model_dir(spec):
+        if not (Path(spec) / "config.json").is_file():
+            raise LongtrainError(f"{spec} is a directory without config.json; point --model at a Hugging Face model directory")
+        try:
+            return AutoConfig.from_pretrained(spec, local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise LongtrainError(f"cannot read the model config in {spec}: {exc}") from None
+    if resolve_preset(spec) is None and (os.sep in spec or spec.startswith(".")):
+        raise LongtrainError(f"model directory {spec} does not exist; check the path")
+    return preset_config(spec)
+
+
+def build_from_config(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A randomly initialized causal LM with flash-memory SDPA attention."""
+    with default_dtype(dtype):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_backend(config))
+    return model
+
+
+def load_pretrained(path: str, dtype: torch.dtype) -> nn.Module:
+    attn = attention_backend(load_config(path))
+    try:
+        try:
+            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn, local_files_only=True)
+        except TypeError:  # transformers 4.x names the argument torch_dtype
+            return AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, attn_implementation=attn, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise LongtrainError(f"cannot load the model in {path}: {exc}") from None
+
+
+def add_lora(model: nn.Module, rank: int = 8, alpha: float | None = None) -> nn.Module:
+    """Wrap ``model`` with PEFT LoRA adapters on every linear layer but the head."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise LongtrainError("LoRA needs peft: pip install 'longtrain[lora]'") from None
+    if rank <= 0:
+        raise LongtrainError(f"--lora-rank must be positive, got {rank}")
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)

@@ -1,0 +1,99 @@
+"""Model presets: published architectures as configs only (no weights).
+
+Presets feed the simulator (full-scale memory without allocating anything) and let
+``longtrain train`` build a randomly initialized model for experiments. The numbers
+are those of the published ``config.json`` files.
+"""
+
+from __future__ import annotations
+
+import re
+
+from transformers import AutoConfig, PretrainedConfig
+
+from ..errors import LongtrainError
+
+# name -> (model_type, config fields)
+_PRESETS: dict[str, tuple[str, dict]] = {
+    "llama2-7b": ("llama", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)),
+    "llama3-8b": ("llama", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)),
+    "llama3-70b": ("llama", dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)),
+    "qwen2-7b": ("qwen2", dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)),
+    "mistral-7b": ("mistral", dict(  # Mistral-7B-v0.3
+        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+        rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False)),
+    "gemma2-9b": ("gemma2", dict(
+        vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+        max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096,
+        final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    # Tiny variants for tests: the same architectures at toy widths. Vocabularies hold
+    # the byte tokenizer's 259 ids; head counts exercise GQA.
+    "tiny-llama": ("llama", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
+        rope_theta=10000.0, tie_word_embeddings=False)),
+    "tiny-qwen2": ("qwen2", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
+        rope_theta=10000.0, tie_word_embeddings=False)),
+    "tiny-mistral": ("mistral", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
+        rope_theta=10000.0, sliding_window=None, tie_word_embeddings=False)),
+    "tiny-gemma2": ("gemma2", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        max_position_embeddings=16384, sliding_window=64, final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    # The embedded default of `longtrain train`: small enough to train at 8K tokens on
+    # two CPU cores in minutes.
+    "demo": ("llama", dict(
+        vocab_size=260, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+        rope_theta=10000.0, tie_word_embeddings=False)),
+}
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+_BY_NORMALIZED = {_normalize(name): name for name in _PRESETS}
+
+
+def preset_names() -> list[str]:
+    return list(_PRESETS)
+
+
+def resolve_preset(name: str) -> str | None:
+    """Canonical preset name for ``name`` (case and punctuation ignored), or None."""
+    return _BY_NORMALIZED.get(_normalize(name))
+
+
+def preset_config(name: str, **overrides) -> PretrainedConfig:
+    """A fresh Hugging Face config for preset ``name`` (e.g. ``"Llama-3-8B"``)."""
+    canonical = resolve_preset(name)
+    if canonical is None:
+        raise LongtrainError(
+            f"unknown model preset {name!r}; presets: {', '.join(_PRESETS)} "
+            "(or pass a local Hugging Face model directory)"
+        )
+    model_type, fields = _PRESETS[canonical]
+    config = AutoConfig.for_model(model_type, **{**fields, **overrides})
+    config.name_or_path = canonical
+    return config

@@ -1,0 +1,1 @@
+"""Pure tensor operations with their own autograd. No Hugging Face imports here."""

@@ -1,0 +1,3 @@
+"""Model techniques. Each module registers one technique with :mod:`longtrain.registry`."""
+
+from . import checkpoint  # noqa: F401  (registers "checkpoint")

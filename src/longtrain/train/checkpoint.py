@@ -1,0 +1,120 @@
+"""Atomic, verified training checkpoints.
+
+A checkpoint is a directory ``step-00000123`` holding the files the trainer writes and
+a ``manifest.json`` (sizes and SHA-256 of every file, plus metadata) written last. It
+is assembled under a temporary name and renamed into place only when complete, then
+the ``latest`` pointer is replaced atomically: a run killed at any instant leaves the
+previous checkpoint as the one ``--resume`` uses. Loading verifies the manifest, so a
+truncated or altered file is reported instead of silently resumed from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from ..errors import LongtrainError
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+PREFIX = "step-"
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    _fsync_path(tmp)
+    os.replace(tmp, path)
+    _fsync_path(path.parent)
+
+
+def save_checkpoint(root: str | Path, step: int, writers: dict[str, Callable[[Path], None]], meta: dict, keep: int = 2) -> Path:
+    """Write a checkpoint for ``step`` under ``root`` atomically and return its path.
+
+    ``writers`` maps file names to functions that write that file at the given path.
+    Older checkpoints beyond the newest ``keep`` are removed once the new one is live.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"{PREFIX}{step:08d}"
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    files = {}
+    for filename, write in writers.items():
+        path = tmp / filename
+        write(path)
+        _fsync_path(path)
+        files[filename] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files, "meta": meta}, indent=1))
+    _fsync_path(tmp / MANIFEST)
+    _fsync_path(tmp)
+    final = root / name
+    if final.exists():  # re-saving a step (e.g. after resuming from it): move the old one aside first
+        old = root / f".old-{name}-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_path(root)
+    write_text_atomic(root / LATEST, name)
+    _prune(root, keep)
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
+    for old in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".tmp-*"):  # left by runs killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint ``latest`` points to, or None if there is none."""
+    pointer = Path(root) / LATEST
+    if not pointer.is_file():
+        return None
+    path = Path(root) / pointer.read_text().strip()
+    if not path.is_dir():
+        raise LongtrainError(f"{pointer} names {path.name}, which is missing; pass --resume-from with an existing checkpoint directory")
+    return path
+
+
+def verify_checkpoint(path: str | Path) -> dict:
+    """Check every file against the manifest; return the manifest's metadata."""
+    path = Path(path)
+    fix = "delete it, or pass --resume-from with an earlier checkpoint"
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise LongtrainError(f"checkpoint {path} is incomplete or corrupt (no readable {MANIFEST}); {fix}") from None
+    for filename, expected in files.items():
+        file = path / filename
+        if not file.is_file():
+            raise LongtrainError(f"checkpoint {path} is corrupt: {filename} is missing; {fix}")
+        if file.stat().st_size != expected["bytes"] or _sha256(file) != expected["sha256"]:
+            raise LongtrainError(f"checkpoint {path} is corrupt: {filename} does not match its checksum; {fix}")
+    return manifest.get("meta", {})

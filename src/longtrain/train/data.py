@@ -1,0 +1,97 @@
+"""Training data from local files: text or JSONL, packed into fixed-length windows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import LongtrainError
+
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text"}
+JSONL_SUFFIXES = {".jsonl", ".ndjson"}
+
+
+def _data_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES | JSONL_SUFFIXES)
+        if not files:
+            raise LongtrainError(f"data directory {path} holds no .txt, .md or .jsonl files")
+        return files
+    if not path.exists():
+        raise LongtrainError(f"data file {path} does not exist; pass a text file, a .jsonl file or a directory of them")
+    return [path]
+
+
+def _read_documents(path: Path) -> list[str]:
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise LongtrainError(f"cannot read data file {path}: {reason}") from None
+    if path.suffix.lower() not in JSONL_SUFFIXES:
+        return [raw]
+    documents = []
+    for number, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise LongtrainError(f"line {number} of {path} is not valid JSON; each line must be an object with a 'text' field") from None
+        text = record.get("text") if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise LongtrainError(f"line {number} of {path} has no string 'text' field")
+        documents.append(text)
+    return documents
+
+
+class TokenWindows:
+    """Documents tokenized, joined with EOS and cut into windows of ``seq_len`` tokens.
+
+    Window order is a seeded permutation per epoch, so a sample is a pure function of
+    (seed, index): the data position in a checkpoint is just the number of samples seen.
+    """
+
+    def __init__(self, path: str | Path, tokenizer, seq_len: int, seed: int = 0):
+        ids: list[int] = []
+        for file in _data_files(Path(path)):
+            for doc in _read_documents(file):
+                ids.extend(tokenizer.encode(doc))
+                if tokenizer.eos_token_id is not None:
+                    ids.append(tokenizer.eos_token_id)
+        if len(ids) < seq_len:
+            raise LongtrainError(
+                f"the data in {path} holds {len(ids):,} tokens, fewer than --seq-len {seq_len:,}; "
+                "add data or lower --seq-len"
+            )
+        n = len(ids) // seq_len
+        self.windows = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+        self.seq_len = seq_len
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def sample(self, index: int) -> dict:
+        epoch, offset = divmod(index, len(self.windows))
+        order = torch.randperm(len(self.windows), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
+        input_ids = self.windows[order[offset]]
+        return {"input_ids": input_ids, "labels": input_ids}
+
+
+def collate(samples: list[dict], pad_id: int) -> dict:
+    """Stack samples into a batch, right-padding to the longest (padding gets no loss)."""
+    length = max(len(s["input_ids"]) for s in samples)
+    batch = {"input_ids": [], "attention_mask": [], "labels": []}
+    for s in samples:
+        pad = length - len(s["input_ids"])
+        ids = s["input_ids"]
+        batch["input_ids"].append(torch.cat([ids, ids.new_full((pad,), pad_id)]))
+        batch["attention_mask"].append(torch.cat([torch.ones_like(ids), ids.new_zeros(pad)]))
+        batch["labels"].append(torch.cat([s["labels"], ids.new_full((pad,), -100)]))
+    out = {k: torch.stack(v) for k, v in batch.items()}
+    if all(len(s["input_ids"]) == length for s in samples):
+        out.pop("attention_mask")  # no padding: let attention use its causal fast path
+    return out

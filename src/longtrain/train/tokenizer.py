@@ -1,0 +1,76 @@
+"""A byte-level tokenizer: ids 0-255 are bytes, then three special tokens.
+
+It needs no files and no downloads, reads any text, and is what presets and the
+built-in task train with. Models from a local directory use their own tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class ByteTokenizer:
+    PAD, BOS, EOS = 256, 257, 258
+    vocab_size = 259
+    FILE = "longtrain_tokenizer.json"
+
+    def encode(self, text: str | bytes) -> list[int]:
+        data = text.encode("utf-8") if isinstance(text, str) else text
+        return list(data)
+
+    def decode(self, ids) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.PAD
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.EOS
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        Path(directory, self.FILE).write_text(json.dumps({"type": "byte", "vocab_size": self.vocab_size}))
+
+    @classmethod
+    def is_saved_in(cls, directory: str | Path) -> bool:
+        return Path(directory, cls.FILE).is_file()
+
+
+class HFTokenizer:
+    """Adapter giving a Hugging Face tokenizer the same small interface."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self.vocab_size = len(tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids) -> str:
+        return self._tok.decode(ids)
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self._tok.pad_token_id
+        return pad if pad is not None else (self._tok.eos_token_id or 0)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._tok.eos_token_id
+
+    def save_pretrained(self, directory) -> None:
+        self._tok.save_pretrained(directory)
+
+
+def load_tokenizer(model_dir: str | None):
+    """The tokenizer for a model: a local directory's own, else the byte tokenizer."""
+    if model_dir is None or ByteTokenizer.is_saved_in(model_dir):
+        return ByteTokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return HFTokenizer(AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
+    except (OSError, ValueError):
+        return ByteTokenizer()
