@@ -9,7 +9,7 @@ import torch
 
 from ..errors import LongtrainError
 
-IGNORE_INDEX = -100
+from ..ops.loss import IGNORE_INDEX
 
 
 @dataclass

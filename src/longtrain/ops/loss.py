@@ -1,0 +1,28 @@
+"""Causal language-model loss on full logits (the stock path; MsT replaces it with a
+chunked head + loss that never materializes the logits)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Targets aligned with positions: position t predicts labels[t + 1]; the last
+    position gets IGNORE_INDEX. Shifting labels (not logits) avoids copying the logits."""
+    return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_label_tokens: int | torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropies divided by ``num_label_tokens``.
+
+    Half-precision logits are upcast to float32 (as Hugging Face does); float32 and
+    float64 logits are used as they are, so float64 checks stay float64.
+    """
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    targets = shift_labels(labels).to(logits.device)
+    total = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / num_label_tokens

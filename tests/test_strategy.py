@@ -1,0 +1,62 @@
+import pytest
+import torch
+
+import longtrain as lt
+from longtrain.errors import LongtrainError
+from longtrain.models.loading import build_from_config
+from longtrain.models.presets import preset_config
+
+
+def test_round_trips_through_yaml_and_json():
+    strategy = lt.Strategy(checkpoint=True)
+    assert lt.Strategy.from_yaml(strategy.to_yaml()) == strategy
+    assert lt.Strategy.from_json(strategy.to_json()) == strategy
+    assert lt.Strategy.from_dict(strategy.to_dict()).name == "checkpoint"
+    assert lt.Strategy.parse("none") == lt.Strategy()
+    assert lt.Strategy.parse("checkpoint") == strategy
+    assert lt.Strategy.parse("checkpoint") != lt.Strategy()
+
+
+def test_strategy_file(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(lt.Strategy(checkpoint=True).to_yaml())
+    assert lt.Strategy.parse(str(path)) == lt.Strategy(checkpoint=True)
+    with pytest.raises(LongtrainError, match="cannot read strategy file"):
+        lt.Strategy.parse(str(tmp_path / "missing.yaml"))
+
+
+def test_unknown_names_and_options_are_clear_errors():
+    with pytest.raises(LongtrainError, match="unknown technique 'flashy'; available: checkpoint"):
+        lt.Strategy.parse("flashy")
+    with pytest.raises(LongtrainError, match="unknown engine"):
+        lt.Strategy(engine="warp")
+    with pytest.raises(LongtrainError, match="has no option 'every'"):
+        lt.Strategy(checkpoint={"every": 2})
+    with pytest.raises(LongtrainError, match="unknown strategy field"):
+        lt.Strategy.from_dict({"engines": "backprop"})
+
+
+def test_apply_is_idempotent_and_refuses_a_second_strategy():
+    model = build_from_config(preset_config("tiny-llama"))
+    lt.apply(model, lt.Strategy(checkpoint=True))
+    lt.apply(model, lt.Strategy(checkpoint=True))  # same strategy: no-op
+    with pytest.raises(LongtrainError, match="already has strategy 'checkpoint'"):
+        lt.apply(model, lt.Strategy())
+
+
+def test_step_refuses_a_strategy_that_was_not_applied():
+    model = build_from_config(preset_config("tiny-llama"))
+    with pytest.raises(LongtrainError, match="call longtrain.apply"):
+        lt.step(model, {"input_ids": torch.zeros(1, 8, dtype=torch.long)}, lt.Strategy(checkpoint=True))
+
+
+def test_checkpoint_needs_decoder_layers():
+    with pytest.raises(LongtrainError, match="cannot find the decoder layers"):
+        lt.apply(torch.nn.Linear(2, 2), lt.Strategy(checkpoint=True))
+
+
+def test_batch_without_label_tokens_is_refused():
+    model = build_from_config(preset_config("tiny-llama"))
+    ids = torch.ones(1, 8, dtype=torch.long)
+    with pytest.raises(LongtrainError, match="no label tokens"):
+        lt.step(model, {"input_ids": ids, "labels": torch.full_like(ids, -100)})
