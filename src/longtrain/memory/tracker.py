@@ -16,6 +16,7 @@ instant from a small event log, so keeping the breakdown costs O(1) per allocati
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -28,6 +29,19 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temp
 DEVICE, HOST = "device", "host"
 
 _ACTIVE: list["MemoryTracker"] = []
+_HOST_ALLOCATION = threading.local()
+
+
+@contextlib.contextmanager
+def host_allocations():
+    """Tensors created inside this block live in host memory (a pinned pool, say):
+    active trackers count them as host bytes from the start."""
+    previous = getattr(_HOST_ALLOCATION, "on", False)
+    _HOST_ALLOCATION.on = True
+    try:
+        yield
+    finally:
+        _HOST_ALLOCATION.on = previous
 
 
 def mark_host_resident(tensor: torch.Tensor) -> None:
@@ -234,11 +248,12 @@ class MemoryTracker(TorchDispatchMode):
             if nbytes == 0:
                 return None
             self._clock += 1
-            record = _Record(nbytes, self._clock, category, DEVICE, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""), origin)
+            location = HOST if getattr(_HOST_ALLOCATION, "on", False) else DEVICE
+            record = _Record(nbytes, self._clock, category, location, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""), origin)
             self._live[key] = record
             self._records.append(record)
             self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._on_free(key))
-            self._current[DEVICE] += nbytes
+            self._current[location] += nbytes
             self._update_peaks()
             return record
 
@@ -289,7 +304,7 @@ class MemoryTracker(TorchDispatchMode):
     def _register_optimizer_state(self) -> None:
         for state in self.optimizer.state.values():
             for value in state.values():
-                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                if isinstance(value, torch.Tensor):
                     self.track(value, "optimizer_state")
 
     def _on_grad(self, param: torch.Tensor) -> None:

@@ -1,0 +1,33 @@
+import torch
+
+import longtrain as lt
+from longtrain.memory.flops import attention_width, causal_lm_flops, count_flops, matmul_parameters, mfu, model_flops_per_sample
+from longtrain.models.loading import build_from_config
+from longtrain.models.presets import preset_config
+
+
+def test_formula():
+    # 6·s·P + 6·n·h·s²
+    assert causal_lm_flops(1000, 10, 2, 8) == 6 * 1000 * 10 + 6 * 2 * 8 * 1000**2
+
+
+def test_matmul_flops_match_the_counter():
+    """FlopCounterMode's count of a training step's matmuls equals 6·s·P (the
+    attention term is checked separately: PyTorch has no formula for the CPU flash kernel)."""
+    model = build_from_config(preset_config("tiny-llama"))
+    s, batch = 256, 2
+    flops, _ = count_flops(lambda: lt.step(model, {"input_ids": torch.randint(0, 300, (batch, s))}))
+    assert flops == 6 * s * batch * matmul_parameters(model)
+
+
+def test_tied_head_counts_once_and_gemma_attention_width():
+    gemma = build_from_config(preset_config("tiny-gemma2"))
+    total = sum(p.numel() for p in gemma.parameters())
+    assert matmul_parameters(gemma) == total  # the tied head is the embedding, counted as a matmul
+    assert attention_width(preset_config("gemma2-9b")) == 16 * 256  # not the hidden size 3584
+    assert model_flops_per_sample(gemma, 10) > 0
+
+
+def test_mfu():
+    assert mfu(1e12, 1.0, 2e12) == 0.5
+    assert mfu(1e12, 1.0, None) is None
