@@ -22,10 +22,11 @@ def causal_lm_flops(seq_len: int, matmul_params: int, n_layers: int, attn_width:
 
 
 def matmul_parameters(model: nn.Module) -> int:
-    """Parameters that take part in matmuls: all but the input embedding table
-    (a lookup). A head tied to that table is counted once, as a matmul."""
+    """Parameters that take part in matmuls: weight matrices, except the input embedding
+    table (a lookup). Norm weights and biases do no matmul. A head tied to the embedding
+    table is counted once, as a matmul."""
     unique = {id(p): p for p in model.parameters()}
-    total = sum(p.numel() for p in unique.values())
+    total = sum(p.numel() for p in unique.values() if p.dim() >= 2)
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is embed
