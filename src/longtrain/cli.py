@@ -79,7 +79,6 @@ def _add_simulate(sub) -> None:
     p.add_argument("--strategy", default="none", help="none, checkpoint, a comma list, or a strategy .yaml/.json")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"])
     p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype (default %(default)s)")
-    p.add_argument("--lora-rank", type=int, default=None, help="simulate LoRA training with this rank")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_run_simulate)
 
@@ -92,7 +91,7 @@ def _run_simulate(args) -> int:
     if args.batch_size <= 0:
         raise LongtrainError(f"--batch-size must be positive, got {args.batch_size}")
     report = simulate(args.model, args.seq_len, batch_size=args.batch_size, strategy=args.strategy,
-                      optimizer=args.optimizer, dtype=args.dtype, lora_rank=args.lora_rank)
+                      optimizer=args.optimizer, dtype=args.dtype)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.table())
     return 0
 

@@ -1,0 +1,141 @@
+"""The command line end to end: training, resuming after a kill, simulation, and one
+clear line for each kind of bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from longtrain.cli import main
+from longtrain.train.metrics import read_metrics
+
+TINY = ["--model", "tiny-llama", "--seq-len", "256", "--eval-samples", "2", "--no-progress"]
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_train_writes_metrics_checkpoints_summary_and_final_model(tmp_path, capsys):
+    code, out, err = run_cli(capsys, "train", *TINY, "--steps", "6", "--save-every", "3", "--out", str(tmp_path), "--batch-size", "2", "--grad-accum", "2")
+    assert code == 0, err
+    assert "pass-key accuracy" in out and "simulated stock peak" in out
+    steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    assert all(r["peak_bytes"] > 0 for r in steps)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final_loss"] < summary["first_loss"]
+    assert summary["simulated_stock_peak_bytes"] > 0
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000006"
+    assert (tmp_path / "final" / "config.json").exists()
+    # The exported model trains again as a local model directory.
+    code, _, err = run_cli(capsys, "train", "--model", str(tmp_path / "final"), "--data", str(Path(__file__)),
+                           "--seq-len", "128", "--steps", "1", "--no-progress", "--out", str(tmp_path / "again"))
+    assert code == 0, err
+
+
+def test_lora_and_checkpoint_strategy_train(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "train", *TINY, "--steps", "2", "--lora", "--strategy", "checkpoint", "--out", str(tmp_path))
+    assert code == 0, err
+    assert (tmp_path / "final" / "adapter_config.json").exists()
+
+
+def _train_process(out, *extra):
+    cmd = [sys.executable, "-m", "longtrain.cli", "train", *TINY, "--steps", "40", "--save-every", "4", "--out", str(out), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_killed_run_resumes_onto_the_same_loss_curve(tmp_path):
+    reference = _train_process(tmp_path / "ref")
+    assert reference.wait(timeout=300) == 0, reference.stderr.read().decode()
+
+    victim = _train_process(tmp_path / "run")
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while not latest.exists() and time.time() < deadline and victim.poll() is None:
+        time.sleep(0.01)
+    victim.send_signal(signal.SIGKILL)  # no chance to clean up
+    victim.wait()
+    killed_at = int(latest.read_text().split("-")[1])
+    assert killed_at < 40, "the run finished before it could be killed"
+    resumed = _train_process(tmp_path / "run", "--resume")
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read().decode()
+
+    def losses(path):
+        return [(r["step"], r["loss"]) for r in read_metrics(path / "metrics.jsonl") if "loss" in r]
+
+    ref, got = losses(tmp_path / "ref"), losses(tmp_path / "run")
+    assert [s for s, _ in got] == list(range(1, 41))
+    for (_, a), (_, b) in zip(ref, got):
+        assert abs(a - b) <= 1e-6 * abs(a)
+
+
+def test_simulate_json(capsys):
+    code, out, _ = run_cli(capsys, "simulate", "--model", "tiny-llama", "--seq-len", "1K", "--strategy", "checkpoint", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert report["seq_len"] == 1024
+    assert report["peak"]["peak_device_bytes"] > report["peak"]["by_category"]["parameters"]["device"] > 0
+
+
+def test_simulate_table(capsys):
+    code, out, _ = run_cli(capsys, "simulate", "--model", "Llama-3-8B", "--seq-len", "512", "--optimizer", "none")
+    assert code == 0
+    assert "parameters" in out and "14.96 GiB" in out
+
+
+BAD_INPUTS = [
+    (["train", "--model", "llama-9000"], "unknown model preset 'llama-9000'"),
+    (["train", "--model", "./no/such/dir"], "does not exist"),
+    (["train", *TINY, "--seq-len", "0"], "--seq-len must be a positive integer"),
+    (["train", *TINY, "--seq-len", "64M"], "exceeds the per-sample limit"),
+    (["train", *TINY, "--strategy", "warp-drive"], "unknown technique 'warp-drive'"),
+    (["train", *TINY, "--data", "/no/such/file.txt"], "does not exist"),
+    (["simulate", "--model", "nope", "--seq-len", "1024"], "unknown model preset"),
+    (["simulate", "--model", "tiny-llama", "--seq-len", "1"], "at least 2"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_INPUTS)
+def test_bad_input_gets_one_clear_line(argv, message, capsys, tmp_path):
+    code, _, err = run_cli(capsys, *argv, *(["--out", str(tmp_path)] if argv[0] == "train" else []))
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("longtrain: error: ")
+    assert message in err
+
+
+def test_data_problems(tmp_path, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    code, _, err = run_cli(capsys, "train", *TINY, "--data", str(short), "--out", str(tmp_path / "a"))
+    assert code == 2 and "fewer than --seq-len 256" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{oops\n')
+    code, _, err = run_cli(capsys, "train", *TINY, "--data", str(bad), "--out", str(tmp_path / "b"))
+    assert code == 2 and "line 2" in err
+    unreadable = tmp_path / "locked.txt"
+    unreadable.write_bytes(b"\xff\xfe\x00binary")
+    code, _, err = run_cli(capsys, "train", *TINY, "--data", str(unreadable), "--out", str(tmp_path / "c"))
+    assert code == 2 and "cannot read data file" in err
+
+
+def test_resume_problems(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli(capsys, "train", *TINY, "--steps", "2", "--save-every", "1", "--out", str(out))[0] == 0
+    code, _, err = run_cli(capsys, "train", *TINY, "--steps", "2", "--out", str(out))
+    assert code == 2 and "already holds a run" in err
+    code, _, err = run_cli(capsys, "train", *TINY, "--steps", "3", "--seq-len", "128", "--resume", "--out", str(out))
+    assert code == 2 and "seq_len=256" in err
+    weights = out / "checkpoints" / "step-00000002" / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-7])
+    code, _, err = run_cli(capsys, "train", *TINY, "--steps", "3", "--resume", "--out", str(out))
+    assert code == 2 and "corrupt" in err and "weights.safetensors" in err
+    code, _, err = run_cli(capsys, "train", *TINY, "--steps", "3", "--resume", "--out", str(tmp_path / "empty"))
+    assert code == 2 and "holds no checkpoint" in err
