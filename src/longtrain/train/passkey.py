@@ -1,10 +1,16 @@
 """The built-in long-range task: find a pass key hidden thousands of tokens back.
 
 Each sample is filler text — Python standard-library sources, which every machine
-with Python has offline — with one "needle" sentence stating a random pass key placed
-at a random point at least ``min_distance`` tokens before the end, and a question at
-the end whose answer is the key. A model can only predict the answer by attending
-back to the needle. Samples are a pure function of (seed, index).
+with Python has offline — with a "needle" sentence stating a random pass key, placed
+``copies`` times at random points at least ``min_distance`` tokens before the end, and
+a question at the end whose answer is the key. A model can only predict the answer by
+attending back to a needle. Samples are a pure function of (seed, index).
+
+Why several copies: at 8K tokens a freshly initialized attention head spreads its
+weight over thousands of positions, so one needle gets ~1/8000 of the gradient signal
+and a tiny model learns nothing in the demo's few hundred steps (measured: chance-level
+accuracy after 250 steps with one copy). Eight copies make the signal eight times
+stronger while every copy still lies at least ``min_distance`` tokens back.
 """
 
 from __future__ import annotations
@@ -17,10 +23,13 @@ from pathlib import Path
 import torch
 
 from ..engines.batch import IGNORE_INDEX
+from ..errors import LongtrainError
 
 KEY_DIGITS = 5
-NEEDLE = "\n# The pass key is {key}. Remember it. {key} is the pass key.\n"
-QUESTION = "\n# What is the pass key? The pass key is "
+# The key sits between section signs. The filler is reduced to ASCII, so "§" occurs only
+# around keys: an unambiguous anchor for the attention head that has to find them.
+NEEDLE = "\n# The pass key is §{key}§. Remember it.\n"
+QUESTION = "\n# What is the pass key? The pass key is §"
 
 
 @lru_cache(maxsize=1)
@@ -37,7 +46,7 @@ def filler_text(max_bytes: int = 4_000_000) -> bytes:
         size += len(data)
         if size >= max_bytes:
             break
-    text = b"".join(chunks)[:max_bytes]
+    text = b"".join(chunks)[:max_bytes].decode("ascii", errors="ignore").encode("ascii")  # ASCII only (see NEEDLE)
     if len(text) < 100_000:  # a stripped Python without sources: fall back to synthetic prose
         rng = random.Random(0)
         words = "the of and to in is was for on that with as by at from this be are it an or".split()
@@ -52,38 +61,50 @@ class PasskeyTask:
     is what the task trains; ``"all"`` adds language modelling of the filler.
     """
 
-    def __init__(self, tokenizer, seq_len: int, seed: int = 0, loss_on: str = "task"):
+    def __init__(self, tokenizer, seq_len: int, seed: int = 0, loss_on: str = "task", copies: int | None = None):
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.seed = seed
         self.loss_on = loss_on
+        self.copies = copies or max(1, min(8, seq_len // 1024))  # one per 1K tokens, up to 8
         self.min_distance = min(2048, seq_len // 4)
         self.filler = filler_text()
+        fixed = self.copies * len(tokenizer.encode(NEEDLE.format(key="0" * KEY_DIGITS))) + len(tokenizer.encode(QUESTION)) + KEY_DIGITS
+        if seq_len - fixed < self.min_distance:
+            raise LongtrainError(
+                f"--seq-len {seq_len} is too short for the built-in pass-key task (it needs at least {fixed + fixed // 3 + 1} tokens); "
+                "use a longer --seq-len or pass --data"
+            )
 
     def _layout(self, rng: random.Random):
         key = "".join(rng.choice("0123456789") for _ in range(KEY_DIGITS))
         enc = self.tokenizer.encode
         needle = enc(NEEDLE.format(key=key))
         question, answer = enc(QUESTION), enc(key)
-        n_fill = self.seq_len - len(needle) - len(question) - len(answer)
-        if n_fill < self.min_distance:
-            raise ValueError(f"seq_len {self.seq_len} is too short for the pass-key task")
+        n_fill = self.seq_len - self.copies * len(needle) - len(question) - len(answer)
         start = rng.randrange(0, len(self.filler) - 4 * n_fill)
-        fill = enc(self.filler[start : start + 4 * n_fill].decode("utf-8", errors="ignore"))[:n_fill]
-        at = rng.randrange(0, n_fill - self.min_distance + 1)
-        ids = fill[:at] + needle + fill[at:] + question + answer
-        return ids, at, len(needle), len(answer)
+        fill = enc(self.filler[start : start + 4 * n_fill].decode("ascii"))[:n_fill]
+        cuts = sorted(rng.randrange(0, n_fill - self.min_distance + 1) for _ in range(self.copies))
+        ids, needle_starts, previous = [], [], 0
+        for cut in cuts:
+            ids += fill[previous:cut]
+            needle_starts.append(len(ids))
+            ids += needle
+            previous = cut
+        ids += fill[previous:] + question + answer
+        return ids, needle_starts, len(needle), len(answer)
 
     def sample(self, index: int, split: str = "train") -> dict:
         rng = random.Random(f"passkey:{split}:{self.seed}:{index}")
-        ids, at, needle_len, answer_len = self._layout(rng)
+        ids, needle_starts, needle_len, answer_len = self._layout(rng)
         input_ids = torch.tensor(ids, dtype=torch.long)
         labels = input_ids.clone()
         answer_mask = torch.zeros(len(ids), dtype=torch.bool)
         answer_mask[-answer_len:] = True
         if self.loss_on == "task":
             keep = torch.zeros(len(ids), dtype=torch.bool)
-            keep[at : at + needle_len] = True
+            for at in needle_starts:
+                keep[at : at + needle_len] = True
             keep[-(answer_len + len(self.tokenizer.encode(QUESTION))) :] = True
             labels[~keep] = IGNORE_INDEX
         return {"input_ids": input_ids, "labels": labels, "answer_mask": answer_mask}
