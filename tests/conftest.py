@@ -15,12 +15,14 @@ ARCHITECTURES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2"]
 
 
 def stock_and_ours(preset: str, dtype=torch.float64, seed: int = 0):
-    """The stock Hugging Face model (its default attention) and longtrain's build of the
-    same config, holding identical weights."""
+    """The stock Hugging Face model and longtrain's build of the same config, holding
+    identical weights. Stock attention is SDPA, or eager for models with attention logit
+    soft-capping (Gemma-2), as Hugging Face recommends for training them."""
     config = preset_config(preset)
+    attention = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
     with default_dtype(dtype):
         torch.manual_seed(seed)
-        stock = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+        stock = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attention)
     ours = build_from_config(copy.deepcopy(config), dtype)
     ours.load_state_dict(stock.state_dict())
     return stock.train(), ours.train()

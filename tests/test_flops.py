@@ -12,12 +12,14 @@ def test_formula():
 
 
 def test_matmul_flops_match_the_counter():
-    """FlopCounterMode's count of a training step's matmuls equals 6·s·P (the
-    attention term is checked separately: PyTorch has no formula for the CPU flash kernel)."""
+    """FlopCounterMode's count of a training step's matmuls equals 6·s·P. PyTorch has no
+    FLOP formula for the CPU flash-attention kernel, so attention adds nothing here; some
+    transformers versions build rotary angles with a tiny matmul (a few thousand FLOPs)."""
     model = build_from_config(preset_config("tiny-llama"))
     s, batch = 256, 2
     flops, _ = count_flops(lambda: lt.step(model, {"input_ids": torch.randint(0, 300, (batch, s))}))
-    assert flops == 6 * s * batch * matmul_parameters(model)
+    expected = 6 * s * batch * matmul_parameters(model)
+    assert 0 <= flops - expected <= 1e-4 * expected
 
 
 def test_tied_head_counts_once_and_gemma_attention_width():

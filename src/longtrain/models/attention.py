@@ -12,6 +12,7 @@ import torch
 from transformers import AttentionInterface
 
 from ..ops.sdpa import sdpa_gqa
+from . import hf_compat
 
 NAME = "longtrain_sdpa"
 
@@ -51,3 +52,4 @@ def attention_backend(config) -> str:
 
 
 _register()
+hf_compat.install()

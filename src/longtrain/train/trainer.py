@@ -167,7 +167,6 @@ class Trainer:
         self.strategy = Strategy.parse(config.strategy)
         self.out = Path(config.out)
         self.checkpoints = self.out / "checkpoints"
-        self._prepare_output_dir()
 
         self.model, self.tokenizer = build_model(config, self.dtype)
         apply(self.model, self.strategy)
@@ -182,6 +181,8 @@ class Trainer:
             self.task = None
             self.data = TokenWindows(config.data, self.tokenizer, config.seq_len, seed=config.seed)
 
+        # Only now, with the model and data known to be good, touch the output directory.
+        self._prepare_output_dir()
         self.optimizer = make_optimizer(config.optimizer, self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, WarmupCosine(config.warmup_steps, config.steps))
         self.step_index = 0

@@ -1,0 +1,35 @@
+"""A tour of the Python API: simulate before you run, then train a few steps.
+
+    python examples/api_tour.py
+"""
+
+import torch
+
+import longtrain as lt
+from longtrain.memory import MemoryTracker
+from longtrain.memory.units import format_bytes
+from longtrain.models.loading import build_from_config
+from longtrain.models.presets import preset_config
+
+# 1. Will Llama-3-8B fit on an 80 GiB GPU at 16K tokens with layer checkpointing?
+report = lt.simulate("llama3-8b", 16384, strategy="checkpoint", optimizer="adamw")
+print(report.table())
+print("fits on 80 GiB:", report.device_peak_bytes <= 80 * 2**30)
+
+# 2. Train a tiny Llama with checkpointing, measuring each step's exact peak on CPU.
+model = build_from_config(preset_config("tiny-llama"))
+strategy = lt.Strategy(checkpoint=True)
+lt.apply(model, strategy)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+batches = [{"input_ids": torch.randint(0, 256, (2, 1024))} for _ in range(2)]  # two micro-batches
+n_labels = sum(b["input_ids"][:, 1:].numel() for b in batches)  # label tokens of the whole step
+
+with MemoryTracker(model, optimizer) as tracker:
+    for step in range(3):
+        tracker.reset_peak()
+        loss = sum(lt.step(model, b, strategy, num_label_tokens=n_labels) for b in batches)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        peak = tracker.report()
+        print(f"step {step}: loss {float(loss):.3f}, peak {format_bytes(peak.peak_device_bytes)} "
+              f"(activations {format_bytes(peak.device_bytes('activations'))})")
