@@ -57,11 +57,11 @@ def filler_text(max_bytes: int = 4_000_000) -> bytes:
 class PasskeyTask:
     """Pass-key retrieval at ``seq_len`` tokens (byte-level: one token per byte).
 
-    ``loss_on="task"`` puts the loss on the needle and the question/answer only, which
-    is what the task trains; ``"all"`` adds language modelling of the filler.
+    ``loss_on="all"`` trains language modelling of the whole text, answer included;
+    ``"task"`` puts the loss on the needles and the question/answer only.
     """
 
-    def __init__(self, tokenizer, seq_len: int, seed: int = 0, loss_on: str = "task", copies: int | None = None):
+    def __init__(self, tokenizer, seq_len: int, seed: int = 0, loss_on: str = "all", copies: int | None = None):
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.seed = seed

@@ -66,7 +66,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     eval_every: int = 0  # 0: evaluate only at the end
     eval_samples: int = 16
-    task_loss: str = "task"  # pass-key task: loss on the needle and answer ("task") or everywhere ("all")
+    task_loss: str = "all"  # pass-key task: loss on all text ("all") or on the needles and answer only ("task")
     resume: bool = False
     resume_from: str | None = None
     overwrite: bool = False
