@@ -8,6 +8,7 @@
 
 from .errors import LongtrainError
 from .strategy import Strategy, apply, step
+from .techniques.mst import MsT
 
 __version__ = "0.1.0"
 
@@ -19,4 +20,4 @@ def simulate(*args, **kwargs):
     return _simulate(*args, **kwargs)
 
 
-__all__ = ["LongtrainError", "Strategy", "apply", "simulate", "step", "__version__"]
+__all__ = ["LongtrainError", "MsT", "Strategy", "apply", "simulate", "step", "__version__"]

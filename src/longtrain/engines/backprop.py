@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import LongtrainError
-from ..ops.loss import causal_lm_loss
+from ..models.head import lm_loss
 from ..registry import register_engine
 from .batch import count_label_tokens, prepare_batch
 
@@ -29,8 +29,7 @@ def forward_loss(model, batch, num_label_tokens: int | None):
             "the batch has no label tokens (all labels are -100 or padding); "
             "check the data and the attention mask"
         )
-    out = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, use_cache=False)
-    return causal_lm_loss(out.logits, inputs.labels, num_label_tokens)
+    return lm_loss(model, inputs.input_ids, inputs.attention_mask, inputs.labels, num_label_tokens)
 
 
 @register_engine("backprop", BackpropOptions, "plain autograd over the whole sequence")

@@ -60,6 +60,14 @@ _PRESETS: dict[str, tuple[str, dict]] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
         max_position_embeddings=16384, sliding_window=64, final_logit_softcapping=30.0,
         attn_logit_softcapping=50.0, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    "tiny-qwen3": ("qwen3", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=16384,
+        rope_theta=10000.0, tie_word_embeddings=True)),
+    "tiny-phi3": ("phi3", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
+        rope_theta=10000.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)),
     # The embedded default of `longtrain train`: small enough to train at 8K tokens on
     # two CPU cores in minutes.
     "demo": ("llama", dict(

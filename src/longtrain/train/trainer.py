@@ -356,7 +356,10 @@ class Trainer:
 
     def _save_final(self) -> None:
         final = self.out / "final"
-        self.model.save_pretrained(final)
+        # For LoRA, peft would otherwise look the base model up on the Hub to decide
+        # whether to save embeddings; nothing here trains them.
+        extra = {"save_embedding_layers": False} if self.config.lora else {}
+        self.model.save_pretrained(final, **extra)
         self.tokenizer.save_pretrained(final)
 
     def _summary(self, evaluation, peak_bytes, step_times, seconds) -> dict:

@@ -1,0 +1,214 @@
+"""Mini-sequence MLP and LM-head loss (MsT): float64 proofs against stock autograd,
+memory properties measured exactly, and the integration switch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+import longtrain as lt
+from longtrain.errors import LongtrainError
+from longtrain.memory import MemoryTracker
+from longtrain.models.loading import add_lora, build_from_config
+from longtrain.models.presets import preset_config
+from longtrain.ops.chunked_loss import chunked_causal_lm_loss
+from longtrain.ops.tiled_mlp import tiled_mlp
+
+from conftest import grads, max_rel_error, padded_batch, stock_and_ours
+
+TOL = 1e-10
+LENGTHS = [1, 63, 300, 1000]
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def _mlps():
+    gated = LlamaMLP(LlamaConfig(hidden_size=24, intermediate_size=80, hidden_act="silu", num_attention_heads=4, num_key_value_heads=4)).double()
+    plain = torch.nn.Sequential(torch.nn.Linear(24, 64), torch.nn.GELU(), torch.nn.Linear(64, 24)).double()
+    return {"gated": gated, "plain": plain}
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("kind", ["gated", "plain"])
+def test_tiled_mlp_is_exact(length, kind):
+    mlp = _mlps()[kind]
+    x = torch.randn(2, length, 24, dtype=torch.float64, requires_grad=True)
+    out = mlp(x)
+    g = torch.randn_like(out)
+    params = list(mlp.parameters())
+    ref = torch.autograd.grad(out, [x, *params], g)
+    tiled = tiled_mlp(mlp, x, params, chunk_tokens=64)  # 2·1000 tokens: 32 chunks, remainder 16
+    got = torch.autograd.grad(tiled, [x, *params], g)
+    assert rel(tiled, out) <= TOL
+    assert max(rel(a, b) for a, b in zip(got, ref)) <= TOL
+
+
+def test_tiled_mlp_saves_only_its_input_whatever_the_chunk_count():
+    mlp = _mlps()["gated"]
+    x = torch.randn(2, 512, 24, dtype=torch.float64, requires_grad=True)
+    params = list(mlp.parameters())
+    saved_bytes = {}
+    for chunk in (512, 128, 32, 8):  # 2, 8, 32, 128 chunks
+        total = [0]
+
+        def pack(t):
+            total[0] += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            tiled_mlp(mlp, x, params, chunk_tokens=chunk)
+        saved_bytes[chunk] = total[0]
+    assert set(saved_bytes.values()) == {x.numel() * 8}
+
+
+def _head_case(length, vocab=50, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, length, d, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, d, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(vocab, dtype=torch.float64, generator=g, requires_grad=True)
+    labels = torch.randint(0, vocab, (2, length), generator=g)
+    labels[1, (2 * length) // 3 :] = -100  # row 1 is padded
+    return hidden, weight, bias, labels
+
+
+def _reference(hidden, weight, bias, labels, smoothing, softcap, normalizer):
+    z = hidden @ weight.t() + bias
+    if softcap:
+        z = torch.tanh(z / softcap) * softcap
+    terms = F.cross_entropy(z[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, label_smoothing=smoothing, reduction="sum")
+    return terms / normalizer
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("smoothing,softcap", [(0.0, None), (0.1, None), (0.0, 30.0), (0.1, 5.0)])
+def test_chunked_loss_is_exact(length, smoothing, softcap):
+    hidden, weight, bias, labels = _head_case(length)
+    normalizer = 7  # a caller-given count (accumulation, sequence parallelism)
+    ref = _reference(hidden, weight, bias, labels, smoothing, softcap, normalizer)
+    got = chunked_causal_lm_loss(hidden, weight, labels, bias=bias, num_label_tokens=normalizer, chunks=7,
+                                 label_smoothing=smoothing, softcap=softcap)
+    assert abs(float(got - ref)) <= TOL * max(1.0, abs(float(ref)))
+    if length > 1:
+        expected = torch.autograd.grad(ref, (hidden, weight, bias))
+        actual = torch.autograd.grad(got, (hidden, weight, bias))
+        assert max(rel(a, b) for a, b in zip(actual, expected)) <= TOL
+
+
+def test_chunked_loss_reductions_and_frozen_head():
+    hidden, weight, bias, labels = _head_case(300)
+    n_valid = int((labels[:, 1:] != -100).sum())
+    total = chunked_causal_lm_loss(hidden, weight, labels, bias=bias, reduction="sum")
+    mean = chunked_causal_lm_loss(hidden, weight, labels, bias=bias, reduction="mean", chunk_tokens=64)
+    assert abs(float(total / n_valid - mean)) <= 1e-12
+    frozen = weight.detach()  # a frozen head: no weight gradient is computed or stored
+    loss = chunked_causal_lm_loss(hidden, frozen, labels)
+    loss.backward()
+    assert hidden.grad is not None and frozen.grad is None
+
+
+def test_lm_head_peak_falls_with_the_chunk_count():
+    """Exact CPU measurement: the head+loss step's peak over its fixed part falls about
+    as 1/M (the logits term)."""
+    n, d, vocab = 4096, 32, 2048
+    x = torch.randn(1, n, d, requires_grad=True)
+    weight = torch.randn(vocab, d, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, n))
+    logits_bytes = n * vocab * 4
+    excess = {}
+    for chunks in (1, 2, 4, 8, 16):
+        x.grad = weight.grad = None
+        with MemoryTracker() as tracker:
+            chunked_causal_lm_loss(x, weight, labels, chunks=chunks).backward()
+            peak = tracker.peak_bytes
+        fixed = 2 * (x.numel() + weight.numel()) * 4  # gradients of x and weight
+        excess[chunks] = (peak - fixed) / logits_bytes
+    # A fixed number k of logits-sized chunk buffers is alive at once, so excess ≈ k/M.
+    for m in (2, 4, 8, 16):
+        assert 0.8 * excess[1] / m <= excess[m] <= 1.2 * excess[1] / m + 0.02, excess
+    assert excess[1] <= 3.1  # at most ~3 full-logits-sized buffers without chunking
+
+
+ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2", "tiny-qwen3", "tiny-phi3"]
+
+
+def _stock_loss(model, batch):
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
+
+
+# Padding stays shorter than tiny-gemma2's 64-token sliding window: a padded query whose
+# window holds only padding makes the stock model itself produce NaN.
+@pytest.mark.parametrize("lengths", [(63, 40), (300, 250), (1000, 950)])
+@pytest.mark.parametrize("preset", ARCHS)
+def test_mst_training_step_equals_stock(preset, lengths):
+    stock, ours = stock_and_ours(preset)
+    batch = padded_batch(stock.config.vocab_size, lengths=lengths)
+    stock.zero_grad()
+    ref = _stock_loss(stock, batch)
+    ref.backward()
+    lt.apply(ours, lt.Strategy(checkpoint=True, mst=lt.MsT(mlp_chunk=48, loss_chunks=5)))
+    loss = lt.step(ours, batch)
+    assert abs(float(loss - ref)) <= TOL * abs(float(ref))
+    assert max_rel_error(grads(ours), grads(stock)) <= TOL
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])  # untied and tied heads
+def test_mst_with_lora_equals_stock_lora(preset):
+    stock, ours = stock_and_ours(preset)
+    stock, ours = add_lora(stock, rank=4), add_lora(ours, rank=4)
+    with torch.no_grad():
+        for name, p in stock.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    ours.load_state_dict(stock.state_dict())
+    batch = padded_batch(stock.config.vocab_size, lengths=(300, 211))
+    ref = _stock_loss(stock, batch)
+    ref.backward()
+    lt.apply(ours, lt.Strategy(mst=lt.MsT(mlp_chunk=64, loss_chunks=3)))
+    loss = lt.step(ours, batch)
+    assert abs(float(loss - ref)) <= TOL * abs(float(ref))
+    assert max_rel_error(grads(ours), grads(stock)) <= TOL
+
+
+def test_mst_in_bf16_stays_within_bf16_tolerance():
+    """bf16 MsT and bf16 stock are both compared with a float64 run of the same weights:
+    MsT's error must be of the same order as stock's."""
+    exact, _ = stock_and_ours("tiny-llama", dtype=torch.float64)
+    batch = padded_batch(exact.config.vocab_size, lengths=(300, 211))
+    ref = _stock_loss(exact, batch)
+    ref.backward()
+    stock16, ours16 = stock_and_ours("tiny-llama", dtype=torch.bfloat16)
+    lt.apply(ours16, lt.Strategy(mst=True))
+    loss16 = lt.step(ours16, batch)
+    stock_loss16 = _stock_loss(stock16, batch)
+    stock_loss16.backward()
+    assert abs(float(loss16) - float(ref)) <= 2e-2 * abs(float(ref))
+    ours_err = max_rel_error({k: v.double() for k, v in grads(ours16).items()}, grads(exact))
+    stock_err = max_rel_error({k: v.double() for k, v in grads(stock16).items()}, grads(exact))
+    assert ours_err <= 2 * stock_err + 1e-2
+
+
+def test_unsupported_architecture_is_named():
+    from transformers import GPT2Config, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
+    with pytest.raises(LongtrainError, match="mst does not support gpt2 models; supported: llama, mistral"):
+        lt.apply(model, lt.Strategy(mst=True))
+
+
+def test_mst_options_are_validated():
+    with pytest.raises(LongtrainError, match="mlp_chunk must be a positive integer"):
+        lt.Strategy(mst={"mlp_chunk": 0})
+    assert lt.Strategy.parse("checkpoint,mst") == lt.Strategy(checkpoint=True, mst=lt.MsT())
+    assert lt.Strategy.from_yaml(lt.Strategy(mst=lt.MsT(loss_chunks=8)).to_yaml()).techniques["mst"].loss_chunks == 8
+
+
+def test_mst_lowers_the_simulated_peak():
+    plain = lt.simulate("llama3-8b", 32768, strategy="checkpoint", optimizer="none")
+    mst = lt.simulate("llama3-8b", 32768, strategy="checkpoint,mst", optimizer="none")
+    # Without the full logits (32768 × 128256, in bf16 and fp32, and their gradients)
+    # and the MLP intermediates the peak drops by tens of gigabytes.
+    assert plain.device_peak_bytes - mst.device_peak_bytes > 30 * 2**30
