@@ -212,3 +212,22 @@ def test_mst_lowers_the_simulated_peak():
     # Without the full logits (32768 × 128256, in bf16 and fp32, and their gradients)
     # and the MLP intermediates the peak drops by tens of gigabytes.
     assert plain.device_peak_bytes - mst.device_peak_bytes > 30 * 2**30
+
+
+def test_tiled_mlp_recomputes_under_the_forward_autocast_state():
+    """Under autocast, backward's recomputation must run in the precision the forward
+    ran in, or the gradients belong to a different function."""
+    mlp = _mlps()["gated"].float()
+    seen = []
+
+    def fn(chunk):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return mlp(chunk)
+
+    x = torch.randn(2, 100, 24, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = tiled_mlp(fn, x, list(mlp.parameters()), chunk_tokens=64)
+    n_forward = len(seen)
+    out.backward(torch.randn_like(out))  # outside autocast, as training loops do
+    assert out.dtype == torch.bfloat16
+    assert n_forward == 4 and len(seen) == 8 and all(seen)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from . import _autocast
+
 from .loss import IGNORE_INDEX, shift_labels
 
 
@@ -49,6 +51,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             del z, terms  # drop this chunk's logits before the next chunk's exist
         ctx.save_for_backward(x, weight, bias, safe_targets, valid, lse, normalizer)
         ctx.chunk_tokens, ctx.label_smoothing, ctx.softcap = chunk_tokens, label_smoothing, softcap
+        ctx.autocast = _autocast.capture(x.device)
         return total / normalizer
 
     @staticmethod
@@ -65,7 +68,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         vocab = weight.shape[0]
         for start in range(0, x.shape[0], ctx.chunk_tokens):
             sl = slice(start, start + ctx.chunk_tokens)
-            z = _logits(x[sl], weight, bias, softcap)
+            with _autocast.restore(ctx.autocast):
+                z = _logits(x[sl], weight, bias, softcap)
             # d/du of softcap·tanh(u/softcap), taken before z is overwritten below
             cap_slope = 1 - (z / softcap) ** 2 if softcap else None
             dz = z.sub_(lse[sl, None]).exp_()  # softmax, in z's buffer

@@ -14,11 +14,14 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import _autocast
+
 
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, chunk_tokens, x, *params):
         ctx.fn, ctx.chunk_tokens, ctx.params = fn, chunk_tokens, params
+        ctx.autocast = _autocast.capture(x.device)
         ctx.save_for_backward(x)  # the only tensor kept for backward
         flat = x.reshape(-1, x.shape[-1])
         out = None
@@ -41,7 +44,7 @@ class _TiledMLP(torch.autograd.Function):
         sums: list[torch.Tensor | None] = [None] * len(wanted)
         for start in range(0, flat.shape[0], ctx.chunk_tokens):
             piece = flat[start : start + ctx.chunk_tokens].detach().requires_grad_(want_x)
-            with torch.enable_grad():
+            with torch.enable_grad(), _autocast.restore(ctx.autocast):
                 y = ctx.fn(piece)
             inputs = ([piece] if want_x else []) + wanted
             grads = list(torch.autograd.grad(y, inputs, grad_flat[start : start + piece.shape[0]], allow_unused=True))

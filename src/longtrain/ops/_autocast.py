@@ -1,0 +1,20 @@
+"""Recomputation in backward must see the autocast state the forward saw (as
+torch.utils.checkpoint does), or it would recompute a different function."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def capture(device: torch.device) -> tuple[str, bool, torch.dtype]:
+    kind = device.type
+    return kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+
+
+def restore(state: tuple[str, bool, torch.dtype]):
+    kind, enabled, dtype = state
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=kind, dtype=dtype)
