@@ -42,7 +42,7 @@ def test_train_writes_metrics_checkpoints_summary_and_final_model(tmp_path, caps
 
 
 def test_lora_and_checkpoint_strategy_train(tmp_path, capsys):
-    code, _, err = run_cli(capsys, "train", *TINY, "--steps", "2", "--lora", "--strategy", "checkpoint", "--out", str(tmp_path))
+    code, _, err = run_cli(capsys, "train", *TINY, "--steps", "2", "--lora", "--strategy", "checkpoint,mst", "--out", str(tmp_path))
     assert code == 0, err
     assert (tmp_path / "final" / "adapter_config.json").exists()
 

@@ -1,4 +1,4 @@
-"""Hugging Face attention backend ``longtrain_sdpa``: SDPA with flash-kernel memory on every device.
+"""Hugging Face attention backend ``longtrain_attn``: SDPA with flash-kernel memory on every device.
 
 Registered through transformers' ``AttentionInterface`` (no model files are edited).
 It computes what the stock ``sdpa`` backend computes, but grouped K/V heads never
@@ -14,12 +14,14 @@ from transformers import AttentionInterface
 from ..ops.sdpa import sdpa_gqa
 from . import hf_compat
 
-NAME = "longtrain_sdpa"
+# The name must not contain "sdpa": transformers applies its SDPA support checks to any
+# backend whose name does, and refuses models (Gemma-2) that our backend handles.
+NAME = "longtrain_attn"
 
 
-def longtrain_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+def longtrain_attn_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     if kwargs.get("softcap") is not None:
-        raise ValueError("longtrain_sdpa does not support attention logit soft-capping; use attn_implementation='eager'")
+        raise ValueError("longtrain_attn does not support attention logit soft-capping; use attn_implementation='eager'")
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
     if attention_mask is not None and attention_mask.dim() == 4:
@@ -32,7 +34,7 @@ def longtrain_sdpa_forward(module, query, key, value, attention_mask, dropout=0.
 
 
 def _register() -> None:
-    AttentionInterface.register(NAME, longtrain_sdpa_forward)
+    AttentionInterface.register(NAME, longtrain_attn_forward)
     try:  # transformers builds masks per backend; ours takes the same masks as sdpa
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
