@@ -80,13 +80,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if cap_slope is not None:
                 dz *= cap_slope
                 del cap_slope
-            dz = dz.to(x.dtype)
-            if want_x:
-                grad_x[sl] = dz @ weight
+            # The weight (and bias) gradient uses dz before rounding to the input dtype.
             if want_w:
                 grad_w.addmm_(dz.t().to(acc_dtype), x[sl].to(acc_dtype))
             if want_b:
                 grad_b += dz.sum(0).to(acc_dtype)
+            if want_x:
+                grad_x[sl] = dz.to(x.dtype) @ weight
             del z, dz
         grad_w = grad_w.to(weight.dtype) if want_w else None
         grad_b = grad_b.to(bias.dtype) if want_b else None
