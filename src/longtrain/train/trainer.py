@@ -49,7 +49,7 @@ class TrainConfig:
     seq_len: int = 8192
     batch_size: int = 1
     grad_accum: int = 1
-    steps: int = 240
+    steps: int = 200
     lr: float = 3e-3
     warmup_steps: int = 20
     weight_decay: float = 0.0
