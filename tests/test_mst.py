@@ -1,6 +1,8 @@
 """Mini-sequence MLP and LM-head loss (MsT): float64 proofs against stock autograd,
 memory properties measured exactly, and the integration switch."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,6 @@ import longtrain as lt
 from longtrain.errors import LongtrainError
 from longtrain.memory import MemoryTracker
 from longtrain.models.loading import add_lora, build_from_config
-from longtrain.models.presets import preset_config
 from longtrain.ops.chunked_loss import chunked_causal_lm_loss
 from longtrain.ops.tiled_mlp import tiled_mlp
 
@@ -173,22 +174,30 @@ def test_mst_with_lora_equals_stock_lora(preset):
     assert max_rel_error(grads(ours), grads(stock)) <= TOL
 
 
+def _global_rel_error(got: dict, exact: dict) -> float:
+    """‖got − exact‖ / ‖exact‖ over all gradients together (per-tensor maxima are
+    dominated by tiny, noisy gradients in bf16)."""
+    num = sum(float((got[k].double() - exact[k]).norm() ** 2) for k in exact)
+    return (num / sum(float(exact[k].norm() ** 2) for k in exact)) ** 0.5
+
+
 def test_mst_in_bf16_stays_within_bf16_tolerance():
-    """bf16 MsT and bf16 stock are both compared with a float64 run of the same weights:
-    MsT's error must be of the same order as stock's."""
+    """The same weights in bf16, with and without MsT, against a float64 run: MsT's
+    gradient error must be of stock bf16's order (~1e-2; a 5% error would be ~5e-2)."""
     exact, _ = stock_and_ours("tiny-llama", dtype=torch.float64)
+    stock16 = copy.deepcopy(exact).to(torch.bfloat16)
+    ours16 = build_from_config(copy.deepcopy(exact.config), torch.bfloat16)
+    ours16.load_state_dict(stock16.state_dict())
     batch = padded_batch(exact.config.vocab_size, lengths=(300, 211))
     ref = _stock_loss(exact, batch)
     ref.backward()
-    stock16, ours16 = stock_and_ours("tiny-llama", dtype=torch.bfloat16)
     lt.apply(ours16, lt.Strategy(mst=True))
     loss16 = lt.step(ours16, batch)
-    stock_loss16 = _stock_loss(stock16, batch)
-    stock_loss16.backward()
-    assert abs(float(loss16) - float(ref)) <= 2e-2 * abs(float(ref))
-    ours_err = max_rel_error({k: v.double() for k, v in grads(ours16).items()}, grads(exact))
-    stock_err = max_rel_error({k: v.double() for k, v in grads(stock16).items()}, grads(exact))
-    assert ours_err <= 2 * stock_err + 1e-2
+    _stock_loss(stock16, batch).backward()
+    assert abs(float(loss16) - float(ref)) <= 1e-2 * abs(float(ref))
+    ours_err = _global_rel_error(grads(ours16), grads(exact))
+    stock_err = _global_rel_error(grads(stock16), grads(exact))
+    assert ours_err <= 1.5 * stock_err, (ours_err, stock_err)
 
 
 def test_unsupported_architecture_is_named():
