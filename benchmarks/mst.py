@@ -13,7 +13,6 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import asdict, dataclass
-from unittest import mock
 from typing import Callable
 
 import torch
@@ -26,10 +25,11 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..errors import LongtrainError
+from ..models import hf_compat
 from ..models.loading import build_from_config, default_dtype, load_config, parse_dtype
 from ..optimizers import make_optimizer
 from ..strategy import Strategy, apply, step
-from .tracker import CATEGORIES, DEVICE, HOST, MemoryReport, MemoryTracker
+from .tracker import CATEGORIES, MemoryReport, MemoryTracker
 from .units import format_bytes
 
 ASSUMPTIONS = (
@@ -60,7 +60,9 @@ def run_training_steps(
     with contextlib.ExitStack() as stack:
         if fake:
             stack.enter_context(FakeTensorMode())
-            stack.enter_context(_no_packed_sequence_detection())
+            # Simulated rows hold one unpadded sequence each; fake position ids cannot
+            # tell transformers so, and it would build a dense s×s mask the real run never builds.
+            stack.enter_context(hf_compat.assume_unpacked())
         stack.enter_context(default_dtype(dtype))
         torch.manual_seed(seed)
         model = build_model()
@@ -88,23 +90,6 @@ def run_training_steps(
     return report, n_params
 
 
-@contextlib.contextmanager
-def _no_packed_sequence_detection():
-    """Simulated batches hold one unpadded sequence per row. transformers detects packed
-    sequences by reading position ids, which fake tensors cannot answer, and would then
-    build a dense s×s mask that the real run never builds; tell it there is no packing."""
-    try:
-        from transformers import masking_utils
-    except ImportError:  # pragma: no cover - older transformers build no such mask
-        yield
-        return
-    if not hasattr(masking_utils, "find_packed_sequence_indices"):
-        yield
-        return
-    with mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda *a, **k: None):
-        yield
-
-
 @dataclass
 class SimulationReport:
     model: str
@@ -113,7 +98,6 @@ class SimulationReport:
     strategy: dict
     optimizer: str
     dtype: str
-    lora_rank: int | None
     parameters: int
     peak: MemoryReport
     assumptions: str = ASSUMPTIONS
@@ -138,7 +122,6 @@ class SimulationReport:
         head = (
             f"{self.model}: {self.parameters / 1e9:.2f}B parameters, seq_len {self.seq_len}, batch {self.batch_size}, "
             f"strategy {strategy_name}, optimizer {self.optimizer}, {self.dtype}"
-            + (f", LoRA rank {self.lora_rank}" if self.lora_rank else "")
         )
         lines = [head, format_table(rows), "", "largest tensors at the device peak:"]
         for info in self.peak.largest:
@@ -189,5 +172,5 @@ def simulate(
     name = model if isinstance(model, str) else getattr(config, "name_or_path", "") or config.model_type
     return SimulationReport(
         model=name, seq_len=seq_len, batch_size=batch_size, strategy=strategy.to_dict(), optimizer=optimizer,
-        dtype=str(torch_dtype).replace("torch.", ""), lora_rank=lora_rank, parameters=n_params, peak=report,
+        dtype=str(torch_dtype).replace("torch.", ""), parameters=n_params, peak=report,
     )

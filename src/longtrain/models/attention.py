@@ -8,7 +8,6 @@ the simulator show the memory a GPU flash kernel would use.
 
 from __future__ import annotations
 
-import torch
 from transformers import AttentionInterface
 
 from ..ops.sdpa import sdpa_gqa

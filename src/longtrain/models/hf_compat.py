@@ -5,14 +5,30 @@ position ids restarting at 0) but returns its packed-sequence mask even when not
 packed; the caller then refuses SDPA's causal fast path and builds a dense s×s boolean
 mask for every training forward pass (``use_cache=False``). transformers 5.x returns
 None when the last position id shows no restart. We install that same check on older
-versions. Only real tensors are inspected; fake tensors (the simulator) are left alone.
+versions. Only real tensors are inspected; fake tensors cannot be read, so the
+simulator, whose batches are never packed, says so with :func:`assume_unpacked`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import torch
+
+_STATE = threading.local()
+
+
+@contextlib.contextmanager
+def assume_unpacked():
+    """Inside this block every batch holds one sequence per row (no packing)."""
+    previous = getattr(_STATE, "unpacked", False)
+    _STATE.unpacked = True
+    try:
+        yield
+    finally:
+        _STATE.unpacked = previous
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:
@@ -32,6 +48,8 @@ def install() -> None:
 
     @functools.wraps(original)
     def find_packed_sequence_indices(position_ids, *args, **kwargs):
+        if getattr(_STATE, "unpacked", False):
+            return None
         packed = original(position_ids, *args, **kwargs)
         if isinstance(packed, torch.Tensor) and not _is_fake(packed) and not bool((packed[:, -1] != 0).any()):
             return None  # one sequence per row: no packing, keep the causal fast path
