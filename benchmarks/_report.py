@@ -28,5 +28,5 @@ def write_report(name: str, title: str, columns: list[tuple[str, str]], rows: li
 
 def _cell(value) -> str:
     if isinstance(value, float):
-        return f"{value:.2f}"
+        return f"{value:.2e}" if value and abs(value) < 0.01 else f"{value:.2f}"
     return str(value)

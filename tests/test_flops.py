@@ -12,13 +12,19 @@ def test_formula():
 
 
 def test_matmul_flops_match_the_counter():
-    """FlopCounterMode's count of a training step's matmuls equals 6·s·P. PyTorch has no
-    FLOP formula for the CPU flash-attention kernel, so attention adds nothing here; some
-    transformers versions build rotary angles with a tiny matmul (a few thousand FLOPs)."""
+    """FlopCounterMode's count of a training step is 6·s·P for the matmuls plus PyTorch's
+    own formula for the flash-attention kernels (longtrain registers it for the CPU
+    kernel, halved for causal calls); some transformers versions build rotary angles with
+    a tiny matmul (a few thousand FLOPs)."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
     model = build_from_config(preset_config("tiny-llama"))
     s, batch = 256, 2
     flops, _ = count_flops(lambda: lt.step(model, {"input_ids": torch.randint(0, 300, (batch, s))}))
-    expected = 6 * s * batch * matmul_parameters(model)
+    config = model.config
+    shape = (batch, config.num_attention_heads, s, config.hidden_size // config.num_attention_heads)
+    attention = config.num_hidden_layers * (sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape)) // 2
+    expected = 6 * s * batch * matmul_parameters(model) + attention
     assert 0 <= flops - expected <= 1e-4 * expected
 
 

@@ -112,3 +112,12 @@ def test_units():
     assert format_bytes(1536) == "1.50 KiB"
     with pytest.raises(LongtrainError):
         parse_tokens("12 parsecs")
+
+
+def test_accumulated_micro_batches_keep_gradients_alive_at_the_peak():
+    """With two micro-batches, the second forward runs with the first one's gradients
+    alive: every gradient is on the device at the peak, which is higher than one step's."""
+    one = lt.simulate("tiny-llama", 512, strategy="checkpoint", optimizer="none", dtype="float32")
+    two = lt.simulate("tiny-llama", 512, strategy="checkpoint", optimizer="none", dtype="float32", grad_accum=2)
+    assert two.peak.device_bytes("gradients") >= 0.99 * two.peak.device_bytes("parameters")  # (buffers count as parameters)
+    assert two.device_peak_bytes > one.device_peak_bytes

@@ -12,11 +12,11 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 import longtrain as lt
 from longtrain.errors import LongtrainError
 from longtrain.memory import MemoryTracker
-from longtrain.models.loading import add_lora, build_from_config
+from longtrain.models.loading import build_from_config
 from longtrain.ops.chunked_loss import chunked_causal_lm_loss
 from longtrain.ops.tiled_mlp import tiled_mlp
 
-from conftest import grads, max_rel_error, padded_batch, stock_and_ours
+from conftest import grads, max_rel_error, padded_batch, stock_and_ours, stock_lora_and_ours, stock_loss
 
 TOL = 1e-10
 LENGTHS = [1, 63, 300, 1000]
@@ -135,11 +135,6 @@ def test_lm_head_peak_falls_with_the_chunk_count():
 ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2", "tiny-qwen3", "tiny-phi3"]
 
 
-def _stock_loss(model, batch):
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
-
-
 # Padding stays shorter than tiny-gemma2's 64-token sliding window: a padded query whose
 # window holds only padding makes the stock model itself produce NaN.
 @pytest.mark.parametrize("lengths", [(63, 40), (300, 250), (1000, 950)])
@@ -148,7 +143,7 @@ def test_mst_training_step_equals_stock(preset, lengths):
     stock, ours = stock_and_ours(preset)
     batch = padded_batch(stock.config.vocab_size, lengths=lengths)
     stock.zero_grad()
-    ref = _stock_loss(stock, batch)
+    ref = stock_loss(stock, batch)
     ref.backward()
     lt.apply(ours, lt.Strategy(checkpoint=True, mst=lt.MsT(mlp_chunk=48, loss_chunks=5)))
     loss = lt.step(ours, batch)
@@ -158,15 +153,9 @@ def test_mst_training_step_equals_stock(preset, lengths):
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])  # untied and tied heads
 def test_mst_with_lora_equals_stock_lora(preset):
-    stock, ours = stock_and_ours(preset)
-    stock, ours = add_lora(stock, rank=4), add_lora(ours, rank=4)
-    with torch.no_grad():
-        for name, p in stock.named_parameters():
-            if "lora_B" in name:
-                p.normal_()
-    ours.load_state_dict(stock.state_dict())
+    stock, ours = stock_lora_and_ours(preset)
     batch = padded_batch(stock.config.vocab_size, lengths=(300, 211))
-    ref = _stock_loss(stock, batch)
+    ref = stock_loss(stock, batch)
     ref.backward()
     lt.apply(ours, lt.Strategy(mst=lt.MsT(mlp_chunk=64, loss_chunks=3)))
     loss = lt.step(ours, batch)
@@ -189,11 +178,11 @@ def test_mst_in_bf16_stays_within_bf16_tolerance():
     ours16 = build_from_config(copy.deepcopy(exact.config), torch.bfloat16)
     ours16.load_state_dict(stock16.state_dict())
     batch = padded_batch(exact.config.vocab_size, lengths=(300, 211))
-    ref = _stock_loss(exact, batch)
+    ref = stock_loss(exact, batch)
     ref.backward()
     lt.apply(ours16, lt.Strategy(mst=True))
     loss16 = lt.step(ours16, batch)
-    _stock_loss(stock16, batch).backward()
+    stock_loss(stock16, batch).backward()
     assert abs(float(loss16) - float(ref)) <= 1e-2 * abs(float(ref))
     ours_err = _global_rel_error(grads(ours16), grads(exact))
     stock_err = _global_rel_error(grads(stock16), grads(exact))

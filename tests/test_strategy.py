@@ -26,7 +26,7 @@ def test_strategy_file(tmp_path):
 
 
 def test_unknown_names_and_options_are_clear_errors():
-    with pytest.raises(LongtrainError, match="unknown technique 'flashy'; available: checkpoint"):
+    with pytest.raises(LongtrainError, match="unknown technique 'flashy'; available: .*checkpoint"):
         lt.Strategy.parse("flashy")
     with pytest.raises(LongtrainError, match="unknown engine"):
         lt.Strategy(engine="warp")
@@ -34,6 +34,18 @@ def test_unknown_names_and_options_are_clear_errors():
         lt.Strategy(checkpoint={"every": 2})
     with pytest.raises(LongtrainError, match="unknown strategy field"):
         lt.Strategy.from_dict({"engines": "backprop"})
+
+
+def test_command_line_items_carry_options_and_engines():
+    strategy = lt.Strategy.parse("mst,attention:chunk=8192:offload=true:host_memory=120GiB")
+    assert strategy.techniques["attention"] == lt.ChunkedAttention(chunk=8192, offload=True, host_memory="120GiB")
+    spaco = lt.Strategy.parse("checkpoint", engine="spaco:budget=4", engine_options={"chunk": 64})
+    assert spaco.engine == "spaco" and (spaco.engine_options.budget, spaco.engine_options.chunk) == (4, 64)
+    assert lt.Strategy.from_yaml(spaco.to_yaml()) == spaco
+    with pytest.raises(LongtrainError, match="write options as name:key=value"):
+        lt.Strategy.parse("attention:chunk")
+    with pytest.raises(LongtrainError, match="attention chunk must be a positive integer"):
+        lt.Strategy.parse("attention:chunk=big")
 
 
 def test_apply_is_idempotent_and_refuses_a_second_strategy():

@@ -37,7 +37,10 @@ def _add_train(sub) -> None:
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "sgd"])
-    p.add_argument("--strategy", default=d.strategy, help="none, checkpoint, a comma list, or a strategy .yaml/.json")
+    p.add_argument("--strategy", default=d.strategy, help="none, checkpoint, a comma list with options (mst,attention:chunk=8192:offload=true), or a strategy .yaml/.json")
+    p.add_argument("--engine", default=d.engine, help="gradient engine: backprop, seco, spaco (options as in --strategy: spaco:budget=8:cap=2)")
+    p.add_argument("--chunk", type=_tokens, default=None, help="seco/spaco: tokens per chunk (default 4096 for seco, 128 for spaco)")
+    p.add_argument("--budget", type=int, default=None, help="spaco: chunks backpropagated per step, on average (default 8)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of all weights (needs peft)")
     p.add_argument("--lora-rank", type=int, default=d.lora_rank)
     p.add_argument("--dtype", default=d.dtype, help="float32, bfloat16, ... (default: bfloat16 on CUDA, float32 on CPU)")
@@ -76,7 +79,9 @@ def _add_simulate(sub) -> None:
     p.add_argument("--model", required=True, help="preset name or local model directory (only its config is read)")
     p.add_argument("--seq-len", type=_tokens, required=True, help="tokens per sample, e.g. 65536 or 64K")
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--strategy", default="none", help="none, checkpoint, a comma list, or a strategy .yaml/.json")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (their gradients are alive in later forwards)")
+    p.add_argument("--strategy", default="none", help="none, checkpoint, a comma list with options (mst,attention:chunk=8192:offload=true), or a strategy .yaml/.json")
+    p.add_argument("--engine", default=None, help="gradient engine: backprop, seco, spaco, with options (seco:chunk=4096:offload=true)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"])
     p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -90,8 +95,13 @@ def _run_simulate(args) -> int:
         raise LongtrainError(f"--seq-len must be at least 2, got {args.seq_len}")
     if args.batch_size <= 0:
         raise LongtrainError(f"--batch-size must be positive, got {args.batch_size}")
-    report = simulate(args.model, args.seq_len, batch_size=args.batch_size, strategy=args.strategy,
-                      optimizer=args.optimizer, dtype=args.dtype)
+    from .strategy import Strategy
+
+    strategy = Strategy.parse(args.strategy, engine=args.engine)
+    if args.grad_accum <= 0:
+        raise LongtrainError(f"--grad-accum must be positive, got {args.grad_accum}")
+    report = simulate(args.model, args.seq_len, batch_size=args.batch_size, strategy=strategy,
+                      optimizer=args.optimizer, dtype=args.dtype, grad_accum=args.grad_accum)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.table())
     return 0
 

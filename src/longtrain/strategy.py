@@ -118,25 +118,57 @@ class Strategy:
         return cls.from_dict(yaml.safe_load(text))
 
     @classmethod
-    def parse(cls, spec: "str | Strategy | None", engine: str | None = None) -> "Strategy":
+    def parse(cls, spec: "str | Strategy | None", engine: str | None = None,
+              engine_options: Mapping | None = None) -> "Strategy":
         """Parse a command-line strategy: ``none``, ``checkpoint``, ``checkpoint,mst``,
-        or a path to a ``.yaml``/``.json`` file written by :meth:`to_yaml`/:meth:`to_json`."""
-        if isinstance(spec, Strategy):
+        ``mst,attention:chunk=8192:offload=true`` (options after the name), or a path
+        to a ``.yaml``/``.json`` file written by :meth:`to_yaml`/:meth:`to_json`.
+
+        ``engine`` (``"seco"``, ``"spaco:chunk=128:budget=8"``) and ``engine_options``
+        replace the engine the spec names (a file may name one)."""
+        if isinstance(spec, Strategy) and engine is None and not engine_options:
             return spec
-        spec = (spec or "none").strip()
+        if isinstance(spec, Strategy):
+            strat = spec
+        else:
+            strat = cls._parse_spec((spec or "none").strip())
+        if engine is None and not engine_options:
+            return strat
+        if engine is None:
+            name, options = strat.engine, dataclasses.asdict(strat.engine_options)
+        else:
+            name, options = _parse_item(engine)
+            options = {} if options is True else options
+        return cls(name, {**options, **(engine_options or {})}, **strat.techniques)
+
+    @classmethod
+    def _parse_spec(cls, spec: str) -> "Strategy":
         if spec.endswith((".yaml", ".yml", ".json")):
-            path = Path(spec)
             try:
-                text = path.read_text()
+                text = Path(spec).read_text()
             except OSError as exc:
                 raise LongtrainError(f"cannot read strategy file {spec}: {exc.strerror}") from None
             try:
-                strat = cls.from_json(text) if spec.endswith(".json") else cls.from_yaml(text)
+                return cls.from_json(text) if spec.endswith(".json") else cls.from_yaml(text)
             except (json.JSONDecodeError, yaml.YAMLError) as exc:
                 raise LongtrainError(f"strategy file {spec} is not valid: {exc}") from None
-            return strat if engine is None else cls(engine, None, **strat.techniques)
-        names = [] if spec == "none" else [n.strip() for n in spec.split(",") if n.strip()]
-        return cls(engine or "backprop", None, **{n: True for n in names})
+        items = [] if spec == "none" else [n.strip() for n in spec.split(",") if n.strip()]
+        return cls("backprop", None, **dict(_parse_item(item) for item in items))
+
+
+def _parse_item(item: str) -> tuple[str, Any]:
+    """``"mst"`` -> ("mst", True); ``"attention:chunk=8192:offload=true"`` -> ("attention",
+    {"chunk": 8192, "offload": True}) (values read as YAML scalars)."""
+    name, *pairs = item.split(":")
+    if not pairs:
+        return name, True
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise LongtrainError(f"cannot read {pair!r} in strategy item {item!r}; write options as name:key=value:key=value")
+        options[key.strip()] = yaml.safe_load(value)
+    return name.strip(), options
 
 
 def apply(model, strategy: Strategy):

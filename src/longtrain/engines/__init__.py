@@ -1,3 +1,4 @@
 """Gradient engines. Each module registers one engine with :mod:`longtrain.registry`."""
 
 from . import backprop  # noqa: F401  (registers "backprop")
+from . import seco  # noqa: F401  (registers "seco" and "spaco")

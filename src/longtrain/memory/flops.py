@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s.
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
@@ -53,6 +53,32 @@ def count_flops(fn, *args, **kwargs) -> tuple[int, object]:
     with FlopCounterMode(display=False) as counter:
         result = fn(*args, **kwargs)
     return counter.get_total_flops(), result
+
+
+def _register_cpu_flash_formulas() -> None:
+    """PyTorch counts its CUDA flash kernels but not the CPU ones our attention blocks
+    call (and the simulator runs). Count them the same way, halved for a causal call: a
+    causal kernel skips the masked half, and whole-sequence causal attention must not
+    look twice as expensive as the same attention done in chunks."""
+    aten = torch.ops.aten
+    if not hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return
+
+    def forward(query_shape, key_shape, value_shape, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kwargs):
+        return sdpa_flop_count(query_shape, key_shape, value_shape) // (2 if is_causal else 1)
+
+    def backward(grad_out_shape, query_shape, key_shape, value_shape, out_shape_, lse_shape, dropout_p=0.0,
+                 is_causal=False, *args, out_shape=None, **kwargs):
+        return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape) // (2 if is_causal else 1)
+
+    try:
+        register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu)(forward)
+        register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward)(backward)
+    except RuntimeError:  # already registered (by a newer PyTorch, or a second import)
+        pass
+
+
+_register_cpu_flash_formulas()
 
 
 def device_peak_flops(device: torch.device | str) -> float | None:

@@ -33,7 +33,7 @@ from .tracker import CATEGORIES, MemoryReport, MemoryTracker
 from .units import format_bytes
 
 ASSUMPTIONS = (
-    "attention: SDPA fused kernel (saves output + log-sum-exp, no s×s scores); "
+    "attention: fused flash kernel, whole-sequence or per chunk (saves output + log-sum-exp, no s×s scores); "
     "optimizer: per-parameter step, state in parameter dtype; allocator fragmentation not modelled"
 )
 
@@ -49,8 +49,12 @@ def run_training_steps(
     iterations: int = 2,
     fake: bool = True,
     seed: int = 0,
+    grad_accum: int = 1,
 ) -> tuple[MemoryReport, int]:
     """Train ``iterations`` steps and report the last step's peak.
+
+    ``grad_accum`` micro-batches per step: from the second on, the gradients of the
+    earlier ones are alive during the forward pass, as in real accumulation.
 
     ``build_model()`` must return a model (strategy not yet applied). With ``fake=True``
     everything runs on fake tensors; with ``fake=False`` it allocates for real, which
@@ -76,11 +80,12 @@ def run_training_steps(
             for it in range(iterations):
                 if it == iterations - 1:
                     tracker.reset_peak()
-                input_ids = torch.randint(0, vocab, (batch_size, seq_len), generator=generator)
-                # The label count is passed, not computed: under fake tensors it would
-                # need the data (every position but the last has a label here).
-                step(model, {"input_ids": input_ids}, strategy, num_label_tokens=batch_size * (seq_len - 1))
-                del input_ids
+                for _ in range(grad_accum):
+                    input_ids = torch.randint(0, vocab, (batch_size, seq_len), generator=generator)
+                    # The label count is passed, not computed: under fake tensors it would
+                    # need the data (every position but the last has a label here).
+                    step(model, {"input_ids": input_ids}, strategy, num_label_tokens=grad_accum * batch_size * (seq_len - 1))
+                    del input_ids
                 if opt is not None:
                     opt.step()
                     opt.zero_grad(set_to_none=True)
@@ -150,11 +155,15 @@ def simulate(
     optimizer: str = "adamw",
     dtype: str | torch.dtype = "bfloat16",
     lora_rank: int | None = None,
+    iterations: int | None = None,
+    grad_accum: int = 1,
 ) -> SimulationReport:
     """Simulated steady-state peak of one training step at full scale (no allocation).
 
     ``model`` is a preset name (``"llama3-8b"``), a local model directory (only its
-    config is read) or a ``PretrainedConfig``.
+    config is read) or a ``PretrainedConfig``. ``iterations``: steps simulated (default
+    2, so optimizer state exists at the peak; 1 suffices with ``optimizer="none"``).
+    ``grad_accum``: micro-batches per step (gradients alive during later forwards).
     """
     if lora_rank:
         # peft moves new adapter weights with torch.utils.swap_tensors, which fake tensors
@@ -167,7 +176,8 @@ def simulate(
     strategy = Strategy.parse(strategy)
 
     report, n_params = run_training_steps(
-        lambda: build_from_config(config, torch_dtype), seq_len=seq_len, batch_size=batch_size, strategy=strategy, optimizer=optimizer, dtype=torch_dtype
+        lambda: build_from_config(config, torch_dtype), seq_len=seq_len, batch_size=batch_size, strategy=strategy, optimizer=optimizer, dtype=torch_dtype,
+        iterations=iterations or (1 if optimizer == "none" else 2), grad_accum=grad_accum,
     )
     name = model if isinstance(model, str) else getattr(config, "name_or_path", "") or config.model_type
     return SimulationReport(

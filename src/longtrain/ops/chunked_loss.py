@@ -106,6 +106,7 @@ def chunked_causal_lm_loss(
     ignore_index: int = IGNORE_INDEX,
     label_smoothing: float = 0.0,
     softcap: float | None = None,
+    shifted: bool = False,
 ) -> torch.Tensor:
     """Next-token loss of an LM head ``hidden @ weight.T + bias`` over (B, S, d) hidden states.
 
@@ -114,11 +115,13 @@ def chunked_causal_lm_loss(
     of non-ignored targets when it is None), returned as is (``"sum"``), or divided by
     the count of non-ignored targets (``"mean"``). The tokens are processed in ``chunks``
     mini-sequences (default V/d, the paper's rule) or in chunks of ``chunk_tokens``.
+    ``shifted=True``: ``labels`` are already the targets of each position (a slice of a
+    longer sequence's shifted labels, as the chunked pipeline passes).
     """
     if reduction not in ("normalized", "sum", "mean"):
         raise ValueError(f"reduction must be 'normalized', 'sum' or 'mean', got {reduction!r}")
     x = hidden.reshape(-1, hidden.shape[-1])
-    targets = shift_labels(labels).reshape(-1).to(x.device)
+    targets = (labels if shifted else shift_labels(labels)).reshape(-1).to(x.device)
     if x.shape[0] != targets.shape[0]:
         raise ValueError(f"hidden has {x.shape[0]} tokens but labels {targets.shape[0]}")
     n_tokens = x.shape[0]

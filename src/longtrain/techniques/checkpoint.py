@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..models.layers import decoder_layers, unwrap
 from ..registry import register_technique
+from .chunked_attention import PIPELINE_ATTR
 
 
 @dataclass
@@ -34,6 +35,8 @@ def _checkpointed_forward(forward, *args, **kwargs):
 
 @register_technique("checkpoint", CheckpointOptions, "per-layer activation checkpointing", order=50)
 def install_checkpoint(model, options: CheckpointOptions) -> None:
+    if getattr(model, PIPELINE_ATTR, None) is not None:
+        return  # chunked attention already recomputes every layer, chunk by chunk
     for layer in decoder_layers(model):
         layer.forward = functools.partial(_checkpointed_forward, layer.forward)
     config = getattr(unwrap(model), "config", None)

@@ -28,6 +28,7 @@ from ..models.layers import decoder_layers, unwrap
 from ..ops.chunked_loss import chunked_causal_lm_loss
 from ..ops.tiled_mlp import tiled_mlp
 from ..registry import register_technique
+from .chunked_attention import PIPELINE_ATTR
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3")
 
@@ -83,10 +84,15 @@ def _install_head(model, base: nn.Module, options: MsT) -> None:
 @register_technique("mst", MsT, "mini-sequence MLP and LM-head + loss (exact)", order=40)
 def install_mst(model, options: MsT) -> None:
     base = _check_supported(model)
+    attention_chunk = getattr(getattr(model, PIPELINE_ATTR, None), "chunk", None)
+    object.__setattr__(model, "_longtrain_mst", options)  # the chunked pipeline reads loss_chunks
     if options.mlp:
-        chunk = options.mlp_chunk or base.config.hidden_size
+        # Under chunked attention each MLP call sees one attention chunk; FPDT runs the
+        # FFN in twice as many chunks as attention, which keeps attention the memory peak.
+        default = base.config.hidden_size if attention_chunk is None else max(1, attention_chunk // 2)
+        chunk = options.mlp_chunk or default
         for layer in decoder_layers(model):
             mlp = layer.mlp
             mlp.forward = functools.partial(_tiled_forward, mlp.forward, mlp, chunk)
-    if options.head:
+    if options.head and attention_chunk is None:  # the chunked pipeline computes the head itself
         _install_head(model, base, options)

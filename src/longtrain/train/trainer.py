@@ -56,6 +56,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     optimizer: str = "adamw"
     strategy: str = "none"
+    engine: str = "backprop"  # gradient engine, optionally with options: "spaco:chunk=128:budget=8"
+    chunk: int | None = None  # shortcut for the seco/spaco engine option
+    budget: int | None = None  # shortcut for the spaco engine option
     lora: bool = False
     lora_rank: int = 8
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
@@ -158,13 +161,24 @@ def _fingerprint(model) -> dict:
     return {name: list(p.shape) for name, p in _trainable(model).items()}
 
 
+def _strategy(config: TrainConfig) -> Strategy:
+    shortcuts = {k: v for k, v in (("chunk", config.chunk), ("budget", config.budget)) if v is not None}
+    if shortcuts and config.engine.split(":")[0] == "backprop":
+        raise LongtrainError(
+            f"--{next(iter(shortcuts))} applies to --engine seco or spaco; for chunked attention "
+            "use --strategy attention:chunk=N"
+        )
+    engine = None if config.engine == "backprop" and not shortcuts else config.engine
+    return Strategy.parse(config.strategy, engine=engine, engine_options=shortcuts or None)
+
+
 class Trainer:
     def __init__(self, config: TrainConfig):
         _check(config)
         self.config = config
         self.device = _device(config.device)
         self.dtype = parse_dtype(config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
-        self.strategy = Strategy.parse(config.strategy)
+        self.strategy = _strategy(config)
         self.out = Path(config.out)
         self.checkpoints = self.out / "checkpoints"
 
@@ -380,6 +394,8 @@ class Trainer:
             "tokens_per_s": c.seq_len * c.batch_size * c.grad_accum * len(steady) / sum(steady) if steady else None,
             "measured_peak_bytes": peak_bytes,
             "measured_with": "cuda-allocator" if self.device.type == "cuda" else "tracked-storages",
+            # Host memory longtrain parked chunks in (chunked attention's pinned pool).
+            "host_pool_bytes": getattr(getattr(self.model, "_longtrain_pinned_pool", None), "allocated_bytes", 0),
             "simulated_stock_peak_bytes": stock.device_peak_bytes,
             "simulated_stock_setup": "full fine-tuning" if c.lora else "same setup",
             "seconds": seconds,
@@ -403,6 +419,8 @@ def format_summary(summary: dict) -> str:
         ("simulated stock peak", f"{format_bytes(summary['simulated_stock_peak_bytes'])} (same model, no techniques, {summary['simulated_stock_setup']}, seq_len {summary['seq_len']:,})"),
         ("wall time", f"{summary['seconds']:.0f} s for {summary['steps']} steps, strategy {summary['strategy']}"),
     ]
+    if summary.get("host_pool_bytes"):
+        rows.insert(4, ("host memory", f"{format_bytes(summary['host_pool_bytes'])} in the pinned pool of parked chunks"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
 

@@ -1,0 +1,101 @@
+"""``attention``: chunked attention with host offload and prefetch (FPDT on one device).
+
+``Strategy(attention=ChunkedAttention(chunk=4096, offload=True))`` trains the model one
+sequence chunk at a time (:mod:`longtrain.engines.chunked_pipeline`): attention runs
+over chunks with an online softmax, K/V chunks (and, with ``offload_inputs``, the
+checkpointed layer inputs) are parked in host memory and prefetched ``prefetch``
+chunks ahead, so the device holds one chunk's working set however long the sequence.
+
+Installed through transformers' attention interface (backend ``longtrain_chunked``)
+and the engine's loss hook; no model file changes. It subsumes layer checkpointing
+(each layer is recomputed chunk by chunk in backward), so ``checkpoint`` alongside it
+changes nothing. With ``mst`` the MLP runs in chunks of half the attention chunk and
+the LM head in V/d mini-sequences per chunk, as the FPDT paper recommends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import LongtrainError
+from ..engines.chunked_pipeline import PipelineSettings, pipelined_loss
+from ..memory.units import parse_bytes
+from ..models.attention import CHUNKED_NAME
+from ..models.head import set_head_loss
+from ..models.layers import decoder_layers, unwrap
+from ..registry import register_technique
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3")
+PIPELINE_ATTR = "_longtrain_chunked_attention"
+
+
+@dataclass
+class ChunkedAttention:
+    """Knobs of chunked attention."""
+
+    chunk: int = 4096  # tokens per chunk
+    offload: bool = False  # park K/V chunks in host memory (pinned pool, side streams)
+    offload_inputs: bool | None = None  # park checkpointed layer inputs too; default: = offload
+    prefetch: int = 1  # chunks fetched ahead (1 = double buffering)
+    host_memory: str | int | None = None  # host budget, e.g. "120GiB"; None: unbounded
+
+    def __post_init__(self):
+        if not isinstance(self.chunk, int) or self.chunk <= 0:
+            raise LongtrainError(f"attention chunk must be a positive integer, got {self.chunk!r}")
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise LongtrainError(f"attention prefetch must be a non-negative integer, got {self.prefetch!r}")
+        if self.host_memory is not None:
+            parse_bytes(self.host_memory)  # a clear error now rather than at the first step
+
+    def settings(self, loss_chunks: int | None) -> PipelineSettings:
+        return PipelineSettings(
+            chunk=self.chunk,
+            offload=self.offload,
+            offload_inputs=self.offload if self.offload_inputs is None else self.offload_inputs,
+            prefetch=self.prefetch,
+            host_budget=None if self.host_memory is None else parse_bytes(self.host_memory),
+            loss_chunks=loss_chunks,
+        )
+
+
+def attention_chunk(model) -> int | None:
+    """The attention chunk of a model with chunked attention installed, else None."""
+    options = getattr(model, PIPELINE_ATTR, None)
+    return None if options is None else options.chunk
+
+
+def _set_backend(base) -> None:
+    setter = getattr(base, "set_attn_implementation", None)
+    if callable(setter):
+        try:
+            setter(CHUNKED_NAME)
+            return
+        except (ValueError, TypeError):  # older transformers refuse unknown names here
+            pass
+    base.config._attn_implementation = CHUNKED_NAME
+
+
+@register_technique("attention", ChunkedAttention, "chunked attention with host offload and prefetch (FPDT, exact)", order=30)
+def install_chunked_attention(model, options: ChunkedAttention) -> None:
+    base = unwrap(model)
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    if model_type not in SUPPORTED:
+        raise LongtrainError(
+            f"chunked attention does not support {model_type or type(base).__name__} models; "
+            f"supported: {', '.join(SUPPORTED)}"
+        )
+    decoder_layers(model)  # a clear error if there are none
+    _set_backend(base)
+    if hasattr(base.config, "use_cache"):
+        base.config.use_cache = False
+    object.__setattr__(model, PIPELINE_ATTR, options)
+
+    def head_loss(input_ids, attention_mask, labels, num_label_tokens):
+        mst = getattr(model, "_longtrain_mst", None)
+        loss_chunks = None
+        if mst is not None and mst.head:
+            config = base.config
+            loss_chunks = mst.loss_chunks or max(1, round(config.vocab_size / config.hidden_size))
+        return pipelined_loss(model, input_ids, attention_mask, labels, num_label_tokens, options.settings(loss_chunks))
+
+    set_head_loss(model, head_loss)
