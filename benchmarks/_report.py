@@ -27,6 +27,8 @@ def write_report(name: str, title: str, columns: list[tuple[str, str]], rows: li
 
 
 def _cell(value) -> str:
+    if value is None:
+        return "–"
     if isinstance(value, float):
         return f"{value:.2e}" if value and abs(value) < 0.01 else f"{value:.2f}"
     return str(value)

@@ -95,18 +95,18 @@ def cpu_time(lengths=(4096, 8192, 16384), repeats=2) -> list[dict]:
     return rows
 
 
-def _fake_flops(config, seq_len, strategy) -> int:
+def _fake_flops(config, seq_len, strategy, step=lt.step) -> int:
     with contextlib.ExitStack() as stack:
         stack.enter_context(FakeTensorMode())
         stack.enter_context(hf_compat.assume_unpacked())
         stack.enter_context(default_dtype(torch.bfloat16))
         model = lt.apply(build_from_config(config, torch.bfloat16), strategy)
         ids = torch.randint(0, config.vocab_size, (1, seq_len))
-        flops, _ = count_flops(lt.step, model, {"input_ids": ids}, strategy, num_label_tokens=seq_len - 1)
+        flops, _ = count_flops(step, model, {"input_ids": ids}, strategy, num_label_tokens=seq_len - 1)
     return flops
 
 
-def llama3_8b(lengths=(8192, 16384, 32768), flop_lengths=(16384, 32768)) -> list[dict]:
+def llama3_8b(lengths=(8192, 16384, 32768), flop_lengths=(32768,), flop_chunk=1024, budgets=(8, 16, 32)) -> list[dict]:
     config = load_config("llama3-8b")
     config.max_position_embeddings = max(flop_lengths)
     rows = []
@@ -123,14 +123,24 @@ def llama3_8b(lengths=(8192, 16384, 32768), flop_lengths=(16384, 32768)) -> list
             rows.append({"kind": "memory", "engine": name, "tokens": n, "device_gib": report.peak.peak_device_bytes / GiB,
                          "host_gib": report.peak.peak_host_bytes / GiB, "flops_ratio": None})
             print(rows[-1], flush=True)
+    # FLOPs executed, counted on fake tensors. SpaCO's expectation is exact by linearity:
+    # each chunk is backpropagated with probability t/k, so E[FLOPs] = forward pass +
+    # (t/k) · (SeCO's recomputation and backward), both counted with the same chunks.
+    from longtrain.engines.seco import SpaCOOptions, spaco_step
+
     for n in flop_lengths:
-        cases = _engines(seco_chunk=4096, spaco_chunk=512)
-        base = None
-        for name, strategy in cases.items():
-            flops = _fake_flops(config, n, strategy)
-            base = flops if name == "backprop" else base
+        k = n // flop_chunk
+        flops = {name: _fake_flops(config, n, strategy) for name, strategy in {
+            "backprop": lt.Strategy(), "checkpoint": lt.Strategy(checkpoint=True),
+            "seco": lt.Strategy(engine="seco", engine_options={"chunk": flop_chunk})}.items()}
+        forward_only = _fake_flops(config, n, lt.Strategy(engine="spaco", engine_options={"chunk": flop_chunk}),
+                                   step=lambda m, b, s, **kw: spaco_step(m, b, SpaCOOptions(chunk=flop_chunk), selected=set(), **kw))
+        flops["forward only (chunked)"] = forward_only
+        for t in budgets:
+            flops[f"spaco t={t}"] = forward_only + min(1.0, t / k) * (flops["seco"] - forward_only)
+        for name, value in flops.items():
             rows.append({"kind": "flops", "engine": name, "tokens": n, "device_gib": None, "host_gib": None,
-                         "flops_ratio": flops / base})
+                         "flops_ratio": value / flops["backprop"]})
             print(rows[-1], flush=True)
     return rows
 
@@ -252,7 +262,8 @@ def main() -> None:
                            "the device (batch 1). Plain SeCO holds a whole 4,096-token chunk's activations through all 32 layers "
                            "(and its full logits); with checkpointing and MsT inside the chunk that falls to one layer's. FLOPs: every FLOP the engine executes in one step (forward, recomputation, "
                            "backward), counted by FlopCounterMode on fake tensors, as a ratio to plain backprop at the same "
-                           "length — the time model of a compute-bound GPU. SpaCO here uses 512-token chunks (k = 32 and 64).",
+                           "length — the time model of a compute-bound GPU. SeCO and SpaCO use 1,024-token chunks here (k = 32); SpaCO's "
+                           "rows are its exact expected FLOPs (forward + t/k of SeCO's recomputation and backward, by linearity).",
                      command=cmd)
     if "bias" in parts:
         rows = spaco_bias()

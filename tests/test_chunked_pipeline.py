@@ -47,11 +47,25 @@ def test_training_step_equals_stock(preset):
     _check_step(preset, lt.Strategy(attention=lt.ChunkedAttention(chunk=23)), lengths=(100, 80))
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-gemma2"])
-def test_offloaded_with_mst_and_checkpointing_equals_stock(preset):
+@pytest.mark.parametrize("preset,recompute_kv", [("tiny-llama", True), ("tiny-qwen2", True), ("tiny-gemma2", True),
+                                                  ("tiny-llama", False), ("tiny-mistral", False)])
+def test_offloaded_with_mst_and_checkpointing_equals_stock(preset, recompute_kv):
     strategy = lt.Strategy(checkpoint=True, mst=lt.MsT(loss_chunks=3),
-                           attention=lt.ChunkedAttention(chunk=40, offload=True, prefetch=2))
+                           attention=lt.ChunkedAttention(chunk=40, offload=True, prefetch=2, recompute_kv=recompute_kv))
     _check_step(preset, strategy, lengths=(181, 150))
+
+
+def test_recomputing_kv_parks_one_layer_of_kv_at_a_time():
+    """Exact CPU measurement: the host peak without K/V recomputation exceeds the one
+    with it by the K/V of all layers but one."""
+    config = preset_config("tiny-llama")
+    seq = 1024
+    kv = 2 * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 4 * seq
+
+    def host_peak(recompute_kv):
+        return _peaks(lt.Strategy(attention=lt.ChunkedAttention(chunk=128, offload=True, recompute_kv=recompute_kv)), seq)[1]
+
+    assert host_peak(False) - host_peak(True) >= (config.num_hidden_layers - 1) * kv
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral"])
@@ -179,7 +193,7 @@ def test_offloaded_device_peak_stops_growing_with_the_sequence():
     assert dev_long - dev_short <= (long - short) * per_token_ids
     layers, hidden = config.num_hidden_layers, config.hidden_size
     kv = 2 * config.num_key_value_heads * (hidden // config.num_attention_heads)
-    parked_per_token = 4 * (layers * kv + (layers + 1) * hidden)  # float32 K/V + layer inputs
+    parked_per_token = 4 * (kv + (layers + 1) * hidden)  # float32 layer inputs + one layer's K/V (recompute_kv)
     assert host_long - host_short >= (long - short) * parked_per_token
     dev_short_kept, _ = _peaks(on_device, short)
     dev_long_kept, _ = _peaks(on_device, long)

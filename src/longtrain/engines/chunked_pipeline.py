@@ -3,24 +3,32 @@
 FPDT (../shared/papers/fpdt.txt) keeps only the chunks in use on the device. Applied to
 a model as it is — its own decoder layers, norms and projections, no edits — that means:
 
-**Forward** (no gradients, chunk-major): the decoder runs on chunk i = 0, 1, …; every
-layer's attention (the ``longtrain_chunked`` backend) parks the chunk's K/V in the
-:class:`~longtrain.memory.chunk_store.ChunkStore` and attends over the parked K/V of the
-earlier chunks, one at a time; forward pre-hooks park every layer's input chunk (the
-checkpoints). The loss of each chunk is summed as it comes.
+**Forward** (no gradients, layer-major as in FPDT): the decoder's preamble (embedding,
+scaling, rotary tables) runs per chunk up to the first layer, whose input chunks are
+parked in the :class:`~longtrain.memory.chunk_store.ChunkStore` (the checkpoints); then
+each layer runs over chunk 0, 1, …, its attention (the ``longtrain_chunked`` backend)
+parking the chunk's K/V and attending over the parked K/V of the earlier chunks, one at
+a time, and its output chunks parked as the next layer's inputs. The head computes each
+chunk's loss. With ``recompute_kv`` a layer's K/V are dropped once the layer is done.
 
 **Backward** (layer-major, in reverse): the head's gradient is computed chunk by chunk
-from the parked final-layer outputs; then for each layer from the top, each chunk from
-the last, the layer is recomputed on its parked input with gradients, attending over
+from the parked final-layer outputs; then for each layer from the top — first re-parking
+its K/V if they were dropped, by running the layer only up to its attention call — each
+chunk from the last is recomputed on its parked input with gradients, attending over
 the parked K/V of earlier chunks (:func:`~longtrain.ops.chunked_attention.attend_chunk`),
 and backpropagated. The gradients of earlier chunks' K/V go to accumulators in the store
 and are added to those chunks' own K/V gradients when their turn comes, so the result
 is exact. Last, the embedding's gradient is computed by re-running the decoder's
 preamble for each chunk.
 
+SeCO and SpaCO (:mod:`longtrain.engines.seco`) drive the same run chunk-major instead:
+the whole decoder per chunk forward (parking every layer's K/V, no layer inputs), and
+per chunk in reverse backward (:meth:`ChunkedRun.backward_chunk_major`).
+
 Device memory then holds one chunk's working set, plus whatever the store keeps on the
 device (nothing with ``offload`` and ``offload_inputs``). Compute is that of layer
-checkpointing: one extra forward.
+checkpointing — one extra forward — plus, with ``recompute_kv``, the K/V projections once
+more.
 
 The whole schedule is one autograd node (:class:`_PipelineLoss`) whose backward runs
 the reverse pass, so ``loss.backward()``, gradient accumulation and the optimizer work
@@ -53,13 +61,18 @@ class PipelineSettings:
     prefetch: int  # chunks fetched ahead of use
     host_budget: int | None  # bytes; None: unbounded
     loss_chunks: int | None = None  # LM-head mini-sequences per chunk (MsT); None: 1
+    recompute_kv: bool = False  # park one layer's K/V at a time; recompute them in backward
 
 
 class _StopPreamble(Exception):
     """Raised by a pre-hook on the first layer to stop the decoder after its preamble."""
 
-    def __init__(self, hidden):
+    def __init__(self, hidden=None):
         self.hidden = hidden
+
+
+class _StopAfterKV(Exception):
+    """Raised by the attention backend once a layer's K/V are parked (K/V recomputation)."""
 
 
 class _LayerHistory:
@@ -103,8 +116,9 @@ class _LayerHistory:
 class ChunkedRun:
     """State of one chunked step: the store, the chunk bounds and where we are.
 
-    :meth:`forward` is shared; :meth:`backward_layer_major` is the FPDT schedule (used
-    by chunked attention), :meth:`backward_chunk_major` the SeCO/SpaCO one.
+    Chunked attention drives :meth:`forward_layer_major` and :meth:`backward_layer_major`
+    (FPDT's order); SeCO and SpaCO drive :meth:`forward_chunk_major` and
+    :meth:`backward_chunk_major`.
     """
 
     def __init__(self, model, input_ids, attention_mask, labels, num_label_tokens, settings: PipelineSettings):
@@ -123,7 +137,9 @@ class ChunkedRun:
         self.store = ChunkStore(input_ids.device, offload=settings.offload, host_budget=settings.host_budget,
                                 pool=pool_for(model))
         self.index = 0  # chunk being computed
-        self.recompute = False  # True in the backward's recomputation: K/V already parked
+        # "forward": park K/V and attend; "kv": park K/V and stop the layer there (K/V
+        # recomputation); "recompute": K/V already parked, attend with gradients.
+        self.mode = "forward"
         self.selected: set[int] | None = None  # chunks backpropagated (None: all)
         self.hop_factor = 1.0  # multiplies K/V gradients relayed to earlier chunks
         self._layer_arguments: dict[int, tuple] = {}  # chunk -> (flattened layer kwargs, spec)
@@ -136,9 +152,11 @@ class ChunkedRun:
     # ---- called by the attention backend -----------------------------------------------
     def attend(self, module, q, k, v, *, scaling=None, sliding_window=None, softcap=None, **_):
         layer = module.layer_idx
-        if not self.recompute:
+        if self.mode != "recompute":
             self.store.put(("k", layer, self.index), k.detach())
             self.store.put(("v", layer, self.index), v.detach())
+        if self.mode == "kv":
+            raise _StopAfterKV
         start = self.bounds[self.index][0]
         first = 0
         if sliding_window is not None:  # chunks wholly outside the window are never fetched
@@ -154,27 +172,77 @@ class ChunkedRun:
         return self.hop_factor
 
     # ---- forward ---------------------------------------------------------------------
-    def forward(self, park_inputs: bool = True) -> torch.Tensor:
-        """Run every chunk without gradients, parking K/V (and with ``park_inputs``, every
-        layer's input chunk), and return the summed loss."""
+    def forward_chunk_major(self) -> torch.Tensor:
+        """SeCO's pass 1: the whole decoder on each chunk in turn, without gradients,
+        parking every layer's K/V; returns the summed loss."""
         total = None
-        n = len(self.layers)
-        handles = []
-        if park_inputs:
-            handles = [layer.register_forward_pre_hook(self._park_input(l), with_kwargs=True) for l, layer in enumerate(self.layers)]
-            handles.append(self.decoder.norm.register_forward_pre_hook(self._park_input(n), with_kwargs=True))
+        with chunked_run(self):
+            for i, (a, b) in enumerate(self.bounds):
+                self.index = i
+                hidden = self.decoder(input_ids=self.input_ids[:, a:b], position_ids=self.positions[:, a:b],
+                                      use_cache=False).last_hidden_state
+                loss = self._chunk_loss(hidden, a, b)
+                total = loss if total is None else total + loss
+        return total
+
+    def forward_layer_major(self) -> torch.Tensor:
+        """FPDT's order: the decoder's preamble per chunk, then each layer over all chunks
+        (parking its output chunks as the next layer's inputs), then the head. With
+        ``recompute_kv`` only the current layer's K/V are parked at any time."""
+        n, store, ahead = len(self.layers), self.store, self.settings.prefetch
+        park_first = self._park_input(0)
+
+        def stop(module, args, kwargs):
+            park_first(module, args, kwargs)
+            raise _StopPreamble()
+
+        handle = self.layers[0].register_forward_pre_hook(stop, with_kwargs=True)
         try:
             with chunked_run(self):
                 for i, (a, b) in enumerate(self.bounds):
                     self.index = i
-                    hidden = self.decoder(input_ids=self.input_ids[:, a:b], position_ids=self.positions[:, a:b],
-                                          use_cache=False).last_hidden_state
-                    loss = self._chunk_loss(hidden, a, b)
+                    try:
+                        self.decoder(input_ids=self.input_ids[:, a:b], position_ids=self.positions[:, a:b], use_cache=False)
+                    except _StopPreamble:
+                        pass
+                handle.remove()
+                for layer in range(n):
+                    for i in range(len(self.bounds)):
+                        self.index = i
+                        for j in range(i + 1, min(i + 1 + ahead, len(self.bounds))):
+                            store.prefetch(("x", layer, j))
+                        out = self.layers[layer](store.get(("x", layer, i)), **self._layer_kwargs(i))
+                        out = out[0] if isinstance(out, tuple) else out
+                        store.put(("x", layer + 1, i), out, offload=self._offload_inputs)
+                    if self.settings.recompute_kv:
+                        self._discard_kv(layer)
+                total = None
+                for i, (a, b) in enumerate(self.bounds):
+                    loss = self._chunk_loss(self.decoder.norm(store.get(("x", n, i))), a, b)
                     total = loss if total is None else total + loss
         finally:
-            for h in handles:
-                h.remove()
+            handle.remove()
         return total
+
+    def _discard_kv(self, layer):
+        for i in range(len(self.bounds)):
+            self.store.discard(("k", layer, i))
+            self.store.discard(("v", layer, i))
+
+    def _recompute_kv(self, layer):
+        """Park layer ``layer``'s K/V for every chunk again, running the layer only up to
+        its attention call (norm and K/V projections: ~10% of the layer's forward)."""
+        self.mode = "kv"
+        try:
+            with torch.no_grad():
+                for i in range(len(self.bounds)):
+                    self.index = i
+                    try:
+                        self.layers[layer](self.store.get(("x", layer, i)), **self._layer_kwargs(i))
+                    except _StopAfterKV:
+                        pass
+        finally:
+            self.mode = "recompute"
 
     def _park_input(self, layer):
         def hook(module, args, kwargs):
@@ -217,7 +285,7 @@ class ChunkedRun:
         store = self.store
         try:
             with chunked_run(self):
-                self.recompute = True
+                self.mode = "recompute"
                 for i in reversed(range(len(self.bounds))):
                     if self.selected is None or i in self.selected:
                         self.index = i
@@ -237,7 +305,7 @@ class ChunkedRun:
         store, n = self.store, len(self.layers)
         try:
             with chunked_run(self):
-                self.recompute = True
+                self.mode = "recompute"
                 # Head: gradient of each chunk's loss with respect to the last layer's output.
                 for i, (a, b) in enumerate(self.bounds):
                     y = store.pop(("x", n, i)).detach().requires_grad_(True)
@@ -246,6 +314,8 @@ class ChunkedRun:
                     store.put(("dy", i), y.grad, offload=self._offload_inputs)
                 # Layers from the top; in each, chunks from the last.
                 for layer in reversed(range(n)):
+                    if self.settings.recompute_kv:
+                        self._recompute_kv(layer)
                     for i in reversed(range(len(self.bounds))):
                         self.index = i
                         if i > 0:
@@ -316,7 +386,7 @@ class _PipelineLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, run):
         ctx.run = run
-        return run.forward()
+        return run.forward_layer_major()
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -328,15 +398,17 @@ class _PipelineLoss(torch.autograd.Function):
 
 def host_bytes_needed(config, batch: int, seq: int, dtype: torch.dtype, settings: PipelineSettings) -> int:
     """Host memory a step parks at its fullest (forward end): K/V of every layer and chunk
-    with ``offload``; plus every layer's input (and the final layer's output) with
-    ``offload_inputs``. Used to refuse a step that cannot fit before it starts."""
+    (one layer's with ``recompute_kv``) with ``offload``; plus every layer's input (and the
+    final layer's output) with ``offload_inputs``. Used to refuse a step that cannot fit
+    before it starts."""
     item = torch.tensor([], dtype=dtype).element_size()
     n = config.num_hidden_layers
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv = 2 * batch * seq * getattr(config, "num_key_value_heads", heads) * head_dim * item
     inputs = (n + 1) * batch * seq * config.hidden_size * item
-    return n * kv * settings.offload + inputs * settings.offload_inputs
+    kv_layers = 1 if settings.recompute_kv else n
+    return kv_layers * kv * settings.offload + inputs * settings.offload_inputs
 
 
 def pipelined_loss(model, input_ids, attention_mask, labels, num_label_tokens, settings: PipelineSettings):
@@ -354,7 +426,7 @@ def pipelined_loss(model, input_ids, attention_mask, labels, num_label_tokens, s
             )
     run = ChunkedRun(model, input_ids, attention_mask, labels, num_label_tokens, settings)
     if not torch.is_grad_enabled():
-        loss = run.forward()
+        loss = run.forward_layer_major()
         run.store.clear()
         return loss
     anchor = torch.empty(0, device=input_ids.device, requires_grad=True)

@@ -101,7 +101,7 @@ def _prepare(model, batch, options, num_label_tokens):
 
 def _forward(run: ChunkedRun) -> torch.Tensor:
     with torch.no_grad():
-        return run.forward(park_inputs=False)
+        return run.forward_chunk_major()
 
 
 @register_engine("seco", SeCOOptions, "sequential chunk-wise optimization: exact, activations of one chunk (K/V parked)")

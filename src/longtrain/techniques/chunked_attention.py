@@ -38,6 +38,7 @@ class ChunkedAttention:
     offload_inputs: bool | None = None  # park checkpointed layer inputs too; default: = offload
     prefetch: int = 1  # chunks fetched ahead (1 = double buffering)
     host_memory: str | int | None = None  # host budget, e.g. "120GiB"; None: unbounded
+    recompute_kv: bool = True  # keep one layer's K/V; recompute them (projections only) in backward
 
     def __post_init__(self):
         if not isinstance(self.chunk, int) or self.chunk <= 0:
@@ -55,6 +56,7 @@ class ChunkedAttention:
             prefetch=self.prefetch,
             host_budget=None if self.host_memory is None else parse_bytes(self.host_memory),
             loss_chunks=loss_chunks,
+            recompute_kv=self.recompute_kv,
         )
 
 
