@@ -32,3 +32,27 @@ def _cell(value) -> str:
     if isinstance(value, float):
         return f"{value:.2e}" if value and abs(value) < 0.01 else f"{value:.2f}"
     return str(value)
+
+
+def median_step_times(models: dict, batch: dict, repeats: int) -> dict:
+    """Median forward + backward time of each model on ``batch``, all alternated round by
+    round in one run (the first round warms up), so machine noise falls on all alike."""
+    import statistics
+
+    import longtrain as lt
+
+    times = {key: [] for key in models}
+    for _ in range(repeats + 1):
+        for key, model in models.items():
+            t0 = time.perf_counter()
+            lt.step(model, batch)
+            times[key].append(time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
+    return {key: statistics.median(t[1:]) for key, t in times.items()}
+
+
+def plot_series(ax, rows: list[dict], group: str, x: str, y: str) -> None:
+    """One line per value of ``rows[group]``, in order of first appearance."""
+    for name in dict.fromkeys(r[group] for r in rows):
+        mine = [r for r in rows if r[group] == name]
+        ax.plot([r[x] for r in mine], [r[y] for r in mine], marker="o", label=name)

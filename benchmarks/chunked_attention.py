@@ -28,7 +28,7 @@ import longtrain as lt
 from longtrain.memory.simulate import run_training_steps, simulate
 from longtrain.models.loading import build_from_config, load_config
 
-from _report import DOCS, write_report
+from _report import DOCS, median_step_times, plot_series, write_report
 
 MiB, GiB = 2**20, 2**30
 SMALL = dict(vocab_size=8192, hidden_size=256, intermediate_size=896, num_hidden_layers=4,
@@ -112,20 +112,14 @@ def chunk_sweep(seq_len=8192, chunks=(256, 512, 1024, 2048, 4096, 8192), repeats
     for key, strategy in cases.items():
         torch.manual_seed(0)
         models[key] = lt.apply(_small_model(seq_len), strategy)
-    times = {key: [] for key in cases}
-    for _ in range(repeats + 1):  # the first round warms up
-        for key, model in models.items():
-            t0 = time.perf_counter()
-            lt.step(model, batch)
-            times[key].append(time.perf_counter() - t0)
-            model.zero_grad(set_to_none=True)
-    base = statistics.median(times["checkpoint+mst"][1:])
+    medians = median_step_times(models, batch, repeats)
+    base = medians["checkpoint+mst"]
     rows = []
     for key, strategy in cases.items():
         report, _ = run_training_steps(lambda: _small_model(seq_len), seq_len=seq_len, strategy=strategy,
                                        optimizer="none", iterations=1, fake=False)
         chunk, offload = ("whole sequence", False) if key == "checkpoint+mst" else key
-        rows.append({"chunk": chunk, "offload": offload, "time_ratio": statistics.median(times[key][1:]) / base,
+        rows.append({"chunk": chunk, "offload": offload, "time_ratio": medians[key] / base,
                      "device_peak_mib": report.peak_device_bytes / MiB, "host_peak_mib": report.peak_host_bytes / MiB})
         print(rows[-1], flush=True)
     return rows
@@ -166,9 +160,7 @@ def plot(cpu_rows, sweep_rows) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name in dict.fromkeys(r["strategy"] for r in cpu_rows):
-        rows = [r for r in cpu_rows if r["strategy"] == name]
-        axes[0].plot([r["tokens"] for r in rows], [r["device_peak_mib"] for r in rows], marker="o", label=name)
+    plot_series(axes[0], cpu_rows, "strategy", "tokens", "device_peak_mib")
     axes[0].set(xscale="log", xlabel="tokens", ylabel="device peak (MiB)", title="Device peak vs length (4-layer Llama, d=256, CPU exact)")
     axes[0].legend(fontsize=8)
     for offload in (False, True):

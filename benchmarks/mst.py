@@ -9,8 +9,6 @@ Writes docs/mst_{mlp,head,max_context,speed}.{json,md} and docs/mst_memory.png.
 from __future__ import annotations
 
 import copy
-import statistics
-import time
 
 import torch
 from transformers import LlamaConfig
@@ -24,7 +22,7 @@ from longtrain.ops.chunked_loss import chunked_causal_lm_loss
 from longtrain.ops.loss import causal_lm_loss
 from longtrain.ops.tiled_mlp import tiled_mlp
 
-from _report import DOCS, write_report
+from _report import DOCS, median_step_times, write_report
 
 MiB, GiB = 2**20, 2**30
 LENGTHS = [2048, 4096, 8192, 16384, 32768]
@@ -133,16 +131,9 @@ def speed(seq_len=8192, repeats=3) -> list[dict]:
         torch.manual_seed(0)
         models[strategy] = lt.apply(build_from_config(copy.deepcopy(config)), lt.Strategy.parse(strategy))
     batch = {"input_ids": torch.randint(0, VOCAB, (1, seq_len))}
-    times = {s: [] for s in models}
-    for _ in range(repeats + 1):  # the first round warms up
-        for strategy, model in models.items():
-            t0 = time.perf_counter()
-            lt.step(model, batch)
-            times[strategy].append(time.perf_counter() - t0)
-            model.zero_grad(set_to_none=True)
-    base = statistics.median(times["checkpoint"][1:])
-    return [{"strategy": s, "tokens": seq_len, "median_s": statistics.median(t[1:]),
-             "ratio_to_checkpoint": statistics.median(t[1:]) / base} for s, t in times.items()]
+    medians = median_step_times(models, batch, repeats)
+    base = medians["checkpoint"]
+    return [{"strategy": s, "tokens": seq_len, "median_s": t, "ratio_to_checkpoint": t / base} for s, t in medians.items()]
 
 
 def plot(mlp_rows, head_rows) -> None:

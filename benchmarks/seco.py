@@ -35,7 +35,7 @@ from longtrain.memory.simulate import run_training_steps, simulate
 from longtrain.models import hf_compat
 from longtrain.models.loading import build_from_config, default_dtype, load_config
 
-from _report import DOCS, write_report
+from _report import DOCS, median_step_times, plot_series, write_report
 
 MiB, GiB = 2**20, 2**30
 SMALL = dict(vocab_size=8192, hidden_size=256, intermediate_size=896, num_hidden_layers=4,
@@ -81,16 +81,9 @@ def cpu_time(lengths=(4096, 8192, 16384), repeats=2) -> list[dict]:
         for name, strategy in cases.items():
             torch.manual_seed(0)
             models[name] = lt.apply(_small_model(n), strategy)
-        times = {name: [] for name in cases}
-        for _ in range(repeats + 1):
-            for name, model in models.items():
-                t0 = time.perf_counter()
-                lt.step(model, batch, cases[name])
-                times[name].append(time.perf_counter() - t0)
-                model.zero_grad(set_to_none=True)
-        base = statistics.median(times["backprop"][1:])
+        medians = median_step_times(models, batch, repeats)
         for name in cases:
-            rows.append({"engine": name, "tokens": n, "ratio_to_backprop": statistics.median(times[name][1:]) / base})
+            rows.append({"engine": name, "tokens": n, "ratio_to_backprop": medians[name] / medians["backprop"]})
             print(rows[-1], flush=True)
     return rows
 
@@ -212,13 +205,9 @@ def plot(memory_rows, time_rows, training_rows) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for name in dict.fromkeys(r["engine"] for r in memory_rows):
-        rows = [r for r in memory_rows if r["engine"] == name]
-        axes[0].plot([r["tokens"] for r in rows], [r["device_peak_mib"] for r in rows], marker="o", label=name)
+    plot_series(axes[0], memory_rows, "engine", "tokens", "device_peak_mib")
     axes[0].set(xscale="log", xlabel="tokens", ylabel="device peak (MiB)", title="Device peak (4-layer Llama, CPU exact)")
-    for name in dict.fromkeys(r["engine"] for r in time_rows):
-        rows = [r for r in time_rows if r["engine"] == name]
-        axes[1].plot([r["tokens"] for r in rows], [r["ratio_to_backprop"] for r in rows], marker="o", label=name)
+    plot_series(axes[1], time_rows, "engine", "tokens", "ratio_to_backprop")
     axes[1].set(xscale="log", xlabel="tokens", ylabel="step time / backprop", title="Step time (CPU, one run per length)")
     for row in training_rows:
         axes[2].plot(row["curve"], label=row["engine"])
