@@ -64,3 +64,23 @@ def test_bad_head_counts():
     q = torch.randn(1, 3, 8, 4)
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         chunked_attention(q, torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4), chunk=4)
+
+
+@pytest.mark.parametrize("n_chunks", [1, 3])
+def test_soft_capped_attention_matches_explicit_scores_in_float64(n_chunks):
+    """Gemma-2's logit soft-capping c·tanh(s/c), GQA, a window cutting across chunks."""
+    s, cap, window = 45, 5.0, 11
+    g = torch.Generator().manual_seed(n_chunks)
+    q = torch.randn(2, 4, s, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, s, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, s, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    out = chunked_attention(q, k, v, chunk=-(-s // n_chunks), window=window, softcap=cap, scale=0.7)
+    scores = torch.tanh(q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.7 / cap) * cap
+    pos = torch.arange(s)
+    allowed = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    ref = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v.repeat_interleave(2, 1)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    expected = torch.autograd.grad(ref, (q, k, v), grad)
+    assert rel(out, ref) <= TOL
+    assert max(rel(a, b) for a, b in zip(got, expected)) <= TOL

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import LongtrainError
 from ..models.head import lm_loss
 from ..registry import register_engine
-from .batch import count_label_tokens, prepare_batch
+from .batch import label_token_count, prepare_batch
 
 
 @dataclass
@@ -22,13 +21,7 @@ class BackpropOptions:
 def forward_loss(model, batch, num_label_tokens: int | None):
     """Forward pass returning the summed token loss divided by ``num_label_tokens``."""
     inputs = prepare_batch(batch)
-    if num_label_tokens is None:
-        num_label_tokens = count_label_tokens(inputs.labels)
-    if num_label_tokens <= 0:
-        raise LongtrainError(
-            "the batch has no label tokens (all labels are -100 or padding); "
-            "check the data and the attention mask"
-        )
+    num_label_tokens = label_token_count(inputs.labels, num_label_tokens)
     return lm_loss(model, inputs.input_ids, inputs.attention_mask, inputs.labels, num_label_tokens)
 
 

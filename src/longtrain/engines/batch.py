@@ -39,6 +39,19 @@ def prepare_batch(batch: Mapping) -> Batch:
     return Batch(input_ids, mask, labels)
 
 
+def label_token_count(labels: torch.Tensor, num_label_tokens: int | None) -> int:
+    """The normalizer of a micro-batch's loss: the caller's count, or this batch's own;
+    a clear error when there is nothing to learn from."""
+    if num_label_tokens is None:
+        num_label_tokens = count_label_tokens(labels)
+    if num_label_tokens <= 0:
+        raise LongtrainError(
+            "the batch has no label tokens (all labels are -100 or padding); "
+            "check the data and the attention mask"
+        )
+    return num_label_tokens
+
+
 def count_label_tokens(labels: torch.Tensor) -> int:
     """Tokens that contribute a loss term: position t predicts labels[t + 1]."""
     return int((labels[..., 1:] != IGNORE_INDEX).sum())

@@ -53,6 +53,11 @@ from ..ops.chunked_attention import attend_chunk
 from ..ops.loss import shift_labels
 
 
+# Where the chunked-attention technique records its options on a model; other techniques
+# and the chunk-wise engines look here to adapt (or refuse) when it is installed.
+PIPELINE_ATTR = "_longtrain_chunked_attention"
+
+
 @dataclass
 class PipelineSettings:
     chunk: int
@@ -60,7 +65,6 @@ class PipelineSettings:
     offload_inputs: bool  # park checkpointed layer inputs (and their gradients) too
     prefetch: int  # chunks fetched ahead of use
     host_budget: int | None  # bytes; None: unbounded
-    loss_chunks: int | None = None  # LM-head mini-sequences per chunk (MsT); None: 1
     recompute_kv: bool = False  # park one layer's K/V at a time; recompute them in backward
 
 
@@ -122,7 +126,6 @@ class ChunkedRun:
     """
 
     def __init__(self, model, input_ids, attention_mask, labels, num_label_tokens, settings: PipelineSettings):
-        self.model = model
         self.base = unwrap(model)
         self.decoder = self.base.get_decoder()
         self.layers = decoder_layers(model)
@@ -148,6 +151,9 @@ class ChunkedRun:
             raise LongtrainError(f"chunked attention needs a plain linear LM head, found {type(head).__name__}")
         self.head = head
         self.softcap = getattr(self.base.config, "final_logit_softcapping", None)
+        # The head runs each chunk whole, or in MsT's mini-sequences (its default: V/d).
+        mst = getattr(model, "_longtrain_mst", None)
+        self.loss_chunks = mst.loss_chunks if mst is not None and mst.head else 1
 
     # ---- called by the attention backend -----------------------------------------------
     def attend(self, module, q, k, v, *, scaling=None, sliding_window=None, softcap=None, **_):
@@ -273,7 +279,7 @@ class ChunkedRun:
     def _chunk_loss(self, hidden, a, b):
         return chunked_causal_lm_loss(
             hidden, self.head.weight, self.targets[:, a:b], bias=self.head.bias, shifted=True,
-            num_label_tokens=self.num_label_tokens, chunks=self.settings.loss_chunks or 1, softcap=self.softcap,
+            num_label_tokens=self.num_label_tokens, chunks=self.loss_chunks, softcap=self.softcap,
         )
 
     # ---- backward --------------------------------------------------------------------

@@ -35,11 +35,11 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..errors import LongtrainError
 from ..memory.units import parse_bytes
-from ..models.attention import CHUNKED_NAME
+from ..models.attention import CHUNKED_NAME, use_chunked_backend
 from ..models.layers import unwrap
 from ..registry import register_engine
-from .batch import count_label_tokens, prepare_batch
-from .chunked_pipeline import ChunkedRun, PipelineSettings
+from .batch import label_token_count, prepare_batch
+from .chunked_pipeline import PIPELINE_ATTR, ChunkedRun, PipelineSettings
 
 
 @dataclass
@@ -76,26 +76,15 @@ class SpaCOOptions(SeCOOptions):
 
 
 def _prepare(model, batch, options, num_label_tokens):
-    base = unwrap(model)
-    if getattr(model, "_longtrain_chunked_attention", None) is not None:
+    if getattr(model, PIPELINE_ATTR, None) is not None:
         raise LongtrainError("the seco/spaco engines already run the sequence in chunks; drop the 'attention' technique")
-    config = base.config
-    if getattr(config, "_attn_implementation", None) != CHUNKED_NAME:
-        setter = getattr(base, "set_attn_implementation", None)
-        try:
-            setter(CHUNKED_NAME)
-        except (TypeError, ValueError):
-            config._attn_implementation = CHUNKED_NAME
+    base = unwrap(model)
+    if getattr(base.config, "_attn_implementation", None) != CHUNKED_NAME:
+        use_chunked_backend(base)
     inputs = prepare_batch(batch)
-    if num_label_tokens is None:
-        num_label_tokens = count_label_tokens(inputs.labels)
-    if num_label_tokens <= 0:
-        raise LongtrainError("the batch has no label tokens (all labels are -100 or padding); check the data and the attention mask")
-    mst = getattr(model, "_longtrain_mst", None)
-    loss_chunks = (mst.loss_chunks or max(1, round(config.vocab_size / config.hidden_size))) if mst is not None and mst.head else None
+    num_label_tokens = label_token_count(inputs.labels, num_label_tokens)
     settings = PipelineSettings(chunk=options.chunk, offload=options.offload, offload_inputs=False, prefetch=options.prefetch,
-                                host_budget=None if options.host_memory is None else parse_bytes(options.host_memory),
-                                loss_chunks=loss_chunks)
+                                host_budget=None if options.host_memory is None else parse_bytes(options.host_memory))
     return ChunkedRun(model, inputs.input_ids, inputs.attention_mask, inputs.labels, num_label_tokens, settings)
 
 

@@ -89,6 +89,18 @@ def _register() -> None:
         pass
 
 
+def use_chunked_backend(model) -> None:
+    """Route ``model``'s attention through ``longtrain_chunked`` (no model files change)."""
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        try:
+            setter(CHUNKED_NAME)
+            return
+        except (ValueError, TypeError):  # older transformers refuse unknown names here
+            pass
+    model.config._attn_implementation = CHUNKED_NAME
+
+
 def attention_backend(config) -> str:
     """The backend longtrain builds a model with: ours, or eager where the model needs
     attention logit soft-capping (Gemma-2), which no SDPA kernel implements."""

@@ -18,15 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import LongtrainError
-from ..engines.chunked_pipeline import PipelineSettings, pipelined_loss
+from ..engines.chunked_pipeline import PIPELINE_ATTR, PipelineSettings, pipelined_loss
 from ..memory.units import parse_bytes
-from ..models.attention import CHUNKED_NAME
+from ..models.attention import use_chunked_backend
 from ..models.head import set_head_loss
 from ..models.layers import decoder_layers, unwrap
 from ..registry import register_technique
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3")
-PIPELINE_ATTR = "_longtrain_chunked_attention"
 
 
 @dataclass
@@ -48,33 +47,15 @@ class ChunkedAttention:
         if self.host_memory is not None:
             parse_bytes(self.host_memory)  # a clear error now rather than at the first step
 
-    def settings(self, loss_chunks: int | None) -> PipelineSettings:
+    def settings(self) -> PipelineSettings:
         return PipelineSettings(
             chunk=self.chunk,
             offload=self.offload,
             offload_inputs=self.offload if self.offload_inputs is None else self.offload_inputs,
             prefetch=self.prefetch,
             host_budget=None if self.host_memory is None else parse_bytes(self.host_memory),
-            loss_chunks=loss_chunks,
             recompute_kv=self.recompute_kv,
         )
-
-
-def attention_chunk(model) -> int | None:
-    """The attention chunk of a model with chunked attention installed, else None."""
-    options = getattr(model, PIPELINE_ATTR, None)
-    return None if options is None else options.chunk
-
-
-def _set_backend(base) -> None:
-    setter = getattr(base, "set_attn_implementation", None)
-    if callable(setter):
-        try:
-            setter(CHUNKED_NAME)
-            return
-        except (ValueError, TypeError):  # older transformers refuse unknown names here
-            pass
-    base.config._attn_implementation = CHUNKED_NAME
 
 
 @register_technique("attention", ChunkedAttention, "chunked attention with host offload and prefetch (FPDT, exact)", order=30)
@@ -87,17 +68,12 @@ def install_chunked_attention(model, options: ChunkedAttention) -> None:
             f"supported: {', '.join(SUPPORTED)}"
         )
     decoder_layers(model)  # a clear error if there are none
-    _set_backend(base)
+    use_chunked_backend(base)
     if hasattr(base.config, "use_cache"):
         base.config.use_cache = False
     object.__setattr__(model, PIPELINE_ATTR, options)
 
     def head_loss(input_ids, attention_mask, labels, num_label_tokens):
-        mst = getattr(model, "_longtrain_mst", None)
-        loss_chunks = None
-        if mst is not None and mst.head:
-            config = base.config
-            loss_chunks = mst.loss_chunks or max(1, round(config.vocab_size / config.hidden_size))
-        return pipelined_loss(model, input_ids, attention_mask, labels, num_label_tokens, options.settings(loss_chunks))
+        return pipelined_loss(model, input_ids, attention_mask, labels, num_label_tokens, options.settings())
 
     set_head_loss(model, head_loss)
