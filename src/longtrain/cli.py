@@ -38,9 +38,10 @@ def _add_train(sub) -> None:
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "sgd"])
     p.add_argument("--strategy", default=d.strategy, help="none, checkpoint, a comma list with options (mst,attention:chunk=8192:offload=true), or a strategy .yaml/.json")
-    p.add_argument("--engine", default=d.engine, help="gradient engine: backprop, seco, spaco (options as in --strategy: spaco:budget=8:cap=2)")
+    p.add_argument("--engine", default=d.engine, help="gradient engine: backprop, seco, spaco, adjoint (SSM models; options as in --strategy: spaco:budget=8:cap=2, adjoint:truncate=64)")
     p.add_argument("--chunk", type=_tokens, default=None, help="seco/spaco: tokens per chunk (default 4096 for seco, 128 for spaco)")
     p.add_argument("--budget", type=int, default=None, help="spaco: chunks backpropagated per step, on average (default 8)")
+    p.add_argument("--truncate", type=_tokens, default=None, help="adjoint: truncated adjoint sharding, keep the last T states per token (approximate)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of all weights (needs peft)")
     p.add_argument("--lora-rank", type=int, default=d.lora_rank)
     p.add_argument("--dtype", default=d.dtype, help="float32, bfloat16, ... (default: bfloat16 on CUDA, float32 on CPU)")
@@ -67,8 +68,9 @@ def _run_train(args) -> int:
     config = config_from_dict(vars(args))
     trainer = Trainer(config)
     summary = trainer.train()
-    print(f"longtrain train: finished, run in {config.out}")
-    print(format_summary(summary))
+    if summary:  # under torchrun, rank 0 reports
+        print(f"longtrain train: finished, run in {config.out}")
+        print(format_summary(summary))
     return 0
 
 
@@ -81,7 +83,7 @@ def _add_simulate(sub) -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (their gradients are alive in later forwards)")
     p.add_argument("--strategy", default="none", help="none, checkpoint, a comma list with options (mst,attention:chunk=8192:offload=true), or a strategy .yaml/.json")
-    p.add_argument("--engine", default=None, help="gradient engine: backprop, seco, spaco, with options (seco:chunk=4096:offload=true)")
+    p.add_argument("--engine", default=None, help="gradient engine: backprop, seco, spaco, adjoint, with options (seco:chunk=4096:offload=true, adjoint:truncate=64)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"])
     p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -116,7 +118,7 @@ def _run_presets(args) -> int:
 
     for name in preset_names():
         c = preset_config(name)
-        print(f"{name:<14} {c.model_type:<8} layers {c.num_hidden_layers:>3}  hidden {c.hidden_size:>5}  vocab {c.vocab_size:>6}")
+        print(f"{name:<14} {c.model_type:<10} layers {c.num_hidden_layers:>3}  hidden {c.hidden_size:>5}  vocab {c.vocab_size:>6}")
     return 0
 
 

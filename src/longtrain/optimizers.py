@@ -13,7 +13,8 @@ OPTIMIZERS = ("adamw", "sgd", "none")
 def make_optimizer(name: str, params, lr: float = 1e-4, weight_decay: float = 0.0):
     """``adamw`` (fused on CUDA, per-parameter elsewhere: no whole-model temporaries),
     ``sgd`` (momentum 0.9) or ``none`` (returns ``None``)."""
-    params = [p for p in params if p.requires_grad]
+    # Meta parameters belong to another rank (layer groups): no state here.
+    params = [p for p in params if p.requires_grad and not p.is_meta]
     if name == "none":
         return None
     if not params:

@@ -34,7 +34,10 @@ def matmul_parameters(model: nn.Module) -> int:
 
 
 def attention_width(config) -> int:
-    """Heads × head dimension (differs from the hidden size in e.g. Gemma-2)."""
+    """Heads × head dimension (differs from the hidden size in e.g. Gemma-2); 0 for
+    attention-free models (SSM-ResNet), whose recurrence is linear in the length."""
+    if getattr(config, "attention_free", False):
+        return 0
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return config.num_attention_heads * head_dim
 

@@ -231,6 +231,8 @@ class MemoryTracker(TorchDispatchMode):
         return "activations"
 
     def _record_for(self, tensor: torch.Tensor, category: str, origin: str) -> _Record | None:
+        if tensor.is_meta:  # no storage (e.g. another rank's layers under layer groups)
+            return None
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse, nested, ... : not tracked

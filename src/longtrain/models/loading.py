@@ -65,20 +65,25 @@ def load_config(spec: str | PretrainedConfig) -> PretrainedConfig:
     return preset_config(spec)
 
 
+def _attention_kwargs(config: PretrainedConfig) -> dict:
+    """Our attention backend for transformers; nothing for attention-free models (SSM-ResNet)."""
+    return {} if getattr(config, "attention_free", False) else {"attn_implementation": attention_backend(config)}
+
+
 def build_from_config(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
     """A randomly initialized causal LM with flash-memory SDPA attention."""
     with default_dtype(dtype):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_backend(config))
+        model = AutoModelForCausalLM.from_config(config, **_attention_kwargs(config))
     return model
 
 
 def load_pretrained(path: str, dtype: torch.dtype) -> nn.Module:
-    attn = attention_backend(load_config(path))
+    attn = _attention_kwargs(load_config(path))
     try:
         try:
-            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn, local_files_only=True)
+            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **attn)
         except TypeError:  # transformers 4.x names the argument torch_dtype
-            return AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, attn_implementation=attn, local_files_only=True)
+            return AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, local_files_only=True, **attn)
     except (OSError, ValueError) as exc:
         raise LongtrainError(f"cannot load the model in {path}: {exc}") from None
 

@@ -12,6 +12,7 @@ import re
 from transformers import AutoConfig, PretrainedConfig
 
 from ..errors import LongtrainError
+from . import ssm_resnet  # noqa: F401  (registers model_type "ssm_resnet" with AutoConfig)
 
 # name -> (model_type, config fields)
 _PRESETS: dict[str, tuple[str, dict]] = {
@@ -68,6 +69,17 @@ _PRESETS: dict[str, tuple[str, dict]] = {
         vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
         rope_theta=10000.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)),
+    # SSM-ResNet (longtrain's own model, models/ssm_resnet.py) at the adjoint-sharding
+    # paper's sizes (Fig. 1: 32M, 63M, 127M, 225M, 1.27B parameters; the paper gives
+    # only the counts, so widths and depths are ours), a GPT-2-sized vocabulary.
+    "ssm-32m": ("ssm_resnet", dict(vocab_size=32000, hidden_size=384, state_size=384, num_hidden_layers=12)),
+    "ssm-63m": ("ssm_resnet", dict(vocab_size=32000, hidden_size=640, state_size=640, num_hidden_layers=13)),
+    "ssm-127m": ("ssm_resnet", dict(vocab_size=32000, hidden_size=1024, state_size=1024, num_hidden_layers=15)),
+    "ssm-225m": ("ssm_resnet", dict(vocab_size=32000, hidden_size=1280, state_size=1280, num_hidden_layers=22)),
+    "ssm-1.27b": ("ssm_resnet", dict(vocab_size=32000, hidden_size=2560, state_size=2560, num_hidden_layers=42)),
+    "tiny-ssm": ("ssm_resnet", dict(vocab_size=320, hidden_size=32, state_size=24, num_hidden_layers=3)),
+    # The SSM the adjoint engine trains on the pass-key task in `longtrain train --model ssm-demo`.
+    "ssm-demo": ("ssm_resnet", dict(vocab_size=260, hidden_size=128, state_size=128, num_hidden_layers=4)),
     # The embedded default of `longtrain train`: small enough to train at 8K tokens on
     # two CPU cores in minutes.
     "demo": ("llama", dict(

@@ -30,7 +30,7 @@ from ..ops.tiled_mlp import tiled_mlp
 from ..registry import register_technique
 from .chunked_attention import PIPELINE_ATTR
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "ssm_resnet")
 
 
 @dataclass
@@ -86,7 +86,7 @@ def install_mst(model, options: MsT) -> None:
     base = _check_supported(model)
     attention_chunk = getattr(getattr(model, PIPELINE_ATTR, None), "chunk", None)
     object.__setattr__(model, "_longtrain_mst", options)  # the chunked pipeline reads loss_chunks
-    if options.mlp:
+    if options.mlp and not getattr(base.config, "attention_free", False):  # SSM-ResNet layers have no MLP
         # Under chunked attention each MLP call sees one attention chunk; FPDT runs the
         # FFN in twice as many chunks as attention, which keeps attention the memory peak.
         default = base.config.hidden_size if attention_chunk is None else max(1, attention_chunk // 2)

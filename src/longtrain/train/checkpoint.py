@@ -48,24 +48,38 @@ def write_text_atomic(path: Path, text: str) -> None:
     _fsync_path(path.parent)
 
 
-def save_checkpoint(root: str | Path, step: int, writers: dict[str, Callable[[Path], None]], meta: dict, keep: int = 2) -> Path:
+def save_checkpoint(root: str | Path, step: int, writers: dict[str, Callable[[Path], None]], meta: dict, keep: int = 2, ranks=None) -> Path:
     """Write a checkpoint for ``step`` under ``root`` atomically and return its path.
 
     ``writers`` maps file names to functions that write that file at the given path.
     Older checkpoints beyond the newest ``keep`` are removed once the new one is live.
+    With several ``ranks`` (:class:`longtrain.train.ranks.Ranks`) every rank writes its
+    own files into one temporary directory and rank 0 commits the manifest of all.
     """
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    distributed = ranks is not None and ranks.distributed
+    commits = not distributed or ranks.main
     name = f"{PREFIX}{step:08d}"
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    # Ranks share the temporary name; a lone process adds its pid.
+    tmp = root / (f".tmp-{name}" if distributed else f".tmp-{name}-{os.getpid()}")
+    if commits:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    if distributed:
+        ranks.barrier()
     files = {}
     for filename, write in writers.items():
         path = tmp / filename
         write(path)
         _fsync_path(path)
         files[filename] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    if distributed:
+        every = ranks.gather(files)
+        if not commits:
+            ranks.barrier()  # wait for rank 0 to commit
+            return root / name
+        files = {k: v for rank_files in every for k, v in rank_files.items()}
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files, "meta": meta}, indent=1))
     _fsync_path(tmp / MANIFEST)
     _fsync_path(tmp)
@@ -80,6 +94,8 @@ def save_checkpoint(root: str | Path, step: int, writers: dict[str, Callable[[Pa
     _fsync_path(root)
     write_text_atomic(root / LATEST, name)
     _prune(root, keep)
+    if distributed:
+        ranks.barrier()
     return final
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import random
 import shutil
 import time
@@ -34,6 +35,7 @@ from . import checkpoint as ckpt
 from .data import TokenWindows, collate
 from .metrics import MetricsLog, truncate_after
 from .passkey import PasskeyTask
+from .ranks import Ranks, check_distributed_engine
 from .tokenizer import ByteTokenizer, load_tokenizer
 
 MAX_SEQ_LEN = 1 << 24  # one sample of 16M tokens; beyond this int32 indexing in kernels overflows
@@ -59,6 +61,7 @@ class TrainConfig:
     engine: str = "backprop"  # gradient engine, optionally with options: "spaco:chunk=128:budget=8"
     chunk: int | None = None  # shortcut for the seco/spaco engine option
     budget: int | None = None  # shortcut for the spaco engine option
+    truncate: int | None = None  # shortcut for the adjoint engine option (T̄ states kept)
     lora: bool = False
     lora_rank: int = 8
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
@@ -116,7 +119,9 @@ def _check(config: TrainConfig) -> None:
 
 def _device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():  # under torchrun, each process takes its own GPU
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise LongtrainError("--device cuda was asked for but no CUDA device is available; use --device cpu")
@@ -154,19 +159,22 @@ def build_model(config: TrainConfig, dtype: torch.dtype):
 
 
 def _trainable(model) -> dict[str, torch.nn.Parameter]:
-    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+    """Trainable parameters this process holds (under layer groups, its own layers')."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad and not p.is_meta}
 
 
 def _fingerprint(model) -> dict:
-    return {name: list(p.shape) for name, p in _trainable(model).items()}
+    """Names and shapes of every trainable parameter, on whichever rank it lives."""
+    return {name: list(p.shape) for name, p in model.named_parameters() if p.requires_grad}
 
 
 def _strategy(config: TrainConfig) -> Strategy:
-    shortcuts = {k: v for k, v in (("chunk", config.chunk), ("budget", config.budget)) if v is not None}
+    shortcuts = {k: v for k, v in (("chunk", config.chunk), ("budget", config.budget), ("truncate", config.truncate)) if v is not None}
     if shortcuts and config.engine.split(":")[0] == "backprop":
+        name = next(iter(shortcuts))
         raise LongtrainError(
-            f"--{next(iter(shortcuts))} applies to --engine seco or spaco; for chunked attention "
-            "use --strategy attention:chunk=N"
+            f"--{name} applies to --engine {'adjoint' if name == 'truncate' else 'seco or spaco'}"
+            + ("; for chunked attention use --strategy attention:chunk=N" if name == "chunk" else "")
         )
     engine = None if config.engine == "backprop" and not shortcuts else config.engine
     return Strategy.parse(config.strategy, engine=engine, engine_options=shortcuts or None)
@@ -181,10 +189,16 @@ class Trainer:
         self.strategy = _strategy(config)
         self.out = Path(config.out)
         self.checkpoints = self.out / "checkpoints"
+        self.ranks = Ranks.from_env(self.device)
+        check_distributed_engine(self.ranks, self.strategy.engine)
 
         self.model, self.tokenizer = build_model(config, self.dtype)
         apply(self.model, self.strategy)
         self.model.to(self.device).train()
+        if self.ranks.distributed:
+            from ..parallel.layer_groups import shard_model
+
+            shard_model(self.model, self.ranks.rank, self.ranks.world_size)
 
         if config.data is None:
             if not isinstance(self.tokenizer, ByteTokenizer):
@@ -197,6 +211,7 @@ class Trainer:
 
         # Only now, with the model and data known to be good, touch the output directory.
         self._prepare_output_dir()
+        self.ranks.barrier()
         self.optimizer = make_optimizer(config.optimizer, self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, WarmupCosine(config.warmup_steps, config.steps))
         self.step_index = 0
@@ -209,6 +224,8 @@ class Trainer:
         has_run = (self.checkpoints / ckpt.LATEST).exists() or (self.out / "metrics.jsonl").exists()
         if has_run and not (c.resume or c.resume_from or c.overwrite):
             raise LongtrainError(f"{self.out} already holds a run; pass --resume to continue it, --overwrite to replace it, or --out NEW_DIR")
+        if not self.ranks.main:
+            return
         if c.overwrite and self.out.exists():
             for child in ("checkpoints", "metrics.jsonl", "summary.json", "final", "tensorboard"):
                 path = self.out / child
@@ -218,8 +235,15 @@ class Trainer:
     def _identity(self) -> dict:
         return {k: getattr(self.config, k) for k in TrainConfig.IDENTITY}
 
+    def _files(self) -> tuple[str, str]:
+        """This rank's checkpoint files (one pair per rank under layer groups)."""
+        if not self.ranks.distributed:
+            return "weights.safetensors", "trainer_state.pt"
+        return f"weights-rank{self.ranks.rank}.safetensors", f"trainer_state-rank{self.ranks.rank}.pt"
+
     def save(self) -> Path:
         trainable = _trainable(self.model)
+        weights_file, state_file = self._files()
 
         def weights(path):
             save_file({n: p.detach().to("cpu").contiguous() for n, p in trainable.items()}, str(path))
@@ -244,9 +268,11 @@ class Trainer:
             "identity": self._identity(),
             "strategy": self.strategy.to_dict(),
             "parameters": _fingerprint(self.model),
+            "processes": self.ranks.world_size,
         }
         return ckpt.save_checkpoint(
-            self.checkpoints, self.step_index, {"weights.safetensors": weights, "trainer_state.pt": state}, meta, keep=self.config.keep_checkpoints
+            self.checkpoints, self.step_index, {weights_file: weights, state_file: state}, meta,
+            keep=self.config.keep_checkpoints, ranks=self.ranks,
         )
 
     def load(self, path: Path) -> None:
@@ -260,9 +286,15 @@ class Trainer:
                 )
         if meta.get("parameters") != _fingerprint(self.model):
             raise LongtrainError(f"checkpoint {path} holds parameters of a different model; resume with the model it was written for")
+        if meta.get("processes", 1) != self.ranks.world_size:
+            raise LongtrainError(
+                f"checkpoint {path} was written by {meta.get('processes', 1)} processes but this run has {self.ranks.world_size}; "
+                "resume with the same --nproc-per-node"
+            )
+        weights_file, state_file = self._files()
         try:
-            weights = load_file(str(path / "weights.safetensors"))
-            state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+            weights = load_file(str(path / weights_file))
+            state = torch.load(path / state_file, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any decoding failure means a corrupt file
             raise LongtrainError(f"checkpoint {path} cannot be read ({exc}); delete it or pass --resume-from an earlier one") from None
         with torch.no_grad():
@@ -302,24 +334,38 @@ class Trainer:
             batches.append({k: v.to(self.device) for k, v in batch.items()})
         return batches
 
+    def full_model(self):
+        """The whole model: this one, or under layer groups the ranks' parameters
+        gathered into a fresh copy on rank 0 (None on the other ranks)."""
+        if not self.ranks.distributed:
+            return self.model
+        shards = self.ranks.gather({n: p.detach().cpu() for n, p in self.model.named_parameters() if not p.is_meta})
+        if not self.ranks.main:
+            return None
+        model, _ = build_model(self.config, self.dtype)
+        model.load_state_dict({n: t for shard in shards for n, t in shard.items()}, strict=True)
+        return model.to(self.device)
+
     def evaluate(self) -> dict | None:
         if self.task is None:
             return None
-        return self.task.evaluate(self.model, self.config.eval_samples, self.device)
+        model = self.full_model()
+        return None if model is None else self.task.evaluate(model, self.config.eval_samples, self.device)
 
     def train(self) -> dict:
         c = self.config
         resume = self._resume_point()
         if resume is not None:
             self.load(resume)
-            truncate_after(self.out / "metrics.jsonl", self.step_index)
-        log = MetricsLog(self.out / "metrics.jsonl", self.out / "tensorboard" if c.tensorboard else None)
+            if self.ranks.main:
+                truncate_after(self.out / "metrics.jsonl", self.step_index)
+        log = MetricsLog(self.out / "metrics.jsonl", self.out / "tensorboard" if c.tensorboard else None) if self.ranks.main else None
         flops_per_sample = model_flops_per_sample(self.model, c.seq_len) if hasattr(self.model, "get_input_embeddings") else None
         peak_flops = device_peak_flops(self.device)
         tokens_per_step = c.seq_len * c.batch_size * c.grad_accum
         trainable = list(_trainable(self.model).values())
         peak_bytes, step_times = 0, []
-        bar = tqdm(total=c.steps, initial=self.step_index, disable=not c.progress, desc="train", unit="step", dynamic_ncols=True)
+        bar = tqdm(total=c.steps, initial=self.step_index, disable=not (c.progress and self.ranks.main), desc="train", unit="step", dynamic_ncols=True)
         start = time.perf_counter()
         try:
             with StepMemoryMeter(self.device, self.model, self.optimizer) as meter:
@@ -329,7 +375,7 @@ class Trainer:
                     batches = self._micro_batches()
                     n_label = sum(count_label_tokens(b["labels"]) for b in batches)
                     loss = sum(float(strategy_step(self.model, b, self.strategy, num_label_tokens=n_label)) for b in batches)
-                    grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, c.max_grad_norm))
+                    grad_norm = self.ranks.clip_grad_norm(trainable, c.max_grad_norm)
                     lr = self.scheduler.get_last_lr()[0]
                     self.optimizer.step()
                     self.scheduler.step()
@@ -348,32 +394,41 @@ class Trainer:
                     }
                     if flops_per_sample and peak_flops:
                         record["mfu"] = mfu(flops_per_sample * c.batch_size * c.grad_accum, seconds, peak_flops)
-                    log.write(record)
+                    if log is not None:
+                        log.write(record)
                     self.history.append(record)
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / seconds:,.0f}", mem=format_bytes(peak.peak_bytes))
                     if c.eval_every and self.step_index % c.eval_every == 0 and self.step_index < c.steps:
                         result = self.evaluate()
-                        if result is not None:
+                        if result is not None and log is not None:
                             log.write({"step": self.step_index, "eval": result})
                     if self.step_index % c.save_every == 0 or self.step_index == c.steps:
                         self.save()
         finally:
             bar.close()
-            log.close()
-        evaluation = self.evaluate()
+            if log is not None:
+                log.close()
+        model = self.full_model()
+        peak_bytes = int(self.ranks.max(peak_bytes))  # under layer groups: the largest rank's
+        if model is None:  # a rank other than 0 of several: rank 0 evaluates and reports
+            self.ranks.close()
+            return {}
+        evaluation = None if self.task is None else self.task.evaluate(model, c.eval_samples, self.device)
         if evaluation is not None:
             with open(self.out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps({"step": self.step_index, "eval": evaluation}) + "\n")
-        self._save_final()
-        return self._summary(evaluation, peak_bytes, step_times, time.perf_counter() - start)
+        self._save_final(model)
+        summary = self._summary(evaluation, peak_bytes, step_times, time.perf_counter() - start)
+        self.ranks.close()
+        return summary
 
-    def _save_final(self) -> None:
+    def _save_final(self, model) -> None:
         final = self.out / "final"
         # For LoRA, peft would otherwise look the base model up on the Hub to decide
         # whether to save embeddings; nothing here trains them.
         extra = {"save_embedding_layers": False} if self.config.lora else {}
-        self.model.save_pretrained(final, **extra)
+        model.save_pretrained(final, **extra)
         self.tokenizer.save_pretrained(final)
 
     def _summary(self, evaluation, peak_bytes, step_times, seconds) -> dict:
@@ -400,6 +455,7 @@ class Trainer:
             "simulated_stock_setup": "full fine-tuning" if c.lora else "same setup",
             "seconds": seconds,
             "device": str(self.device),
+            "processes": self.ranks.world_size,
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
@@ -419,6 +475,8 @@ def format_summary(summary: dict) -> str:
         ("simulated stock peak", f"{format_bytes(summary['simulated_stock_peak_bytes'])} (same model, no techniques, {summary['simulated_stock_setup']}, seq_len {summary['seq_len']:,})"),
         ("wall time", f"{summary['seconds']:.0f} s for {summary['steps']} steps, strategy {summary['strategy']}"),
     ]
+    if summary.get("processes", 1) > 1:
+        rows[3] = (rows[3][0], rows[3][1] + f", the largest of {summary['processes']} processes (layer groups)")
     if summary.get("host_pool_bytes"):
         rows.insert(4, ("host memory", f"{format_bytes(summary['host_pool_bytes'])} in the pinned pool of parked chunks"))
     width = max(len(k) for k, _ in rows)

@@ -1,0 +1,262 @@
+"""The ``adjoint`` engine: adjoint sharding for SSM-ResNet models (exact or truncated).
+
+Paper: ../shared/papers/adjoint_sharding.txt (Prop. 2–3, §4.3, Alg. 1–4). No
+backpropagation-through-time graph is built. The forward runs without autograd and
+keeps, per layer, only what the paper lists: the layer's input y_{k−1} (the residual
+stream), A, c (the input-dependent part of C) and h. The gradient then goes down the
+stack one layer at a time:
+
+1. ``g = ∂L/∂z_k`` is the gradient of the residual stream at the layer's output. It is
+   what Prop. 3 must use for layer k; the paper prints ∂L/∂y_K (the top of the stack)
+   for every layer, which is exact only for the top one.
+2. The adjoint states. Token i's parameters reach the loss at every t ≥ i through
+   λ^{t,i} = C^t A^t ⋯ A^{i+1}; the VJP vector of token i's A and B networks is
+   μ^i = Σ_t g^t λ^{t,i}. Because a VJP is linear in its vector, the T(T+1)/2 VJPs
+   of Prop. 3 collapse into T: exactly, μ is the reverse recurrence
+   μ^i = C^{iT} g^i + A^{i+1} ⊙ μ^{i+1} (a log-depth scan); truncated to T̄, the sum
+   keeps t − i < T̄ and is accumulated over the T̄ offsets — T̄·T − T̄(T̄−1)/2 terms,
+   linear in T (``AdjointStats.adjoint_terms`` counts them).
+3. Token-wise VJPs. With h^{i−1}, h^i held fixed, token i's contribution is the map
+   ``SSMLayer.local``: (A^i h^{i−1} + B^i x^i, C^i h^i). Its VJP with cotangents
+   (μ^i, g^i) gives token i's parameter gradient (A and B networks see μ^i ⊗ h^{i−1} and
+   μ^i ⊗ x^i, the C network g^i ⊗ h^i, as in Prop. 2) and the gradient of its input.
+   The per-token VJPs are independent; ``torch.func.vmap`` batches them over the
+   tokens of a block and ``torch.func.vjp`` takes them in one call, in blocks sized to
+   ``vjp_memory``. The input gradient plus g is ∂L/∂z_{k−1}, the next layer's g.
+
+The truncated gradient is the gradient of a model whose state h^t, seen from the
+loss, is rebuilt from the stopped state h^{t−T̄} over the last T̄ steps (truncated
+BPTT per layer); tests compare it with that model differentiated by autograd.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import LongtrainError
+from ..memory.units import parse_bytes
+from ..models.layers import unwrap
+from ..models.ssm_resnet import SSMLayer, is_ssm_resnet
+from ..ops.chunked_loss import chunked_causal_lm_loss
+from ..ops.linear_scan import adjoint_states
+from ..parallel.layer_groups import LayerGroup, layer_group
+from ..registry import register_engine
+from .batch import label_token_count, prepare_batch
+
+
+@dataclass
+class AdjointOptions:
+    """Knobs of the adjoint engine."""
+
+    truncate: int | None = None  # T̄: count only the last T̄ states of each token (approximate); None: exact
+    vjp_memory: str | int = "64MiB"  # working memory of one batched VJP; sets the tokens per block
+    block: int | None = None  # tokens per VJP block (overrides vjp_memory)
+    recompute: bool = True  # keep only each layer's input; recompute A, c, h layer by layer in the backward
+
+    def __post_init__(self):
+        if self.truncate is not None and (not isinstance(self.truncate, int) or self.truncate <= 0):
+            raise LongtrainError(f"adjoint truncate must be a positive integer (T̄ states), got {self.truncate!r}")
+        if self.block is not None and (not isinstance(self.block, int) or self.block <= 0):
+            raise LongtrainError(f"adjoint block must be a positive integer (tokens), got {self.block!r}")
+        parse_bytes(self.vjp_memory)
+
+
+@dataclass
+class AdjointStats:
+    """What the last step did, per batch row and summed over layers."""
+
+    adjoint_terms: int = 0  # (t, i) adjoint-state terms g^t λ^{t,i} summed (exact: T(T+1)/2 per layer)
+    scan_steps: int = 0  # exact only: positions of the reverse recurrence that sums them
+    token_vjps: int = 0  # token-wise VJPs (one per token and layer, covering the A, B and C networks)
+    vjp_calls: int = 0  # batched torch.func.vjp calls (blocks)
+    block_tokens: list[int] = field(default_factory=list)
+
+
+class LayerRecord(NamedTuple):
+    """What the forward keeps of one layer: the paper's y_{k−1}, A, C, h, or with
+    ``recompute`` only y_{k−1} (A, c, h are rebuilt from it when the layer's turn comes)."""
+
+    z_in: torch.Tensor  # (B, T, P) the layer's input: the residual stream below it
+    a: torch.Tensor | None  # (B, T, N) decays A^t (float32 under half precision, as h)
+    c: torch.Tensor | None  # (B, T, N) input-dependent readout c^t (C^t = W_o diag(c^t))
+    h: torch.Tensor | None  # (B, T, N) states h^t
+
+
+def check_model(model) -> nn.Module:
+    base = unwrap(model)
+    if not is_ssm_resnet(base):
+        raise LongtrainError(
+            f"the adjoint engine trains SSM-ResNet models (--model ssm-demo or another ssm-* preset), "
+            f"not {type(base).__name__}; use --engine backprop, seco or spaco for transformers"
+        )
+    return base
+
+
+@torch.no_grad()
+def forward_layer(layer: SSMLayer, z: torch.Tensor, mask: torch.Tensor | None, keep_states: bool = True) -> tuple[torch.Tensor, LayerRecord]:
+    a, c, h = layer.states(z, mask)
+    z_out = z + layer.readout(c, h)
+    return z_out, LayerRecord(z, a, c, h) if keep_states else LayerRecord(z, None, None, None)
+
+
+def truncated_adjoint_states(a: torch.Tensor, direct: torch.Tensor, window: int) -> tuple[torch.Tensor, int]:
+    """μ^i = Σ_{t=i}^{i+window−1} direct^t ⊙ A^{i+1} ⋯ A^t over dim 1, and the number of
+    (t, i) terms summed (per batch row and state channel)."""
+    length = a.shape[1]
+    mu = direct.clone()
+    run = None  # run[:, i] = A^{i+1} ⋯ A^{i+d}
+    terms = length
+    for d in range(1, min(window, length)):
+        run = a[:, d:] if run is None else run[:, : length - d] * a[:, d:]
+        mu[:, : length - d] += direct[:, d:] * run
+        terms += length - d
+    return mu, terms
+
+
+class _Local(nn.Module):
+    """``layer.local`` as a module's forward, so ``torch.func.functional_call`` can run it."""
+
+    def __init__(self, layer: SSMLayer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, z, h_prev, h, mask):
+        return self.layer.local(z, h_prev, h, mask)
+
+
+def _block_tokens(layer: SSMLayer, rows: int, length: int, options: AdjointOptions, element_size: int) -> int:
+    if options.block is not None:
+        return min(options.block, length)
+    p, n = layer.out_proj.out_features, layer.out_proj.in_features
+    # What one token's map keeps for its VJP (norm, projections, gates) and the VJP's
+    # cotangents: about 4 hidden-sized and 6 state-sized vectors (measured: 5 KiB per
+    # token for P = N = 128 in float32).
+    per_token = (4 * p + 6 * n) * element_size * rows
+    return max(1, min(length, parse_bytes(options.vjp_memory) // per_token))
+
+
+def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = grad.detach().clone()
+    else:
+        param.grad.add_(grad)
+
+
+@torch.no_grad()  # torch.func.vjp still differentiates inside; nothing else may build a graph
+def backward_layer(
+    layer: SSMLayer,
+    record: LayerRecord,
+    grad_out: torch.Tensor,
+    mask: torch.Tensor | None,
+    options: AdjointOptions,
+    stats: AdjointStats | None = None,
+) -> torch.Tensor:
+    """Accumulate the layer's parameter gradients and return ∂L/∂z_{k−1} given ∂L/∂z_k."""
+    z, a, c, h = record
+    if a is None:
+        a, c, h = layer.states(z, mask)
+    rows, length = z.shape[:2]
+    # The gradient reaching h^t directly through y^t = W_o (c^t ⊙ h^t): C^{tT} g^t.
+    direct = (c * (grad_out @ layer.out_proj.weight)).to(a.dtype)
+    if options.truncate is None:
+        mu = adjoint_states(a, direct)
+        terms = length * (length + 1) // 2
+    else:
+        mu, terms = truncated_adjoint_states(a, direct, options.truncate)
+    del direct
+    h_prev = F.pad(h[:, :-1], (0, 0, 1, 0))
+    local = _Local(layer)
+    params = {name: p for name, p in local.named_parameters() if p.requires_grad}
+
+    def token_map(params, z_t, h_prev_t, h_t, mask_t):
+        return torch.func.functional_call(local, params, (z_t, h_prev_t, h_t, mask_t))
+
+    batched = torch.func.vmap(token_map, in_dims=(None, 0, 0, 0, 0))
+    keep = torch.ones(rows, length, dtype=z.dtype, device=z.device) if mask is None else mask.to(z.dtype)
+    block = _block_tokens(layer, rows, length, options, z.element_size())
+    grad_in = grad_out.clone()
+    for start in range(0, length, block):
+        sl = slice(start, start + block)
+
+        def tokens(x):  # (B, block, ...) -> (B·block, ...): the tokens vmap runs over
+            return x[:, sl].reshape(-1, *x.shape[2:])
+
+        _, vjp_fn = torch.func.vjp(lambda p, zz: batched(p, zz, tokens(h_prev), tokens(h), tokens(keep)), params, tokens(z))
+        grad_params, grad_z = vjp_fn((tokens(mu), tokens(grad_out)))
+        for name, grad in grad_params.items():
+            _accumulate(params[name], grad)
+        grad_in[:, sl] += grad_z.reshape(rows, -1, z.shape[-1])
+        if stats is not None:
+            stats.vjp_calls += 1
+            stats.block_tokens.append(min(block, length - start))
+    if stats is not None:
+        stats.adjoint_terms += terms
+        stats.scan_steps += length if options.truncate is None else 0
+        stats.token_vjps += length
+    return grad_in
+
+
+def head_backward(base: nn.Module, z_top: torch.Tensor, labels: torch.Tensor, num_label_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss of the final norm + LM head (mini-sequence, no full logits) and ∂L/∂z_K;
+    the norm's and head's gradients are accumulated."""
+    z = z_top.detach().requires_grad_()
+    hidden = base.model.norm(z)
+    loss = chunked_causal_lm_loss(hidden, base.lm_head.weight, labels, num_label_tokens=num_label_tokens)
+    loss.backward()
+    return loss.detach(), z.grad
+
+
+def embedding_backward(base: nn.Module, input_ids: torch.Tensor, grad: torch.Tensor) -> None:
+    embedding = base.model.embed_tokens
+    if embedding.weight.requires_grad:
+        embedding(input_ids).backward(grad)
+
+
+@register_engine("adjoint", AdjointOptions, "adjoint sharding for SSM-ResNet: token-wise VJPs, no BPTT graph; exact or truncated")
+def adjoint_step(model, batch, options: AdjointOptions, num_label_tokens: int | None = None, stats: AdjointStats | None = None):
+    """One micro-batch. On a model sharded by :func:`~longtrain.parallel.layer_groups.shard_model`
+    this rank runs its layer group and exchanges the residual stream (forward) and its
+    gradient (backward) with its neighbours; unsharded, one process runs every layer."""
+    base = check_model(model)
+    inputs = prepare_batch(batch)
+    num_label_tokens = label_token_count(inputs.labels, num_label_tokens)
+    layers = base.model.layers
+    group = layer_group(base) or LayerGroup(len(layers), 0, 1)
+    mask = inputs.attention_mask
+    if group.first:
+        with torch.no_grad():
+            z = base.model.embed_tokens(inputs.input_ids)
+    else:
+        z = group.recv(_stream_like(layers[group.layers[0]], inputs.input_ids), up=False)
+    records = []
+    for index in group.layers:
+        z, record = forward_layer(layers[index], z, mask, keep_states=not options.recompute)
+        records.append(record)
+    if group.last:
+        loss, grad = head_backward(base, z, inputs.labels, num_label_tokens)
+    else:
+        group.send(z, up=True)
+        grad = group.recv(z, up=True)
+    del z
+    for index in reversed(group.layers):
+        grad = backward_layer(layers[index], records.pop(), grad, mask, options, stats)
+    if group.first:
+        embedding_backward(base, inputs.input_ids, grad)
+    else:
+        group.send(grad, up=False)
+    if group.world_size > 1:  # every rank reports the loss the last rank computed
+        value = loss.double() if group.last else torch.zeros((), dtype=torch.float64, device=grad.device)
+        torch.distributed.broadcast(value, group.world_size - 1, group=group.process_group)
+        loss = loss if group.last else value.to(torch.float64 if grad.dtype == torch.float64 else torch.float32)
+    return loss
+
+
+def _stream_like(layer: SSMLayer, input_ids: torch.Tensor) -> torch.Tensor:
+    """An empty residual-stream tensor (B, T, P) in the layer's dtype and device."""
+    weight = layer.out_proj.weight
+    return torch.empty(*input_ids.shape, weight.shape[0], dtype=weight.dtype, device=weight.device)

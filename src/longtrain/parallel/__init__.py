@@ -1,0 +1,1 @@
+"""Multi-process execution: layer groups over a torch.distributed process group."""

@@ -1,0 +1,117 @@
+"""Adjoint sharding over ranks: each rank owns a contiguous group of SSM layers.
+
+Paper: ../shared/papers/adjoint_sharding.txt, §4.4, Alg. 1 and 4, Tables 2–6. Rank r
+holds the parameters, gradients, optimizer state and the forward records (y, A, c, h)
+of its layers only; rank 0 also holds the embedding, the last rank the final norm and
+the LM head. One step:
+
+- forward (Alg. 1): rank 0 embeds the tokens and runs its layers, then each rank
+  receives the residual stream from the rank below, runs its layers and passes it up;
+  the last rank computes the loss and ∂L/∂z_K.
+- gradient (Alg. 4): the last rank runs the adjoint engine over its layers and passes
+  ∂L/∂z at its group's input down; each rank does the same for its group.
+
+Alg. 4 as printed lets every rank start at once because it feeds ∂L/∂y_K (the top of
+the stack) to every layer. The exact gradient of layer k needs ∂L/∂z_k, which depends
+on the layers above, so the gradient phase goes down the ranks in turn: the ranks
+share the memory (1/R of the records, parameters and optimizer state each), not the
+time of one micro-batch. Messages are (batch, T, hidden) tensors, two per rank
+boundary per step.
+
+Launch with ``torchrun --nproc-per-node R``; gloo on CPU, NCCL on CUDA
+(``init_process_group`` picks by device). Results equal the single-process engine
+bit for bit: every rank runs the same operations on the same values.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import LongtrainError
+
+SHARD_ATTR = "_longtrain_layer_group"
+
+
+def layer_ranges(n_layers: int, world_size: int) -> list[range]:
+    """Contiguous, balanced layer groups, one per rank (earlier ranks take the remainder)."""
+    if world_size > n_layers:
+        raise LongtrainError(
+            f"cannot split {n_layers} SSM layers over {world_size} ranks (each rank needs a layer); "
+            f"launch at most {n_layers} processes"
+        )
+    size, extra = divmod(n_layers, world_size)
+    bounds, start = [], 0
+    for rank in range(world_size):
+        stop = start + size + (rank < extra)
+        bounds.append(range(start, stop))
+        start = stop
+    return bounds
+
+
+class LayerGroup:
+    """This rank's share of the model: its layer indices and whether it holds the
+    embedding (first rank) or the head (last rank)."""
+
+    def __init__(self, n_layers: int, rank: int, world_size: int, process_group=None):
+        self.rank, self.world_size, self.process_group = rank, world_size, process_group
+        self.layers = layer_ranges(n_layers, world_size)[rank]
+        self.first = rank == 0
+        self.last = rank == world_size - 1
+
+    def send(self, tensor: torch.Tensor, up: bool) -> None:
+        dist.send(tensor.contiguous(), self.rank + (1 if up else -1), group=self.process_group)
+
+    def recv(self, like: torch.Tensor, up: bool) -> torch.Tensor:
+        """Receive from the rank above (``up``) or below a tensor shaped like ``like``."""
+        buffer = torch.empty_like(like)
+        dist.recv(buffer, self.rank + (1 if up else -1), group=self.process_group)
+        return buffer
+
+
+def init_from_env(device: torch.device | None = None) -> tuple[int, int]:
+    """Initialize the default process group from torchrun's environment (gloo on CPU,
+    NCCL on CUDA); returns (rank, world size). A plain process is rank 0 of 1."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shard_model(model: nn.Module, rank: int, world_size: int, process_group=None) -> LayerGroup:
+    """Keep only this rank's layers (and the embedding or head) in memory.
+
+    The other modules move to the meta device: no storage, no gradient, so an optimizer
+    built over ``model.parameters()`` keeps state for this rank's parameters only.
+    """
+    from ..engines.adjoint import check_model
+
+    base = check_model(model)
+    if world_size > 1 and base.config.tie_word_embeddings:
+        raise LongtrainError("layer groups need untied embeddings (the first rank holds the embedding, the last the head); set tie_word_embeddings=False")
+    group = LayerGroup(len(base.model.layers), rank, world_size, process_group)
+    for index, layer in enumerate(base.model.layers):
+        if index not in group.layers:
+            layer.to("meta")
+    if not group.first:
+        base.model.embed_tokens.to("meta")
+    if not group.last:
+        base.model.norm.to("meta")
+        base.lm_head.to("meta")
+    object.__setattr__(base, SHARD_ATTR, group)
+    return group
+
+
+def layer_group(model: nn.Module) -> LayerGroup | None:
+    return getattr(model, SHARD_ATTR, None)
+
+
+def owned_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters this rank holds (all of them without sharding)."""
+    return {name: p for name, p in model.named_parameters() if not p.is_meta}

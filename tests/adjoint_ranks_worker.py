@@ -1,0 +1,40 @@
+"""Run under ``torchrun --nproc-per-node R``: one adjoint step of a 4-layer float64
+SSM-ResNet with its layers split over R ranks (gloo); each rank saves the gradients of
+the parameters it owns and the loss it reports. Used by test_adjoint_distributed.py."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from longtrain.engines.adjoint import AdjointOptions, adjoint_step
+from longtrain.models.loading import build_from_config
+from longtrain.models.presets import preset_config
+from longtrain.parallel.layer_groups import init_from_env, owned_parameters, shard_model
+
+
+def build_model_and_batch(truncate: int | None):
+    torch.manual_seed(0)
+    model = build_from_config(preset_config("tiny-ssm", num_hidden_layers=4), torch.float64)
+    ids = torch.randint(0, 320, (2, 45), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 30:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    return model, batch, AdjointOptions(truncate=truncate, block=8)
+
+
+def main(out_dir: str, truncate: int | None) -> None:
+    rank, world_size = init_from_env()
+    model, batch, options = build_model_and_batch(truncate)
+    shard_model(model, rank, world_size)
+    loss = adjoint_step(model, batch, options)
+    owned = {name: p.grad for name, p in owned_parameters(model).items()}
+    kept = sum(p.numel() for p in owned_parameters(model).values())
+    torch.save({"loss": loss, "grads": owned, "parameters": kept}, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None)

@@ -1,0 +1,207 @@
+"""Adjoint sharding (engines/adjoint.py) on the SSM-ResNet model, in float64.
+
+The exact engine must equal autograd through the model's sequential reference (a
+Python loop over time, differentiated step by step); the truncated engine must equal
+autograd through an independently written truncated-window model; the scan must
+equal the loop."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from longtrain.engines.adjoint import AdjointOptions, AdjointStats, adjoint_step, truncated_adjoint_states
+from longtrain.errors import LongtrainError
+from longtrain.models.loading import build_from_config
+from longtrain.models.presets import preset_config
+from longtrain.ops.linear_scan import adjoint_states, diagonal_recurrence, linear_scan
+from longtrain.ops.loss import causal_lm_loss
+
+from conftest import grads, max_rel_error
+
+
+def ssm_pair(layers: int = 3, dtype=torch.float64, seed: int = 0, **overrides):
+    """The sequential reference model and the parallel-scan model, same weights."""
+    config = preset_config("tiny-ssm", num_hidden_layers=layers, **overrides)
+    torch.manual_seed(seed)
+    ours = build_from_config(copy.deepcopy(config), dtype)
+    config.scan_implementation = "sequential"
+    reference = build_from_config(config, dtype)
+    reference.load_state_dict(ours.state_dict())
+    return reference.train(), ours.train()
+
+
+def padded(length: int, left: bool = False, seed: int = 1):
+    """Batch 2: row 0 full, row 1 padded by a third (right or left)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 320, (2, length), generator=generator)
+    mask = torch.ones_like(ids)
+    pad = length // 3
+    if left:
+        mask[1, :pad] = 0
+    else:
+        mask[1, length - pad:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def rel(x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((x - y).detach().norm() / y.detach().norm().clamp_min(1e-300))
+
+
+def label_count(batch) -> int:
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def autograd_grads(model, batch):
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    loss = causal_lm_loss(out.logits, batch["labels"], label_count(batch))
+    loss.backward()
+    return loss.detach(), grads(model)
+
+
+def adjoint_grads(model, batch, **options):
+    stats = AdjointStats()
+    loss = adjoint_step(model, batch, AdjointOptions(**options), stats=stats)
+    return loss, grads(model), stats
+
+
+def test_scan_equals_loop_and_its_gradient_is_the_adjoint_recurrence():
+    torch.manual_seed(0)
+    for length in (1, 2, 5, 64, 100):
+        a = torch.rand(2, length, 3, dtype=torch.float64, requires_grad=True)
+        b = torch.randn(2, length, 3, dtype=torch.float64, requires_grad=True)
+        h, loop = torch.zeros(2, 3, dtype=torch.float64), []
+        for t in range(length):
+            h = a[:, t] * h + b[:, t]
+            loop.append(h)
+        loop = torch.stack(loop, 1)
+        assert rel(linear_scan(a, b), loop) <= 1e-13
+        weights = torch.randn_like(loop)
+        ref = torch.autograd.grad((loop * weights).sum(), (a, b))
+        ours = torch.autograd.grad((diagonal_recurrence(a, b) * weights).sum(), (a, b))
+        assert max(rel(x, y) for x, y in zip(ours, ref)) <= 1e-12
+        assert rel(adjoint_states(a.detach(), weights), ref[1]) <= 1e-12
+
+
+def test_scan_accumulates_half_precision_in_float32():
+    a = torch.full((1, 4096, 2), 0.99)
+    b = torch.full((1, 4096, 2), 1e-3)
+    a, b = a.bfloat16(), b.bfloat16()
+    full = linear_scan(a.float(), b.float())
+    half = linear_scan(a, b)
+    assert half.dtype == torch.bfloat16
+    assert rel(half.float(), full) <= 1e-2
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["right-padding", "left-padding"])
+def test_parallel_scan_model_equals_sequential_reference(left):
+    reference, ours = ssm_pair()
+    batch = padded(29, left=left)
+    loss_ref, grads_ref = autograd_grads(reference, batch)
+    loss, grads_ours = autograd_grads(ours, batch)
+    assert abs(loss - loss_ref) <= 1e-12 * abs(loss_ref)
+    assert max_rel_error(grads_ours, grads_ref) <= 1e-10
+
+
+@pytest.mark.parametrize(
+    "layers,length,left,block,recompute",
+    [(3, 37, False, 5, True), (4, 50, True, 16, True), (3, 23, False, None, True), (3, 37, True, 5, False)],
+    ids=["K3-T37-right-block5", "K4-T50-left-block16", "K3-T23-budgeted", "K3-T37-left-kept-states"],
+)
+def test_exact_adjoint_equals_autograd(layers, length, left, block, recompute):
+    reference, ours = ssm_pair(layers)
+    batch = padded(length, left=left)
+    loss_ref, grads_ref = autograd_grads(reference, batch)
+    loss, grads_ours, stats = adjoint_grads(ours, batch, block=block, vjp_memory="16KiB", recompute=recompute)
+    assert abs(loss - loss_ref) <= 1e-12 * abs(loss_ref)
+    assert grads_ours.keys() == grads_ref.keys()
+    assert max_rel_error(grads_ours, grads_ref) <= 1e-10
+    assert stats.adjoint_terms == layers * length * (length + 1) // 2
+    assert stats.token_vjps == layers * length
+    if block:
+        assert stats.block_tokens[: -(-length // block)] == [block] * (length // block) + [length % block] * (length % block > 0)
+    assert stats.vjp_calls > layers  # several blocks per layer
+
+
+def truncated_reference_loss(model, batch, window: int):
+    """The loss of a model whose layers' states are, for the gradient, rebuilt from the
+    stopped state h^{t−window} over the last ``window`` steps (written without the engine)."""
+    base = model.model
+    mask = batch["attention_mask"]
+    z = base.embed_tokens(batch["input_ids"])
+    for layer in base.layers:
+        a, b, c = layer.maps(z, mask)
+        with torch.no_grad():
+            h_full = linear_scan(a, b)
+        states = []
+        for t in range(z.shape[1]):
+            start = t - window + 1
+            h = h_full[:, start - 1] if start >= 1 else torch.zeros_like(b[:, 0])
+            for i in range(max(start, 0), t + 1):
+                h = a[:, i] * h + b[:, i]
+            states.append(h)
+        z = z + layer.readout(c, torch.stack(states, 1))
+    logits = model.lm_head(base.norm(z))
+    return causal_lm_loss(logits, batch["labels"], label_count(batch))
+
+
+@pytest.mark.parametrize("window", [1, 4, 11])
+def test_truncated_adjoint_equals_truncated_window_reference(window):
+    reference, ours = ssm_pair(3)
+    batch = padded(31, left=True)
+    truncated_reference_loss(reference, batch, window).backward()
+    grads_ref = grads(reference)
+    _, grads_ours, stats = adjoint_grads(ours, batch, truncate=window, block=8)
+    assert max_rel_error(grads_ours, grads_ref) <= 1e-10
+    length = 31
+    assert stats.adjoint_terms == 3 * (window * length - window * (window - 1) // 2)
+
+
+def test_truncation_longer_than_the_sequence_is_exact_and_short_truncation_is_not():
+    _, model = ssm_pair(3)
+    batch = padded(20)
+    _, exact, _ = adjoint_grads(model, batch)
+    model.zero_grad(set_to_none=True)
+    _, long_window, _ = adjoint_grads(model, batch, truncate=20)
+    model.zero_grad(set_to_none=True)
+    _, short_window, _ = adjoint_grads(model, batch, truncate=2)
+    assert max_rel_error(long_window, exact) <= 1e-12
+    assert max_rel_error(short_window, exact) > 1e-3
+
+
+def test_truncated_term_count_is_linear_in_length():
+    a = torch.rand(1, 1, 1).expand(1, 4096, 1)
+    counts = [truncated_adjoint_states(a[:, :length], a[:, :length], 64)[1] for length in (1024, 2048, 4096)]
+    assert counts[2] - counts[1] == 2 * (counts[1] - counts[0])  # constant slope: 64 per token
+
+
+def test_adjoint_runs_in_bfloat16_close_to_float32():
+    _, model32 = ssm_pair(3, dtype=torch.float32)
+    model16 = copy.deepcopy(model32).to(torch.bfloat16)
+    batch = padded(40)
+    _, g32, _ = adjoint_grads(model32, batch)
+    _, g16, _ = adjoint_grads(model16, batch)
+    assert all(g.dtype == torch.bfloat16 for g in g16.values())
+    assert max_rel_error({k: v.float() for k, v in g16.items()}, g32) <= 0.1
+
+
+def test_frozen_parameters_get_no_gradient_and_accumulation_adds():
+    _, model = ssm_pair(3)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    model.model.layers[1].decay_proj.requires_grad_(False)
+    batch = padded(19)
+    _, once, _ = adjoint_grads(model, batch)
+    assert "model.embed_tokens.weight" not in once and "model.layers.1.decay_proj.weight" not in once
+    adjoint_step(model, batch, AdjointOptions())
+    twice = grads(model)
+    assert max_rel_error(twice, {k: 2 * v for k, v in once.items()}) <= 1e-12
+
+
+def test_adjoint_refuses_transformers_and_bad_options():
+    model = build_from_config(preset_config("tiny-llama"))
+    with pytest.raises(LongtrainError, match="SSM-ResNet"):
+        adjoint_step(model, {"input_ids": torch.zeros(1, 8, dtype=torch.long)}, AdjointOptions())
+    with pytest.raises(LongtrainError, match="truncate"):
+        AdjointOptions(truncate=0)
