@@ -54,7 +54,10 @@ class AdjointOptions:
     """Knobs of the adjoint engine."""
 
     truncate: int | None = None  # T̄: count only the last T̄ states of each token (approximate); None: exact
-    vjp_memory: str | int = "64MiB"  # working memory of one batched VJP; sets the tokens per block
+    # Working memory of one batched VJP, which sets the tokens per block. Default: the
+    # larger of 16 MiB and one layer's stored input, so the VJPs add at most about one
+    # layer's record to the peak and a layer takes ~10 blocks at any length.
+    vjp_memory: str | int | None = None
     block: int | None = None  # tokens per VJP block (overrides vjp_memory)
     recompute: bool = True  # keep only each layer's input; recompute A, c, h layer by layer in the backward
 
@@ -63,7 +66,8 @@ class AdjointOptions:
             raise LongtrainError(f"adjoint truncate must be a positive integer (T̄ states), got {self.truncate!r}")
         if self.block is not None and (not isinstance(self.block, int) or self.block <= 0):
             raise LongtrainError(f"adjoint block must be a positive integer (tokens), got {self.block!r}")
-        parse_bytes(self.vjp_memory)
+        if self.vjp_memory is not None:
+            parse_bytes(self.vjp_memory)
 
 
 @dataclass
@@ -118,6 +122,9 @@ def truncated_adjoint_states(a: torch.Tensor, direct: torch.Tensor, window: int)
     return mu, terms
 
 
+DEFAULT_VJP_MEMORY = 16 * 2**20
+
+
 class _Local(nn.Module):
     """``layer.local`` as a module's forward, so ``torch.func.functional_call`` can run it."""
 
@@ -137,7 +144,11 @@ def _block_tokens(layer: SSMLayer, rows: int, length: int, options: AdjointOptio
     # cotangents: about 4 hidden-sized and 6 state-sized vectors (measured: 5 KiB per
     # token for P = N = 128 in float32).
     per_token = (4 * p + 6 * n) * element_size * rows
-    return max(1, min(length, parse_bytes(options.vjp_memory) // per_token))
+    if options.vjp_memory is None:
+        budget = max(DEFAULT_VJP_MEMORY, rows * length * p * element_size)
+    else:
+        budget = parse_bytes(options.vjp_memory)
+    return max(1, min(length, budget // per_token))
 
 
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
@@ -158,18 +169,19 @@ def backward_layer(
 ) -> torch.Tensor:
     """Accumulate the layer's parameter gradients and return ∂L/∂z_{k−1} given ∂L/∂z_k."""
     z, a, c, h = record
+    del record  # A and c go as soon as the adjoint states exist
     if a is None:
         a, c, h = layer.states(z, mask)
     rows, length = z.shape[:2]
     # The gradient reaching h^t directly through y^t = W_o (c^t ⊙ h^t): C^{tT} g^t.
     direct = (c * (grad_out @ layer.out_proj.weight)).to(a.dtype)
+    del c
     if options.truncate is None:
-        mu = adjoint_states(a, direct)
+        mu = adjoint_states(a, direct, overwrite=True)
         terms = length * (length + 1) // 2
     else:
         mu, terms = truncated_adjoint_states(a, direct, options.truncate)
-    del direct
-    h_prev = F.pad(h[:, :-1], (0, 0, 1, 0))
+    del direct, a
     local = _Local(layer)
     params = {name: p for name, p in local.named_parameters() if p.requires_grad}
 
@@ -179,14 +191,19 @@ def backward_layer(
     batched = torch.func.vmap(token_map, in_dims=(None, 0, 0, 0, 0))
     keep = torch.ones(rows, length, dtype=z.dtype, device=z.device) if mask is None else mask.to(z.dtype)
     block = _block_tokens(layer, rows, length, options, z.element_size())
-    grad_in = grad_out.clone()
+    # ∂L/∂z_{k−1} = ∂L/∂z_k + the VJPs' input gradient, built in grad_out's storage:
+    # each block reads its own slice of grad_out before adding to it.
+    grad_in = grad_out
     for start in range(0, length, block):
-        sl = slice(start, start + block)
+        sl = slice(start, min(start + block, length))
 
         def tokens(x):  # (B, block, ...) -> (B·block, ...): the tokens vmap runs over
             return x[:, sl].reshape(-1, *x.shape[2:])
 
-        _, vjp_fn = torch.func.vjp(lambda p, zz: batched(p, zz, tokens(h_prev), tokens(h), tokens(keep)), params, tokens(z))
+        # h^{t−1} for the block's tokens (h^0 = 0), sliced per block rather than shifted whole.
+        h_prev = h[:, start - 1: sl.stop - 1] if start else F.pad(h[:, : sl.stop - 1], (0, 0, 1, 0))
+        h_prev = h_prev.reshape(-1, h.shape[-1])
+        _, vjp_fn = torch.func.vjp(lambda p, zz: batched(p, zz, h_prev, tokens(h), tokens(keep)), params, tokens(z))
         grad_params, grad_z = vjp_fn((tokens(mu), tokens(grad_out)))
         for name, grad in grad_params.items():
             _accumulate(params[name], grad)

@@ -3,9 +3,10 @@ Python loop over time.
 
 ``linear_scan`` runs the recurrence by recursive doubling (Hillis–Steele): after the
 step with offset s, position t holds the recurrence started s·2 positions back, so
-log₂(T) vectorized steps cover the sequence. It only multiplies decays and adds, so
-it is as stable as the sequential loop (no division by running products, which
-underflow). Half-precision inputs are scanned in float32.
+log₂(T) vectorized steps cover the sequence, in place on one copy of the inputs. It
+only multiplies decays and adds, so it is as stable as the sequential loop (no
+division by running products, which underflow). Half-precision inputs are scanned in
+float32.
 
 ``diagonal_recurrence`` is the differentiable version used by the SSM model: its
 backward is the adjoint recurrence μ_t = ∂L/∂h_t + a_{t+1} ⊙ μ_{t+1} (the same scan
@@ -23,33 +24,52 @@ def _scan_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
-def linear_scan(a: torch.Tensor, b: torch.Tensor, *, reverse: bool = False, dim: int = 1) -> torch.Tensor:
-    """h with h_t = a_t ⊙ h_{t−1} + b_t along ``dim`` (h_0 = 0), or, with ``reverse``,
-    h_t = a_t ⊙ h_{t+1} + b_t from the end. Returns ``b``'s dtype."""
-    out_dtype = b.dtype
-    a, b = a.to(_scan_dtype(b)), b.to(_scan_dtype(b))
-    if reverse:
-        a, b = a.flip(dim), b.flip(dim)
-    a, b = a.movedim(dim, 0), b.movedim(dim, 0)
+@torch.no_grad()
+def _scan_(a: torch.Tensor, b: torch.Tensor, reverse: bool) -> torch.Tensor:
+    """Recursive doubling in place on time-first tensors this module owns; returns b = h.
+
+    Forward, after the step with offset s position t holds the recurrence started 2s
+    positions back: (a_t, b_t) ← (a_t·a_{t−s}, b_t + a_t·b_{t−s}). Reverse mirrors it.
+    One temporary of the sequence's size at a time.
+    """
     length, offset = a.shape[0], 1
     while offset < length:
-        # Combine each position with the one ``offset`` earlier: (a, b) ∘ (a', b') = (a·a', a·b' + b).
-        b = torch.cat([b[:offset], torch.addcmul(b[offset:], a[offset:], b[:-offset])])
+        later, earlier = (slice(offset, None), slice(None, -offset))
+        target, source = (earlier, later) if reverse else (later, earlier)
+        b[target] += a[target] * b[source]
         if offset * 2 < length:  # the last step needs no decays
-            a = torch.cat([a[:offset], a[offset:] * a[:-offset]])
+            a[target] = a[target] * a[source]
         offset *= 2
-    h = b.movedim(0, dim)
-    if reverse:
-        h = h.flip(dim)
-    return h.to(out_dtype)
+    return b
 
 
-def adjoint_states(a: torch.Tensor, grad_h: torch.Tensor, dim: int = 1) -> torch.Tensor:
+def _owned(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """A time-first copy of ``x`` in ``dtype`` that the scan may overwrite."""
+    x = x.movedim(dim, 0)
+    return torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
+
+
+def linear_scan(a: torch.Tensor, b: torch.Tensor, *, reverse: bool = False, dim: int = 1) -> torch.Tensor:
+    """h with h_t = a_t ⊙ h_{t−1} + b_t along ``dim`` (h_0 = 0), or, with ``reverse``,
+    h_t = a_t ⊙ h_{t+1} + b_t from the end. Not differentiable (see
+    :func:`diagonal_recurrence`). Returns ``b``'s dtype."""
+    dtype = _scan_dtype(b)
+    h = _scan_(_owned(a, dim, dtype), _owned(b, dim, dtype), reverse)
+    return h.movedim(0, dim).to(b.dtype)
+
+
+def adjoint_states(a: torch.Tensor, grad_h: torch.Tensor, dim: int = 1, overwrite: bool = False) -> torch.Tensor:
     """μ with μ_t = grad_h_t + a_{t+1} ⊙ μ_{t+1} (μ after the end is 0): the gradient of
     a loss with respect to every h_t of the recurrence h_t = a_t ⊙ h_{t−1} + b_t, when
-    ``grad_h`` holds the gradient reaching each h_t directly."""
-    a_next = F.pad(a.movedim(dim, -1).narrow(-1, 1, a.shape[dim] - 1), (0, 1)).movedim(-1, dim)
-    return linear_scan(a_next, grad_h, reverse=True, dim=dim)
+    ``grad_h`` holds the gradient reaching each h_t directly. ``overwrite``: the caller
+    gives ``grad_h`` away and μ is built in its storage (when its dtype allows)."""
+    dtype = _scan_dtype(grad_h)
+    a = a.movedim(dim, 0)
+    a_next = torch.zeros(a.shape, dtype=dtype, device=a.device)
+    a_next[:-1] = a[1:]
+    mu = grad_h.movedim(dim, 0) if overwrite and grad_h.dtype == dtype else _owned(grad_h, dim, dtype)
+    mu = _scan_(a_next, mu, reverse=True)
+    return mu.movedim(0, dim).to(grad_h.dtype)
 
 
 class _DiagonalRecurrence(torch.autograd.Function):

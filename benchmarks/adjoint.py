@@ -1,0 +1,216 @@
+"""Adjoint sharding on SSM-ResNet: memory, time and VJP counts against backprop.
+
+1. ``cpu``: exact CPU measurement (tracked storages) of the peak of one training step
+   and its time, vs context length, for two small SSM-ResNets at batch 2: plain
+   backprop, layer checkpointing + MsT head (the field's usual memory baseline), the
+   exact adjoint engine (default: keeps each layer's input, recomputes A, c, h), the
+   adjoint engine keeping the paper's A, C, h, y, and truncated adjoint (T̄ = 64).
+   Engines are alternated per length, so the time ratios come from one run.
+2. ``count``: adjoint-state terms and token VJPs per layer vs T, read from the engine's
+   counters (exact, and truncated with T̄ = 64 and 256).
+3. ``presets``: simulated peak (bf16, AdamW, batch 2, as the paper's Fig. 1) of the
+   32M–1.27B presets at 8K and 16K tokens; every engine's peak is linear in T here (no
+   attention), so the two points give bytes/token and the longest context on 80 GiB.
+4. ``plot``: docs/adjoint.png from the JSON files.
+
+Writes docs/adjoint_{cpu,count,presets}.{json,md} and docs/adjoint.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import longtrain as lt
+from longtrain.engines.adjoint import AdjointOptions, AdjointStats, adjoint_step
+from longtrain.memory.simulate import run_training_steps, simulate
+from longtrain.models.loading import build_from_config
+from longtrain.models.presets import preset_config
+
+from _report import DOCS, plot_series, write_report
+
+MiB, GiB = 2**20, 2**30
+SIZES = {
+    "S (P=N=128, K=4)": dict(vocab_size=4096, hidden_size=128, state_size=128, num_hidden_layers=4),
+    "M (P=N=256, K=8)": dict(vocab_size=4096, hidden_size=256, state_size=256, num_hidden_layers=8),
+}
+PRESETS = ["ssm-32m", "ssm-63m", "ssm-127m", "ssm-225m", "ssm-1.27b"]
+BATCH = 2
+
+
+def _strategies(truncate: int = 64) -> dict[str, lt.Strategy]:
+    return {
+        "backprop": lt.Strategy(),
+        "checkpoint+mst": lt.Strategy(checkpoint=True, mst=True),
+        "adjoint": lt.Strategy(engine="adjoint"),
+        "adjoint, A/C/h kept": lt.Strategy(engine="adjoint", engine_options={"recompute": False}),
+        f"adjoint, T̄={truncate}": lt.Strategy(engine="adjoint", engine_options={"truncate": truncate}),
+    }
+
+
+def _model(size: str):
+    return build_from_config(preset_config("tiny-ssm", **SIZES[size]), torch.float32)
+
+
+def cpu(lengths=(2048, 4096, 8192, 16384), repeats=2) -> list[dict]:
+    rows = []
+    for size in SIZES:
+        for n in lengths:
+            strategies = _strategies()
+            batch = {"input_ids": torch.randint(0, 4096, (BATCH, n), generator=torch.Generator().manual_seed(0))}
+            peaks = {}
+            for name, strategy in strategies.items():
+                report, _ = run_training_steps(lambda: _model(size), seq_len=n, batch_size=BATCH, strategy=strategy,
+                                               optimizer="none", iterations=1, fake=False)
+                peaks[name] = report.peak_device_bytes
+            models = {}
+            for name, strategy in strategies.items():
+                torch.manual_seed(0)
+                models[name] = lt.apply(_model(size), strategy)
+            times = {name: [] for name in strategies}
+            for _ in range(repeats + 1):  # alternated; the first round warms up
+                for name, strategy in strategies.items():
+                    t0 = time.perf_counter()
+                    lt.step(models[name], batch, strategy)
+                    times[name].append(time.perf_counter() - t0)
+                    models[name].zero_grad(set_to_none=True)
+            base_time = statistics.median(times["backprop"][1:])
+            for name in strategies:
+                seconds = statistics.median(times[name][1:])
+                rows.append({"model": size, "engine": name, "tokens": n, "peak_mib": peaks[name] / MiB,
+                             "peak_vs_backprop": peaks[name] / peaks["backprop"], "seconds": seconds,
+                             "time_vs_backprop": seconds / base_time})
+                print(rows[-1], flush=True)
+    return rows
+
+
+def count(lengths=(256, 1024, 4096, 16384), windows=(None, 64, 256)) -> list[dict]:
+    rows = []
+    model = build_from_config(preset_config("tiny-ssm", num_hidden_layers=1))
+    for n in lengths:
+        ids = torch.randint(0, 320, (1, n), generator=torch.Generator().manual_seed(0))
+        for window in windows:
+            stats = AdjointStats()
+            t0 = time.perf_counter()
+            adjoint_step(model, {"input_ids": ids}, AdjointOptions(truncate=window), stats=stats)
+            seconds = time.perf_counter() - t0
+            model.zero_grad(set_to_none=True)
+            rows.append({"engine": "adjoint" if window is None else f"adjoint, T̄={window}", "tokens": n,
+                         "adjoint_terms": stats.adjoint_terms, "terms_per_token": stats.adjoint_terms / n,
+                         "token_vjps": stats.token_vjps, "vjp_calls": stats.vjp_calls, "seconds": seconds})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def presets(lengths=(8192, 16384), device_bytes=80 * GiB) -> list[dict]:
+    rows = []
+    strategies = {"backprop": "none", "checkpoint+mst": "checkpoint,mst", "adjoint": None}
+    for preset in PRESETS:
+        peaks = {}
+        for name, spec in strategies.items():
+            engine = "adjoint" if spec is None else None
+            for n in lengths:
+                report = simulate(preset, n, batch_size=BATCH, strategy=lt.Strategy.parse(spec or "none", engine=engine))
+                peaks[name, n] = report.device_peak_bytes
+                print(preset, name, n, report.device_peak_bytes / GiB, flush=True)
+        for name in strategies:
+            (n0, n1) = lengths
+            per_token = (peaks[name, n1] - peaks[name, n0]) / (n1 - n0)
+            fixed = peaks[name, n0] - per_token * n0
+            rows.append({"model": preset, "engine": name, "parameters_m": report.parameters / 1e6,
+                         "peak_8k_gib": peaks[name, n0] / GiB, "peak_16k_gib": peaks[name, n1] / GiB,
+                         "bytes_per_token": per_token, "fixed_gib": fixed / GiB,
+                         "max_tokens_80gib": int((device_bytes - fixed) // per_token) if per_token > 0 else None,
+                         "peak_16k_vs_backprop": peaks[name, n1] / peaks["backprop", n1]})
+    return rows
+
+
+def plot() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cpu_rows = json.loads((DOCS / "adjoint_cpu.json").read_text())["rows"]
+    count_rows = json.loads((DOCS / "adjoint_count.json").read_text())["rows"]
+    preset_rows = json.loads((DOCS / "adjoint_presets.json").read_text())["rows"]
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4.8))
+    big = [r for r in cpu_rows if r["model"] == list(SIZES)[-1]]
+    plot_series(axes[0], big, "engine", "tokens", "peak_mib")
+    axes[0].set(title=f"CPU peak, {list(SIZES)[-1]}, batch {BATCH}", xlabel="context tokens", ylabel="MiB", xscale="log")
+    plot_series(axes[1], big, "engine", "tokens", "seconds")
+    axes[1].set(title="CPU step time (Fig. 6 shape)", xlabel="context tokens", ylabel="s", xscale="log", yscale="log")
+    for row in count_rows:
+        row["terms_per_layer"] = row["adjoint_terms"]
+    plot_series(axes[2], count_rows, "engine", "tokens", "terms_per_layer")
+    axes[2].set(title="adjoint-state terms per layer", xlabel="context tokens", xscale="log", yscale="log")
+    for engine in ("backprop", "checkpoint+mst", "adjoint"):
+        mine = [r for r in preset_rows if r["engine"] == engine]
+        axes[3].plot([r["parameters_m"] for r in mine], [r["peak_16k_gib"] for r in mine], marker="o", label=engine)
+    axes[3].set(title=f"simulated peak at 16K, bf16 + AdamW, batch {BATCH} (Fig. 1 shape)", xlabel="parameters (M)",
+                ylabel="GiB", xscale="log")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(DOCS / "adjoint.png", dpi=110)
+    print(f"wrote {DOCS / 'adjoint.png'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["cpu", "count", "presets", "plot"], help="run one part (default: all)")
+    args = parser.parse_args()
+    todo = [args.only] if args.only else ["cpu", "count", "presets", "plot"]
+    if "cpu" in todo:
+        write_report(
+            "adjoint_cpu", "Adjoint sharding vs backprop: exact CPU peak and step time", [
+                ("model", "model"), ("engine", "engine"), ("tokens", "tokens"), ("peak_mib", "peak MiB"),
+                ("peak_vs_backprop", "peak / backprop"), ("seconds", "step s"), ("time_vs_backprop", "time / backprop")],
+            cpu(), f"""
+Exact CPU measurement (tracked storages, float32, no optimizer) of one forward + backward
+at batch {BATCH}; times are medians of engines alternated in one run. `adjoint` keeps
+each layer's input and recomputes A, c, h when the layer's turn comes; `A/C/h kept`
+keeps what the paper lists; `T̄=64` is truncated adjoint sharding (approximate).
+`checkpoint+mst` is per-layer checkpointing with the mini-sequence LM head.""",
+            "python benchmarks/adjoint.py --only cpu")
+    if "count" in todo:
+        write_report(
+            "adjoint_count", "Adjoint sharding: adjoint-state terms and VJPs vs context length", [
+                ("engine", "engine"), ("tokens", "T"), ("adjoint_terms", "terms per layer"),
+                ("terms_per_token", "terms / T"), ("token_vjps", "token VJPs per layer"), ("vjp_calls", "batched VJP calls"),
+                ("seconds", "step s")],
+            count(), """
+Counters of the engine (`AdjointStats`) for one layer at batch 1. A term is one
+g^t λ^{t,i} of Prop. 3, i.e. one of the paper's per-(t, i) VJPs; the engine sums the
+terms of each token i before its single VJP (a VJP is linear in its vector), so it
+takes T token VJPs per layer in every mode. Exact: T(T+1)/2 terms, summed implicitly
+by the reverse recurrence in T steps. Truncated: T̄·T − T̄(T̄−1)/2 terms, accumulated
+explicitly, so terms / T tends to T̄ (linear in T). Note the paper prints
+T̄·T + T̄(T̄−1)/2; counting its sum gives the minus sign.""",
+            "python benchmarks/adjoint.py --only count")
+    if "presets" in todo:
+        write_report(
+            "adjoint_presets", "Adjoint sharding at the paper's sizes: simulated peak memory", [
+                ("model", "model"), ("parameters_m", "params (M)"), ("engine", "engine"), ("peak_8k_gib", "8K GiB"),
+                ("peak_16k_gib", "16K GiB"), ("peak_16k_vs_backprop", "16K / backprop"), ("bytes_per_token", "bytes/token"),
+                ("max_tokens_80gib", "longest context on 80 GiB")],
+            presets(), f"""
+Simulated (fake tensors, same code path as the training step) at bf16 with AdamW, batch
+{BATCH}, one device. Peak memory of every engine is linear in T for an SSM, so bytes/token
+and the longest context on an 80 GiB device follow from 8K and 16K. Backprop materializes
+the logits (vocabulary 32,000) and every layer's activations; checkpoint+mst keeps each
+layer's input and computes the head in mini-sequences; adjoint keeps each layer's input,
+computes the head in mini-sequences too, and replaces the recomputed layer's autograd
+graph by its A, c, h, the adjoint states and one block of token VJPs.""",
+            "python benchmarks/adjoint.py --only presets")
+    if "plot" in todo:
+        plot()
+
+
+if __name__ == "__main__":
+    main()
