@@ -8,12 +8,13 @@
    Engines are alternated per length, so the time ratios come from one run.
 2. ``count``: adjoint-state terms and token VJPs per layer vs T, read from the engine's
    counters (exact, and truncated with T̄ = 64 and 256).
-3. ``presets``: simulated peak (bf16, AdamW, batch 2, as the paper's Fig. 1) of the
+3. ``ranks``: per-process peak of layer groups under torchrun (1, 2, 4 processes).
+4. ``presets``: simulated peak (bf16, AdamW, batch 2, as the paper's Fig. 1) of the
    32M–1.27B presets at 8K and 16K tokens; every engine's peak is linear in T here (no
    attention), so the two points give bytes/token and the longest context on 80 GiB.
-4. ``plot``: docs/adjoint.png from the JSON files.
+5. ``plot``: docs/adjoint.png from the JSON files.
 
-Writes docs/adjoint_{cpu,count,presets}.{json,md} and docs/adjoint.png.
+Writes docs/adjoint_{cpu,count,presets,ranks}.{json,md} and docs/adjoint.png.
 """
 
 from __future__ import annotations
@@ -129,6 +130,65 @@ def presets(lengths=(8192, 16384), device_bytes=80 * GiB) -> list[dict]:
     return rows
 
 
+RANKS_MODEL = dict(vocab_size=4096, hidden_size=128, state_size=128, num_hidden_layers=16)
+
+
+def ranks_worker(length: int = 8192) -> None:
+    """One process of ``ranks``: two AdamW steps with the adjoint engine on this rank's
+    layer group; rank 0 prints every rank's peak of the second step as JSON."""
+    import torch.distributed as dist
+
+    from longtrain.memory import MemoryTracker
+    from longtrain.optimizers import make_optimizer
+    from longtrain.parallel.layer_groups import init_from_env, owned_parameters, shard_model
+
+    rank, world = init_from_env()
+    torch.manual_seed(0)
+    model = build_from_config(preset_config("tiny-ssm", **RANKS_MODEL))
+    if world > 1:
+        shard_model(model, rank, world)
+    optimizer = make_optimizer("adamw", model.parameters())
+    batch = {"input_ids": torch.randint(0, 4096, (BATCH, length), generator=torch.Generator().manual_seed(0))}
+    with MemoryTracker(model, optimizer) as tracker:
+        for _ in range(2):
+            tracker.reset_peak()
+            adjoint_step(model, batch, AdjointOptions())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        peak = tracker.report().peak_device_bytes
+    mine = {"rank": rank, "peak_bytes": peak, "parameters": sum(p.numel() for p in owned_parameters(model).values())}
+    every = [None] * world
+    if world > 1:
+        dist.all_gather_object(every, mine)
+        dist.destroy_process_group()
+    else:
+        every = [mine]
+    if rank == 0:
+        print("RANKS " + json.dumps(every), flush=True)
+
+
+def ranks(processes=(1, 2, 4)) -> list[dict]:
+    """Per-process peak of layer groups launched with torchrun (gloo), exact CPU measurement."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    launcher = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
+    rows, single = [], None
+    for world in processes:
+        cmd = [launcher, "--standalone", f"--nproc-per-node={world}", __file__, "--only", "ranks-worker"]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
+        every = json.loads(next(line for line in out.splitlines() if line.startswith("RANKS "))[6:])
+        largest = max(r["peak_bytes"] for r in every)
+        single = single or largest
+        rows.append({"processes": world, "per_rank_mib": ", ".join(f"{r['peak_bytes'] / MiB:.0f}" for r in every),
+                     "largest_mib": largest / MiB, "vs_one_process": largest / single,
+                     "parameters_per_rank": ", ".join(str(r["parameters"]) for r in every)})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def plot() -> None:
     import matplotlib
 
@@ -138,7 +198,7 @@ def plot() -> None:
     cpu_rows = json.loads((DOCS / "adjoint_cpu.json").read_text())["rows"]
     count_rows = json.loads((DOCS / "adjoint_count.json").read_text())["rows"]
     preset_rows = json.loads((DOCS / "adjoint_presets.json").read_text())["rows"]
-    fig, axes = plt.subplots(1, 4, figsize=(22, 4.8))
+    fig, axes = plt.subplots(1, 4, figsize=(24, 5.2))
     big = [r for r in cpu_rows if r["model"] == list(SIZES)[-1]]
     plot_series(axes[0], big, "engine", "tokens", "peak_mib")
     axes[0].set(title=f"CPU peak, {list(SIZES)[-1]}, batch {BATCH}", xlabel="context tokens", ylabel="MiB", xscale="log")
@@ -148,14 +208,21 @@ def plot() -> None:
         row["terms_per_layer"] = row["adjoint_terms"]
     plot_series(axes[2], count_rows, "engine", "tokens", "terms_per_layer")
     axes[2].set(title="adjoint-state terms per layer", xlabel="context tokens", xscale="log", yscale="log")
-    for engine in ("backprop", "checkpoint+mst", "adjoint"):
-        mine = [r for r in preset_rows if r["engine"] == engine]
-        axes[3].plot([r["parameters_m"] for r in mine], [r["peak_16k_gib"] for r in mine], marker="o", label=engine)
-    axes[3].set(title=f"simulated peak at 16K, bf16 + AdamW, batch {BATCH} (Fig. 1 shape)", xlabel="parameters (M)",
-                ylabel="GiB", xscale="log")
+    # Fig. 1 shape: peak vs context per model size, backprop (dashed) and adjoint (solid),
+    # from each engine's linear fit (simulated at 8K and 16K; markers there).
+    tokens = [2**k for k in range(13, 21)]
+    for color, preset in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], PRESETS):
+        for engine, style in (("backprop", "--"), ("adjoint", "-")):
+            row = next(r for r in preset_rows if r["model"] == preset and r["engine"] == engine)
+            fit = [(row["fixed_gib"] * GiB + row["bytes_per_token"] * n) / GiB for n in tokens]
+            axes[3].plot(tokens, fit, style, color=color, label=f"{preset} {engine}")
+            axes[3].plot([8192, 16384], [row["peak_8k_gib"], row["peak_16k_gib"]], "o", color=color)
+    axes[3].axhline(80, color="gray", lw=0.8)
+    axes[3].set(title=f"simulated peak, bf16 + AdamW, batch {BATCH} (Fig. 1 shape)", xlabel="context tokens",
+                ylabel="GiB", xscale="log", yscale="log")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7 if ax is axes[3] else 8, ncol=2 if ax is axes[3] else 1)
     fig.tight_layout()
     fig.savefig(DOCS / "adjoint.png", dpi=110)
     print(f"wrote {DOCS / 'adjoint.png'}")
@@ -163,9 +230,12 @@ def plot() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["cpu", "count", "presets", "plot"], help="run one part (default: all)")
+    parser.add_argument("--only", choices=["cpu", "count", "presets", "ranks", "plot", "ranks-worker"], help="run one part (default: all)")
     args = parser.parse_args()
-    todo = [args.only] if args.only else ["cpu", "count", "presets", "plot"]
+    if args.only == "ranks-worker":
+        ranks_worker()
+        return
+    todo = [args.only] if args.only else ["cpu", "count", "presets", "ranks", "plot"]
     if "cpu" in todo:
         write_report(
             "adjoint_cpu", "Adjoint sharding vs backprop: exact CPU peak and step time", [
@@ -208,6 +278,19 @@ layer's input and computes the head in mini-sequences; adjoint keeps each layer'
 computes the head in mini-sequences too, and replaces the recomputed layer's autograd
 graph by its A, c, h, the adjoint states and one block of token VJPs.""",
             "python benchmarks/adjoint.py --only presets")
+    if "ranks" in todo:
+        write_report(
+            "adjoint_ranks", "Adjoint sharding over processes: peak memory per rank", [
+                ("processes", "processes"), ("per_rank_mib", "peak per rank (MiB)"), ("largest_mib", "largest MiB"),
+                ("vs_one_process", "largest / 1 process"), ("parameters_per_rank", "parameters per rank")],
+            ranks(), f"""
+`torchrun --nproc-per-node R` (gloo, CPU), a 16-layer SSM-ResNet (P = N = 128,
+vocabulary 4,096), {BATCH} × 8,192 tokens, exact CPU measurement of the second of two
+AdamW steps on each rank (parameters, gradients, optimizer state, records and working
+set). Rank 0 holds the embedding, the last rank the head. What does not shrink with R
+is each rank's whole-sequence working set: the residual stream it receives, the
+gradient it sends, one layer's A, c, h, μ and one VJP block.""",
+            "python benchmarks/adjoint.py --only ranks")
     if "plot" in todo:
         plot()
 

@@ -158,6 +158,17 @@ def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
+def _direct_gradient(layer: SSMLayer, c, h, grad_out, block: int, dtype) -> torch.Tensor:
+    """C^{tT} g^t for every t: the gradient reaching h^t through the layer's own output
+    y^t = C^t h^t, by VJPs of the readout (so adapters on it, LoRA, count) block by block."""
+    direct = torch.empty(h.shape, dtype=dtype, device=h.device)
+    for start in range(0, h.shape[1], block):
+        sl = slice(start, start + block)
+        _, vjp_fn = torch.func.vjp(lambda state: layer.readout(c[:, sl], state), h[:, sl])
+        direct[:, sl] = vjp_fn(grad_out[:, sl])[0]
+    return direct
+
+
 @torch.no_grad()  # torch.func.vjp still differentiates inside; nothing else may build a graph
 def backward_layer(
     layer: SSMLayer,
@@ -173,8 +184,8 @@ def backward_layer(
     if a is None:
         a, c, h = layer.states(z, mask)
     rows, length = z.shape[:2]
-    # The gradient reaching h^t directly through y^t = W_o (c^t ⊙ h^t): C^{tT} g^t.
-    direct = (c * (grad_out @ layer.out_proj.weight)).to(a.dtype)
+    block = _block_tokens(layer, rows, length, options, z.element_size())
+    direct = _direct_gradient(layer, c, h, grad_out, block, a.dtype)
     del c
     if options.truncate is None:
         mu = adjoint_states(a, direct, overwrite=True)
@@ -190,7 +201,6 @@ def backward_layer(
 
     batched = torch.func.vmap(token_map, in_dims=(None, 0, 0, 0, 0))
     keep = torch.ones(rows, length, dtype=z.dtype, device=z.device) if mask is None else mask.to(z.dtype)
-    block = _block_tokens(layer, rows, length, options, z.element_size())
     # ∂L/∂z_{k−1} = ∂L/∂z_k + the VJPs' input gradient, built in grad_out's storage:
     # each block reads its own slice of grad_out before adding to it.
     grad_in = grad_out

@@ -28,7 +28,7 @@ import math
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 
 from ..ops.linear_scan import diagonal_recurrence
@@ -195,7 +195,10 @@ class SSMResNetModel(SSMResNetPreTrainedModel):
         return BaseModelOutput(last_hidden_state=self.norm(z))
 
 
-class SSMResNetForCausalLM(SSMResNetPreTrainedModel):
+class SSMResNetForCausalLM(SSMResNetPreTrainedModel, GenerationMixin):
+    """The LM. ``generate`` works but keeps no recurrent state between steps (no cache
+    yet): each new token reruns the sequence."""
+
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: SSMResNetConfig):
