@@ -12,9 +12,13 @@
 4. ``presets``: simulated peak (bf16, AdamW, batch 2, as the paper's Fig. 1) of the
    32M–1.27B presets at 8K and 16K tokens; every engine's peak is linear in T here (no
    attention), so the two points give bytes/token and the longest context on 80 GiB.
-5. ``plot``: docs/adjoint.png from the JSON files.
+5. ``training``: the pass-key task trained with backprop, exact and truncated adjoint.
+6. ``plot``: docs/adjoint.png from the JSON files.
+7. ``gpu`` (not run by default; needs CUDA): allocator peak and step time of backprop,
+   checkpoint + MsT and adjoint for ssm-127m at 16K and 64K tokens. Written, not yet run
+   (no GPU was lent to this issue).
 
-Writes docs/adjoint_{cpu,count,presets,ranks}.{json,md} and docs/adjoint.png.
+Writes docs/adjoint_{cpu,count,presets,ranks,training}.{json,md} and docs/adjoint.png.
 """
 
 from __future__ import annotations
@@ -94,15 +98,20 @@ def count(lengths=(256, 1024, 4096, 16384), windows=(None, 64, 256)) -> list[dic
     model = build_from_config(preset_config("tiny-ssm", num_hidden_layers=1))
     for n in lengths:
         ids = torch.randint(0, 320, (1, n), generator=torch.Generator().manual_seed(0))
-        for window in windows:
+        exact = None
+        for window in windows:  # None (exact) first: the truncated gradients are compared with it
             stats = AdjointStats()
             t0 = time.perf_counter()
             adjoint_step(model, {"input_ids": ids}, AdjointOptions(truncate=window), stats=stats)
             seconds = time.perf_counter() - t0
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+            exact = exact or grads
             model.zero_grad(set_to_none=True)
+            difference = max(float((grads[k] - exact[k]).norm() / exact[k].norm()) for k in exact)
             rows.append({"engine": "adjoint" if window is None else f"adjoint, T̄={window}", "tokens": n,
                          "adjoint_terms": stats.adjoint_terms, "terms_per_token": stats.adjoint_terms / n,
-                         "token_vjps": stats.token_vjps, "vjp_calls": stats.vjp_calls, "seconds": seconds})
+                         "token_vjps": stats.token_vjps, "vjp_calls": stats.vjp_calls, "seconds": seconds,
+                         "gradient_vs_exact": difference})
             print(rows[-1], flush=True)
     return rows
 
@@ -127,6 +136,73 @@ def presets(lengths=(8192, 16384), device_bytes=80 * GiB) -> list[dict]:
                          "bytes_per_token": per_token, "fixed_gib": fixed / GiB,
                          "max_tokens_80gib": int((device_bytes - fixed) // per_token) if per_token > 0 else None,
                          "peak_16k_vs_backprop": peaks[name, n1] / peaks["backprop", n1]})
+    return rows
+
+
+def gpu(preset: str = "ssm-127m", lengths=(16384, 65536), repeats=3) -> list[dict]:
+    """One CUDA device, bf16, AdamW, batch 2: allocator peak and median step time per
+    engine, engines alternated per length; an engine that runs out of memory is recorded so."""
+    if not torch.cuda.is_available():
+        raise SystemExit("--only gpu needs a CUDA device")
+    from longtrain.optimizers import make_optimizer
+
+    device = torch.device("cuda")
+    rows = []
+    for n in lengths:
+        batch = {"input_ids": torch.randint(0, 32000, (BATCH, n), device=device)}
+        for name in ("backprop", "checkpoint+mst", "adjoint"):
+            strategy = {"backprop": lt.Strategy(), "checkpoint+mst": lt.Strategy(checkpoint=True, mst=True),
+                        "adjoint": lt.Strategy(engine="adjoint")}[name]
+            torch.manual_seed(0)
+            model = lt.apply(build_from_config(preset_config(preset), torch.bfloat16).to(device), strategy)
+            optimizer = make_optimizer("adamw", model.parameters())
+            times, peak, error = [], None, None
+            try:
+                for i in range(repeats + 1):
+                    torch.cuda.reset_peak_memory_stats(device)
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    lt.step(model, batch, strategy)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    end.record()
+                    torch.cuda.synchronize(device)
+                    times.append(start.elapsed_time(end) / 1e3)
+                    peak = torch.cuda.max_memory_allocated(device)
+            except torch.OutOfMemoryError:
+                error = "out of memory"
+            del model, optimizer
+            torch.cuda.empty_cache()
+            rows.append({"model": preset, "engine": name, "tokens": n, "peak_gib": None if peak is None else peak / GiB,
+                         "seconds": statistics.median(times[1:]) if len(times) > 1 else None,
+                         "tokens_per_s": BATCH * n / statistics.median(times[1:]) if len(times) > 1 else None, "note": error or ""})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def training(steps: int = 150, seq_len: int = 2048) -> list[dict]:
+    """``longtrain train --model ssm-demo`` on the pass-key task, same seed and data, with
+    backprop, exact adjoint and truncated adjoint: the loss curves (mean of 10 steps)."""
+    import tempfile
+
+    from longtrain.train.trainer import TrainConfig, Trainer
+
+    rows = []
+    cases = {"backprop": ("backprop", None), "adjoint": ("adjoint", None), "adjoint, T̄=16": ("adjoint", 16),
+             "adjoint, T̄=128": ("adjoint", 128)}
+    for name, (engine, truncate) in cases.items():
+        with tempfile.TemporaryDirectory() as out:
+            config = TrainConfig(model="ssm-demo", engine=engine, truncate=truncate, seq_len=seq_len, steps=steps,
+                                 out=out, progress=False, eval_samples=8, save_every=steps)
+            trainer = Trainer(config)
+            summary = trainer.train()
+            losses = [r["loss"] for r in trainer.history]
+        row = {"engine": name, "first_loss": sum(losses[:10]) / 10, "final_loss": sum(losses[-10:]) / 10,
+               "digit_accuracy": summary["task"]["digit_accuracy"], "tokens_per_s": summary["tokens_per_s"]}
+        for step in (25, 50, 100):
+            row[f"loss_{step}"] = sum(losses[step - 10: step]) / 10
+        rows.append(row)
+        print(row, flush=True)
     return rows
 
 
@@ -230,12 +306,12 @@ def plot() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["cpu", "count", "presets", "ranks", "plot", "ranks-worker"], help="run one part (default: all)")
+    parser.add_argument("--only", choices=["cpu", "count", "presets", "ranks", "training", "plot", "gpu", "ranks-worker"], help="run one part (default: all)")
     args = parser.parse_args()
     if args.only == "ranks-worker":
         ranks_worker()
         return
-    todo = [args.only] if args.only else ["cpu", "count", "presets", "ranks", "plot"]
+    todo = [args.only] if args.only else ["cpu", "count", "presets", "ranks", "training", "plot"]
     if "cpu" in todo:
         write_report(
             "adjoint_cpu", "Adjoint sharding vs backprop: exact CPU peak and step time", [
@@ -253,7 +329,7 @@ keeps what the paper lists; `T̄=64` is truncated adjoint sharding (approximate)
             "adjoint_count", "Adjoint sharding: adjoint-state terms and VJPs vs context length", [
                 ("engine", "engine"), ("tokens", "T"), ("adjoint_terms", "terms per layer"),
                 ("terms_per_token", "terms / T"), ("token_vjps", "token VJPs per layer"), ("vjp_calls", "batched VJP calls"),
-                ("seconds", "step s")],
+                ("seconds", "step s"), ("gradient_vs_exact", "gradient vs exact")],
             count(), """
 Counters of the engine (`AdjointStats`) for one layer at batch 1. A term is one
 g^t λ^{t,i} of Prop. 3, i.e. one of the paper's per-(t, i) VJPs; the engine sums the
@@ -261,7 +337,10 @@ terms of each token i before its single VJP (a VJP is linear in its vector), so 
 takes T token VJPs per layer in every mode. Exact: T(T+1)/2 terms, summed implicitly
 by the reverse recurrence in T steps. Truncated: T̄·T − T̄(T̄−1)/2 terms, accumulated
 explicitly, so terms / T tends to T̄ (linear in T). Note the paper prints
-T̄·T + T̄(T̄−1)/2; counting its sum gives the minus sign.""",
+T̄·T + T̄(T̄−1)/2; counting its sum gives the minus sign. "gradient vs exact": the
+largest relative difference of a parameter's gradient from the exact one (this model's
+decays are initialized with memories of 10 to 1,000 tokens, so windows shorter than
+that lose real paths).""",
             "python benchmarks/adjoint.py --only count")
     if "presets" in todo:
         write_report(
@@ -291,6 +370,27 @@ set). Rank 0 holds the embedding, the last rank the head. What does not shrink w
 is each rank's whole-sequence working set: the residual stream it receives, the
 gradient it sends, one layer's A, c, h, μ and one VJP block.""",
             "python benchmarks/adjoint.py --only ranks")
+    if "training" in todo:
+        write_report(
+            "adjoint_training", "Training the SSM with backprop, exact and truncated adjoint", [
+                ("engine", "engine"), ("first_loss", "loss, steps 1–10"), ("loss_25", "steps 16–25"), ("loss_50", "steps 41–50"),
+                ("loss_100", "steps 91–100"), ("final_loss", "last 10 steps"), ("digit_accuracy", "pass-key digits"),
+                ("tokens_per_s", "tokens/s")],
+            training(), """
+`longtrain train --model ssm-demo --seq-len 2048 --steps 150` on the built-in pass-key
+task (loss on all text), same seed and batches for every engine, float32 on CPU. Exact
+adjoint and backprop compute the same gradient, so their curves differ only by
+floating-point rounding; truncated adjoint follows its approximate gradient.""",
+            "python benchmarks/adjoint.py --only training")
+    if "gpu" in todo:  # not in the default list: needs a CUDA device
+        write_report(
+            "adjoint_gpu", "Adjoint sharding on one GPU: allocator peak and step time", [
+                ("model", "model"), ("engine", "engine"), ("tokens", "tokens"), ("peak_gib", "peak GiB"),
+                ("seconds", "step s"), ("tokens_per_s", "tokens/s"), ("note", "note")],
+            gpu(), f"""
+bf16, AdamW, batch {BATCH}; `torch.cuda.max_memory_allocated` of the last step and the
+median step time (CUDA events) of three after a warm-up.""",
+            "python benchmarks/adjoint.py --only gpu")
     if "plot" in todo:
         plot()
 

@@ -12,6 +12,8 @@ import copy
 import pytest
 import torch
 
+import longtrain as lt
+
 from longtrain.engines.adjoint import AdjointOptions, AdjointStats, adjoint_step, truncated_adjoint_states
 from longtrain.errors import LongtrainError
 from longtrain.models.loading import build_from_config
@@ -203,6 +205,8 @@ def test_adjoint_refuses_transformers_and_bad_options():
     model = build_from_config(preset_config("tiny-llama"))
     with pytest.raises(LongtrainError, match="SSM-ResNet"):
         adjoint_step(model, {"input_ids": torch.zeros(1, 8, dtype=torch.long)}, AdjointOptions())
+    with pytest.raises(LongtrainError, match="SSM-ResNet"):
+        lt.apply(build_from_config(preset_config("tiny-llama")), lt.Strategy(engine="adjoint"))
     with pytest.raises(LongtrainError, match="truncate"):
         AdjointOptions(truncate=0)
 

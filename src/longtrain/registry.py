@@ -44,6 +44,7 @@ class Engine:
     options: type
     step: Callable[..., Any]
     summary: str
+    check: Callable[[Any], None] | None = None  # check(model): refuse a model the engine cannot train
 
 
 _TECHNIQUES: dict[str, Technique] = {}
@@ -68,14 +69,16 @@ def register_technique(name: str, options: type, summary: str, order: int = 100)
     return wrap
 
 
-def register_engine(name: str, options: type, summary: str):
-    """Decorator registering ``step(model, batch, options, num_label_tokens)`` as an engine."""
+def register_engine(name: str, options: type, summary: str, check: Callable[[Any], None] | None = None):
+    """Decorator registering ``step(model, batch, options, num_label_tokens)`` as an engine;
+    ``check(model)``, if given, raises a clear error for models the engine cannot train
+    (``longtrain.apply`` calls it, so the error comes before any work)."""
     _check_options_class(options)
 
     def wrap(step):
         if name in _ENGINES:
             raise ValueError(f"engine {name!r} is registered twice")
-        _ENGINES[name] = Engine(name, options, step, summary)
+        _ENGINES[name] = Engine(name, options, step, summary, check)
         return step
 
     return wrap

@@ -187,6 +187,9 @@ def apply(model, strategy: Strategy):
             f"this model already has strategy {prior.name!r} applied; build a fresh model "
             f"to apply {strategy.name!r}"
         )
+    engine = registry.engine(strategy.engine)
+    if engine.check is not None:
+        engine.check(model)
     for name, options in strategy.techniques.items():
         registry.technique(name).install(model, options)
     object.__setattr__(model, "_longtrain_strategy", strategy)

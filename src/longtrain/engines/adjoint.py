@@ -244,7 +244,8 @@ def embedding_backward(base: nn.Module, input_ids: torch.Tensor, grad: torch.Ten
         embedding(input_ids).backward(grad)
 
 
-@register_engine("adjoint", AdjointOptions, "adjoint sharding for SSM-ResNet: token-wise VJPs, no BPTT graph; exact or truncated")
+@register_engine("adjoint", AdjointOptions, "adjoint sharding for SSM-ResNet: token-wise VJPs, no BPTT graph; exact or truncated",
+                 check=check_model)
 def adjoint_step(model, batch, options: AdjointOptions, num_label_tokens: int | None = None, stats: AdjointStats | None = None):
     """One micro-batch. On a model sharded by :func:`~longtrain.parallel.layer_groups.shard_model`
     this rank runs its layer group and exchanges the residual stream (forward) and its
