@@ -186,7 +186,7 @@ def test_adjoint_runs_in_bfloat16_close_to_float32():
     _, g32, _ = adjoint_grads(model32, batch)
     _, g16, _ = adjoint_grads(model16, batch)
     assert all(g.dtype == torch.bfloat16 for g in g16.values())
-    assert max_rel_error({k: v.float() for k, v in g16.items()}, g32) <= 0.1
+    assert max_rel_error({k: v.float() for k, v in g16.items()}, g32) <= 0.03  # measured 0.011
 
 
 def test_frozen_parameters_get_no_gradient_and_accumulation_adds():

@@ -2,9 +2,10 @@
 
 Paper: ../shared/papers/adjoint_sharding.txt (Prop. 2–3, §4.3, Alg. 1–4). No
 backpropagation-through-time graph is built. The forward runs without autograd and
-keeps, per layer, only what the paper lists: the layer's input y_{k−1} (the residual
-stream), A, c (the input-dependent part of C) and h. The gradient then goes down the
-stack one layer at a time:
+keeps, per layer, the layer's input y_{k−1} (the residual stream) — and, with
+``recompute=False``, the rest of what the paper lists: A, c (the input-dependent part
+of C) and h; by default those are rebuilt from y_{k−1} when the layer's turn comes. The
+gradient then goes down the stack one layer at a time:
 
 1. ``g = ∂L/∂z_k`` is the gradient of the residual stream at the layer's output. It is
    what Prop. 3 must use for layer k; the paper prints ∂L/∂y_K (the top of the stack)
@@ -75,7 +76,6 @@ class AdjointStats:
     """What the last step did, per batch row and summed over layers."""
 
     adjoint_terms: int = 0  # (t, i) adjoint-state terms g^t λ^{t,i} summed (exact: T(T+1)/2 per layer)
-    scan_steps: int = 0  # exact only: positions of the reverse recurrence that sums them
     token_vjps: int = 0  # token-wise VJPs (one per token and layer, covering the A, B and C networks)
     vjp_calls: int = 0  # batched torch.func.vjp calls (blocks)
     block_tokens: list[int] = field(default_factory=list)
@@ -220,10 +220,9 @@ def backward_layer(
         grad_in[:, sl] += grad_z.reshape(rows, -1, z.shape[-1])
         if stats is not None:
             stats.vjp_calls += 1
-            stats.block_tokens.append(min(block, length - start))
+            stats.block_tokens.append(sl.stop - start)
     if stats is not None:
         stats.adjoint_terms += terms
-        stats.scan_steps += length if options.truncate is None else 0
         stats.token_vjps += length
     return grad_in
 

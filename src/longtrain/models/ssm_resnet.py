@@ -11,8 +11,8 @@ stream z_{k−1}, normalizes it (u = RMSNorm(z)), and for every token t
     h^t = A^t ⊙ h^{t−1} + B^t x^t,  h^0 = 0
     z_k^t = z_{k−1}^t + C^t h^t
 
-Under half precision A, B x and h are float32. The (1 − A) factor keeps the state on the scale of the inputs however long the
-memory. Padding positions (attention mask 0) leave the state untouched (A = 1,
+Under half precision A, B x and h are float32. The (1 − A) factor keeps the state on
+the scale of the inputs however long the memory. Padding positions (attention mask 0) leave the state untouched (A = 1,
 B x = 0), so left padding does not leak into the state.
 
 Two forwards compute the same thing: the parallel one runs the recurrence with

@@ -10,8 +10,6 @@ their ranks and committed by rank 0 (see :func:`longtrain.train.checkpoint.save_
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
@@ -28,10 +26,7 @@ class Ranks:
     def from_env(cls, device: torch.device) -> "Ranks":
         from ..parallel.layer_groups import init_from_env
 
-        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            return cls()
-        rank, world_size = init_from_env(device)
-        return cls(rank, world_size)
+        return cls(*init_from_env(device))
 
     @property
     def distributed(self) -> bool:
