@@ -32,7 +32,7 @@ import torch
 
 import longtrain as lt
 from longtrain.engines.adjoint import AdjointOptions, AdjointStats, adjoint_step
-from longtrain.memory.simulate import run_training_steps, simulate
+from longtrain.plan.simulate import run_training_steps, simulate
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
 

@@ -25,7 +25,7 @@ import torch
 from transformers import LlamaConfig
 
 import longtrain as lt
-from longtrain.memory.simulate import run_training_steps, simulate
+from longtrain.plan.simulate import run_training_steps, simulate
 from longtrain.models.loading import build_from_config, load_config
 
 from _report import DOCS, median_step_times, plot_series, write_report

@@ -16,7 +16,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 import longtrain as lt
 from longtrain.memory import MemoryTracker
-from longtrain.memory.simulate import simulate
+from longtrain.plan.simulate import simulate
 from longtrain.models.loading import build_from_config, load_config
 from longtrain.ops.chunked_loss import chunked_causal_lm_loss
 from longtrain.ops.loss import causal_lm_loss

@@ -31,7 +31,7 @@ from transformers import LlamaConfig
 
 import longtrain as lt
 from longtrain.memory.flops import count_flops
-from longtrain.memory.simulate import run_training_steps, simulate
+from longtrain.plan.simulate import run_training_steps, simulate
 from longtrain.models import hf_compat
 from longtrain.models.loading import build_from_config, default_dtype, load_config
 

@@ -5,7 +5,7 @@ autograd for reference, with AdamW and with no optimizer; bf16 weights, gradient
 and optimizer state; batch 1. Writes docs/baseline_llama3_8b.{json,md}.
 """
 
-from longtrain.memory.simulate import simulate
+from longtrain.plan.simulate import simulate
 from longtrain.memory.units import gib
 
 from _report import write_report

@@ -4,7 +4,7 @@ The same `run_training_steps` runs once on fake tensors and once on real CPU ten
 the tracker counts live storages in both. Writes docs/simulator_agreement.{json,md}.
 """
 
-from longtrain.memory.simulate import run_training_steps
+from longtrain.plan.simulate import run_training_steps
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
 

@@ -9,7 +9,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from longtrain.engines.adjoint import AdjointOptions, adjoint_step
+import longtrain as lt
+from longtrain.engines.adjoint import AdjointOptions
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
 from longtrain.parallel.layer_groups import init_from_env, owned_parameters, shard_model
@@ -28,8 +29,9 @@ def build_model_and_batch(truncate: int | None):
 def main(out_dir: str, truncate: int | None) -> None:
     rank, world_size = init_from_env()
     model, batch, options = build_model_and_batch(truncate)
+    lt.apply(model, lt.Strategy(engine="adjoint", engine_options=options))
     shard_model(model, rank, world_size)
-    loss = adjoint_step(model, batch, options)
+    loss = lt.step(model, batch)
     owned = {name: p.grad for name, p in owned_parameters(model).items()}
     kept = sum(p.numel() for p in owned_parameters(model).values())
     torch.save({"loss": loss, "grads": owned, "parameters": kept}, f"{out_dir}/rank{rank}.pt")

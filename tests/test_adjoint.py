@@ -15,6 +15,8 @@ import torch
 import longtrain as lt
 
 from longtrain.engines.adjoint import AdjointOptions, AdjointStats, adjoint_step, truncated_adjoint_states
+from longtrain.engines.base import EngineContext
+from longtrain.models.adapters import adapter_for
 from longtrain.errors import LongtrainError
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
@@ -63,9 +65,14 @@ def autograd_grads(model, batch):
     return loss.detach(), grads(model)
 
 
+def adjoint_context(model, **options) -> EngineContext:
+    """The context ``lt.apply`` would build, for stepping one model with several option sets."""
+    return EngineContext(lt.Strategy(engine="adjoint", engine_options=options), adapter_for(model))
+
+
 def adjoint_grads(model, batch, **options):
     stats = AdjointStats()
-    loss = adjoint_step(model, batch, AdjointOptions(**options), stats=stats)
+    loss = adjoint_step(adjoint_context(model, **options), batch, stats=stats)
     return loss, grads(model), stats
 
 
@@ -196,15 +203,30 @@ def test_frozen_parameters_get_no_gradient_and_accumulation_adds():
     batch = padded(19)
     _, once, _ = adjoint_grads(model, batch)
     assert "model.embed_tokens.weight" not in once and "model.layers.1.decay_proj.weight" not in once
-    adjoint_step(model, batch, AdjointOptions())
+    adjoint_step(adjoint_context(model), batch)
     twice = grads(model)
     assert max_rel_error(twice, {k: 2 * v for k, v in once.items()}) <= 1e-12
 
 
-def test_adjoint_refuses_transformers_and_bad_options():
+def test_gradients_accumulate_through_autograd_hooks():
+    """Parameter gradients arrive through autograd's accumulation (post-accumulate hooks,
+    FSDP and optimizers-in-backward see them), not by writing ``.grad``."""
+    _, model = ssm_pair(2)
+    seen = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: seen.append(name))
+    adjoint_grads(model, padded(17))
+    assert set(seen) == {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_adjoint_refuses_transformers_packing_and_bad_options():
     model = build_from_config(preset_config("tiny-llama"))
     with pytest.raises(LongtrainError, match="SSM-ResNet"):
-        adjoint_step(model, {"input_ids": torch.zeros(1, 8, dtype=torch.long)}, AdjointOptions())
+        adjoint_step(adjoint_context(model), {"input_ids": torch.zeros(1, 8, dtype=torch.long)})
+    _, ssm = ssm_pair(2)
+    packed = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])}
+    with pytest.raises(LongtrainError, match="does not reset its state at document boundaries"):
+        adjoint_step(adjoint_context(ssm), packed)
     with pytest.raises(LongtrainError, match="SSM-ResNet"):
         lt.apply(build_from_config(preset_config("tiny-llama")), lt.Strategy(engine="adjoint"))
     with pytest.raises(LongtrainError, match="truncate"):
@@ -239,15 +261,15 @@ def test_ssm_model_saves_and_loads_as_a_hugging_face_model(tmp_path):
     assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
-def test_command_line_truncate_needs_the_adjoint_engine(capsys):
+def test_command_line_adjoint_options_are_the_engines(capsys):
     from longtrain.cli import main
 
-    assert main(["train", "--model", "ssm-demo", "--truncate", "8", "--steps", "1"]) == 2
-    assert "--truncate applies to --engine adjoint" in capsys.readouterr().err
+    assert main(["train", "--model", "ssm-demo", "--engine", "adjoint:truncate=0", "--steps", "1"]) == 2
+    assert "adjoint truncate must be a positive integer" in capsys.readouterr().err
 
 
 def test_adjoint_peak_is_below_backprop_and_simulation_matches_measurement():
-    from longtrain.memory.simulate import run_training_steps
+    from longtrain.plan.simulate import run_training_steps
     from longtrain.strategy import Strategy
 
     config = dict(vocab_size=320, hidden_size=64, state_size=64, num_hidden_layers=4)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from longtrain.engines.adjoint import adjoint_step
+import longtrain as lt
 from longtrain.errors import LongtrainError
 from longtrain.parallel.layer_groups import layer_ranges
 
@@ -33,7 +33,7 @@ def torchrun(ranks: int, out_dir: Path, truncate: int | None) -> list[dict]:
 @pytest.mark.parametrize("ranks,truncate", [(2, None), (4, None), (2, 5)], ids=["2-ranks", "4-ranks", "2-ranks-truncated"])
 def test_layer_groups_equal_one_process(tmp_path, ranks, truncate):
     model, batch, options = build_model_and_batch(truncate)
-    loss = adjoint_step(model, batch, options)
+    loss = lt.step(lt.apply(model, lt.Strategy(engine="adjoint", engine_options=options)), batch)
     single = {name: p.grad for name, p in model.named_parameters()}
     results = torchrun(ranks, tmp_path, truncate)
     merged = {}

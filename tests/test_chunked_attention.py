@@ -4,12 +4,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from longtrain.ops.causal_attention import causal_attention
 from longtrain.ops.chunked_attention import chunked_attention
+from longtrain.ops.masking import SequenceMask
 
 TOL = 1e-10
 
 
-def reference(q, k, v, window=None, segments=None):
+def reference(q, k, v, window=None, segments=None, key_valid=None):
+    """SDPA with an explicit boolean mask; rows with no visible key give 0."""
     s = q.shape[2]
     pos = torch.arange(s)
     mask = pos[None, :] <= pos[:, None]
@@ -18,8 +21,11 @@ def reference(q, k, v, window=None, segments=None):
     mask = mask[None, None]
     if segments is not None:
         mask = mask & (segments[:, :, None] == segments[:, None, :])[:, None]
+    if key_valid is not None:
+        mask = mask & key_valid[:, None, None, :]
     group = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask)
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask)
+    return out.nan_to_num(0.0)
 
 
 def rel(a, b):
@@ -28,7 +34,7 @@ def rel(a, b):
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)])  # MHA, GQA, MQA
 @pytest.mark.parametrize("n_chunks", [1, 2, 3, 8])
-@pytest.mark.parametrize("variant", ["causal", "window", "packed"])
+@pytest.mark.parametrize("variant", ["causal", "window", "packed", "left-padded+packed"])
 def test_matches_sdpa_in_float64(heads, kv_heads, n_chunks, variant):
     s = 61  # not divisible by any chunk count above 1
     chunk = -(-s // n_chunks)
@@ -37,14 +43,18 @@ def test_matches_sdpa_in_float64(heads, kv_heads, n_chunks, variant):
     k = torch.randn(2, kv_heads, s, 16, dtype=torch.float64, generator=g, requires_grad=True)
     v = torch.randn(2, kv_heads, s, 16, dtype=torch.float64, generator=g, requires_grad=True)
     window = 13 if variant == "window" else None
-    segments = None
-    if variant == "packed":
+    segments = key_valid = None
+    if "packed" in variant:
         segments = torch.zeros(2, s, dtype=torch.long)
         segments[0, 20:] = 1
         segments[1, 7:] = 1
         segments[1, 40:] = 2
-    out = chunked_attention(q, k, v, chunk=chunk, window=window, segments=segments)
-    ref = reference(q, k, v, window, segments)
+    if "left-padded" in variant:  # padded rows see no key: output 0
+        key_valid = torch.ones(2, s, dtype=torch.bool)
+        key_valid[1, :11] = False
+    mask = SequenceMask(segments, key_valid)
+    out = chunked_attention(q, k, v, chunk=chunk, window=window, mask=mask)
+    ref = reference(q, k, v, window, segments, key_valid)
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
     expected = torch.autograd.grad(ref, (q, k, v), grad)
@@ -84,3 +94,89 @@ def test_soft_capped_attention_matches_explicit_scores_in_float64(n_chunks):
     expected = torch.autograd.grad(ref, (q, k, v), grad)
     assert rel(out, ref) <= TOL
     assert max(rel(a, b) for a, b in zip(got, expected)) <= TOL
+
+
+@pytest.mark.parametrize("variant", ["causal", "window", "packed", "left-padded+packed"])
+def test_whole_sequence_attention_takes_the_fused_kernel_only_when_nothing_but_causality_masks(variant, monkeypatch):
+    """causal_attention (what the backprop engine runs) equals the reference for every
+    mask, and calls the fused SDPA path exactly when the mask is plain causal."""
+    import longtrain.ops.causal_attention as whole
+
+    calls = []
+    monkeypatch.setattr(whole, "sdpa_gqa", lambda *a, **k: calls.append(1) or _sdpa(*a, **k))
+    s = 70
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, h, s, 8, dtype=torch.float64, generator=g, requires_grad=True) for h in (4, 2, 2))
+    segments = torch.zeros(2, s, dtype=torch.long) if "packed" in variant else None
+    if segments is not None:
+        segments[0, 33:] = 1
+    key_valid = None
+    if "left-padded" in variant:
+        key_valid = torch.ones(2, s, dtype=torch.bool)
+        key_valid[0, :5] = False
+    window = 9 if variant == "window" else None
+    out = causal_attention(q, k, v, mask=SequenceMask(segments, key_valid), window=window)
+    ref = reference(q, k, v, window, segments, key_valid)
+    grad = torch.randn_like(out)
+    assert rel(out, ref) <= TOL
+    got, expected = torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)
+    assert max(rel(a, b) for a, b in zip(got, expected)) <= TOL
+    assert bool(calls) == (variant == "causal")
+
+
+def _sdpa(*args, **kwargs):
+    from longtrain.ops.sdpa import sdpa_gqa
+
+    return sdpa_gqa(*args, **kwargs)
+
+
+def test_block_planner_skips_earlier_documents_and_masks_only_where_it_must():
+    from longtrain.ops.chunked_attention import chunk_bounds
+    from longtrain.ops.masking import BlockPlanner
+
+    s, chunk = 100, 20
+    segments = torch.zeros(1, s, dtype=torch.long)
+    segments[0, 50:] = 1  # a document boundary inside chunk 2 (tokens 40..59)
+    valid = torch.ones(1, s, dtype=torch.bool)
+    valid[0, 95:] = False  # padding in the last chunk
+    planner = BlockPlanner(SequenceMask(segments, valid), chunk_bounds(s, chunk))
+    cpu = torch.device("cpu")
+    assert planner.plan(4, 0, None, cpu)[0]  # chunk 4 (doc 1) never sees chunk 0 (doc 0): skipped
+    assert planner.plan(1, 0, None, cpu) == (False, False, None)  # inside doc 0, no padding: fused, unmasked
+    assert planner.plan(1, 1, None, cpu) == (False, True, None)  # diagonal: the kernel's causal mode
+    skip, causal, mask = planner.plan(3, 2, None, cpu)  # chunk 2 straddles the boundary
+    assert not skip and mask is not None and not mask[0, 0, :10].any() and mask[0, 0, 10:].all()
+    assert planner.plan(4, 4, None, cpu)[2] is not None  # padded keys
+    assert planner.plan(3, 0, 50, cpu)[0]  # wholly outside a 50-token window
+
+
+def test_cuda_kernel_argument_conventions_on_fake_cuda_tensors():
+    """The CUDA branch of the block kernels, run on fake CUDA tensors (no GPU needed):
+    the ATen schemas accept the arguments, and the non-packed flash backward passes
+    undefined cum_seq_q/k — a defined tensor, even an empty one, means variable-length
+    packing to the CUDA kernel, which then demands int32 offsets (the first GPU run's crash)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from longtrain.ops.attention_blocks import block_backward, block_forward
+
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "flash_attention" in func.__name__:
+                calls.append((func.__name__, args))
+            return func(*args, **(kwargs or {}))
+
+    with FakeTensorMode(), Record():
+        q = torch.empty(1, 4, 64, 32, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(1, 2, 64, 32, dtype=torch.bfloat16, device="cuda")
+        for causal in (True, False):
+            out, lse = block_forward(q, k, k, scale=0.2, causal=causal)
+            dq, dk, dv = block_backward(out, q, k, k, out, lse, scale=0.2, causal=causal)
+            assert out.device.type == "cuda" and dk.shape == k.shape and dq.shape == q.shape
+    backward = [args for name, args in calls if "backward" in name]
+    assert len(backward) == 2
+    for args in backward:
+        assert args[6] is None and args[7] is None  # cum_seq_q, cum_seq_k undefined
+        assert args[5].dtype == torch.float32  # the log-sum-exp the kernel expects

@@ -48,25 +48,33 @@ def test_lora_and_checkpoint_strategy_train(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra", [
-    ["--strategy", "mst,attention:chunk=64:offload=true:host_memory=1GiB"],
-    ["--engine", "seco", "--chunk", "100"],
-    ["--engine", "spaco:cap=2", "--chunk", "32", "--budget", "2"],
+    ["--strategy", "mst", "--engine", "fpdt:chunk=64:offload=true:host_memory=1GiB"],
+    ["--engine", "seco:chunk=100"],
+    ["--engine", "spaco:cap=2:chunk=32:budget=2"],
 ])
-def test_chunked_strategies_and_engines_train_from_the_command_line(extra, tmp_path, capsys):
+def test_chunked_engines_train_from_the_command_line(extra, tmp_path, capsys):
     code, out, err = run_cli(capsys, "train", *TINY, "--steps", "3", "--out", str(tmp_path), *extra)
     assert code == 0, err
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_loss"] < summary["first_loss"]
-    if "--strategy" in extra:
-        assert "host memory" in out and summary["strategy"] == "attention,mst"  # parked chunks are reported
-    else:
-        assert summary["strategy"].startswith(extra[1].split(":")[0] + ":")
+    engine = extra[extra.index("--engine") + 1].split(":")[0]
+    assert summary["strategy"].startswith(engine + ":")
+    if "offload=true" in extra[-1]:
+        assert "host memory" in out  # parked chunks are reported
+
+
+def test_packed_documents_train_with_position_resets(tmp_path, capsys):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"document {i}: " + "words " * (7 * i + 3)}) + "\n" for i in range(40)))
+    code, _, err = run_cli(capsys, "train", "--model", "tiny-llama", "--seq-len", "256", "--no-progress", "--steps", "2",
+                           "--data", str(docs), "--packing", "documents", "--engine", "seco:chunk=100", "--out", str(tmp_path / "run"))
+    assert code == 0, err
 
 
 def test_spaco_resumes_drawing_the_same_chunks(tmp_path, capsys):
     """SpaCO's chunk draw comes from the global RNG, which checkpoints restore: a run
     resumed from step 3 reproduces steps 4-6 of the uninterrupted run."""
-    spaco = ["--engine", "spaco", "--chunk", "32", "--budget", "2", "--steps", "6", "--save-every", "3", "--keep-checkpoints", "3"]
+    spaco = ["--engine", "spaco:chunk=32:budget=2", "--steps", "6", "--save-every", "3", "--keep-checkpoints", "3"]
     code, _, err = run_cli(capsys, "train", *TINY, *spaco, "--out", str(tmp_path / "ref"))
     assert code == 0, err
     code, _, err = run_cli(capsys, "train", *TINY, *spaco, "--out", str(tmp_path / "resumed"),
@@ -133,9 +141,11 @@ BAD_INPUTS = [
     (["train", *TINY, "--data", "/no/such/file.txt"], "does not exist"),
     (["simulate", "--model", "nope", "--seq-len", "1024"], "unknown model preset"),
     (["simulate", "--model", "tiny-llama", "--seq-len", "1"], "at least 2"),
-    (["train", *TINY, "--chunk", "64"], "--chunk applies to --engine seco or spaco"),
-    (["train", *TINY, "--engine", "spaco", "--budget", "0"], "budget must be a positive integer"),
-    (["train", *TINY, "--strategy", "attention:chunk=64:offload=true:host_memory=1KiB"], "host memory"),
+    (["train", *TINY, "--engine", "spaco:budget=0"], "budget must be a positive integer"),
+    (["train", *TINY, "--engine", "fpdt:chunk=64:offload=true:host_memory=1KiB"], "host memory"),
+    (["train", *TINY, "--strategy", "attention:chunk=64"], "now the 'fpdt' engine"),
+    (["train", *TINY, "--strategy", "checkpoint", "--engine", "fpdt"], "drop 'checkpoint'"),
+    (["train", *TINY, "--engine", "fpdt:offload=maybe"], "offload must be true or false"),
 ]
 
 

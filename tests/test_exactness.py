@@ -1,93 +1,133 @@
-"""float64 proofs that longtrain's engine and techniques give stock autograd's loss and
-gradients on real Hugging Face architectures, with batch 2, padding, and lengths that
-are not round numbers."""
+"""float64 proofs that every engine and technique gives stock autograd's loss and gradients
+on real Hugging Face architectures: one table of strategies × model families × batches
+(batch 2; right padding, labels on padding, left padding, packed documents with position
+resets; lengths that no chunk size divides; GQA everywhere)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import longtrain as lt
-from longtrain.models.loading import add_lora
+import longtrain.registry
+from longtrain.models.loading import add_lora, build_from_config
+from transformers import AutoConfig
 
-from conftest import grads, max_rel_error, padded_batch, stock_and_ours
+from conftest import (BATCHES, STRATEGIES, check_step, grads, max_rel_error, packed_batch, padded_batch, stock_and_ours,
+                      stock_lora_and_ours, stock_loss)
 
 TOL = 1e-10
 
-
-def stock_loss(model, batch):
-    """Plain PyTorch: the stock model's logits and F.cross_entropy, in float64 (the
-    Hugging Face loss would round through float32)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
-    labels = batch.get("labels", batch["input_ids"])
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+MAIN = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2"]
+MORE = ["tiny-qwen3", "tiny-phi3", "tiny-granite", "tiny-cohere"]
+CASES = [(p, b) for p in MAIN for b in BATCHES] + [(p, b) for p in MORE for b in ("right-padded", "packed")]
 
 
-def _stock_loss_and_grads(stock, batch):
-    stock.zero_grad(set_to_none=True)
-    loss = stock_loss(stock, batch)
-    loss.backward()
-    return loss.detach(), grads(stock)
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("preset,batch", CASES)
+def test_every_strategy_equals_stock_autograd(strategy, preset, batch):
+    stock, ours = stock_and_ours(preset)
+    check_step(stock, ours, STRATEGIES[strategy](), BATCHES[batch](stock.config.vocab_size), TOL)
 
 
-@pytest.mark.parametrize("strategy", ["none", "checkpoint"])
-def test_step_equals_stock_autograd(architecture, strategy):
-    stock, ours = stock_and_ours(architecture)
-    batch = padded_batch(stock.config.vocab_size)
-    ref_loss, ref_grads = _stock_loss_and_grads(stock, batch)
+@pytest.mark.parametrize("strategy", ["backprop", "checkpoint+mst", "fpdt+offload+mst", "seco"])
+def test_unpadded_odd_length(strategy):
+    stock, ours = stock_and_ours("tiny-qwen2")
+    batch = {"input_ids": torch.randint(3, 320, (2, 301), generator=torch.Generator().manual_seed(5))}
+    check_step(stock, ours, STRATEGIES[strategy](), batch, TOL)
 
-    lt.apply(ours, lt.Strategy.parse(strategy))
-    loss = lt.step(ours, batch)
-    assert abs(float(loss - ref_loss)) <= TOL * abs(float(ref_loss))
-    assert max_rel_error(grads(ours), ref_grads) <= TOL
+
+def _long_context_config(kind: str):
+    """Rotary tables that depend on the sequence length, at 150 tokens past an original
+    context of 64: dynamic NTK (Llama) and longrope (Phi-3)."""
+    if kind == "dynamic-ntk":
+        return AutoConfig.for_model(
+            "llama", vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64,
+            rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    half = 64 // 4 // 2
+    return AutoConfig.for_model(
+        "phi3", vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+                         "short_factor": [1.0 + 0.1 * i for i in range(half)], "long_factor": [2.0 + 0.3 * i for i in range(half)]})
+
+
+@pytest.mark.parametrize("kind", ["dynamic-ntk", "longrope"])
+@pytest.mark.parametrize("strategy", ["backprop", "fpdt", "fpdt+offload+mst", "seco", "seco+offload+checkpoint+mst"])
+def test_length_dependent_rotary_tables_are_computed_for_the_whole_sequence(kind, strategy):
+    stock, ours = stock_and_ours(_long_context_config(kind))
+    batch = padded_batch(320, lengths=(150, 131))
+    check_step(stock, ours, STRATEGIES[strategy](), batch, TOL)
 
 
 # Gemma-2 is left out here: its RMSNorm computes in float32 even for float64 inputs, so
 # the norm-weight gradient is a float32 sum over the batch and differs at ~1e-7 between
 # one batch of 4 and two of 2 — a property of the model, not of accumulation.
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
-def test_accumulation_normalizes_by_the_whole_step(preset):
+@pytest.mark.parametrize("preset,strategy", [("tiny-llama", "checkpoint"), ("tiny-qwen2", "fpdt+offload+mst"),
+                                             ("tiny-mistral", "seco")])
+def test_accumulation_normalizes_by_the_whole_step(preset, strategy):
     """Two micro-batches normalized by their joint label count sum to the loss (and the
     gradients) of one batch holding both."""
     stock, ours = stock_and_ours(preset)
     batch = padded_batch(stock.config.vocab_size, lengths=(41, 23, 33, 41))
-    ref_loss, ref_grads = _stock_loss_and_grads(stock, batch)
-
-    lt.apply(ours, lt.Strategy(checkpoint=True))
-    halves = [{k: v[i : i + 2] for k, v in batch.items()} for i in (0, 2)]
-    n = sum(int((h["labels"][:, 1:] != -100).sum()) for h in halves)
-    loss = sum(lt.step(ours, h, num_label_tokens=n) for h in halves)
-    assert abs(float(loss - ref_loss)) <= TOL * abs(float(ref_loss))
-    assert max_rel_error(grads(ours), ref_grads) <= TOL
-
-
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma2"])  # untied and tied heads
-def test_lora_with_checkpointing_equals_plain_lora(preset):
-    stock, ours = stock_and_ours(preset)
-    stock, ours = add_lora(stock, rank=4), add_lora(ours, rank=4)
-    # LoRA's B starts at zero, which would hide errors in A's gradient: randomize it.
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for name, p in stock.named_parameters():
-            if "lora_B" in name:
-                p.normal_()
-    ours.load_state_dict(stock.state_dict())
-    batch = padded_batch(stock.config.vocab_size)
-    ref_loss, ref_grads = _stock_loss_and_grads(stock, batch)
-    assert all("lora_" in n for n in ref_grads)
-
-    lt.apply(ours, lt.Strategy(checkpoint=True))
-    loss = lt.step(ours, batch)
-    assert abs(float(loss - ref_loss)) <= TOL * abs(float(ref_loss))
-    assert max_rel_error(grads(ours), ref_grads) <= TOL
-
-
-def test_unpadded_odd_length_batch():
-    stock, ours = stock_and_ours("tiny-qwen2")
-    batch = {"input_ids": torch.randint(0, 300, (2, 301), generator=torch.Generator().manual_seed(5))}
-    stock.zero_grad()
     ref = stock_loss(stock, batch)
     ref.backward()
-    lt.apply(ours, lt.Strategy(checkpoint=True))
-    loss = lt.step(ours, batch)
+    lt.apply(ours, STRATEGIES[strategy]())
+    halves = [{k: v[i: i + 2] for k, v in batch.items()} for i in (0, 2)]
+    n = sum(int((h["labels"][:, 1:] != -100).sum()) for h in halves)
+    loss = sum(lt.step(ours, h, num_label_tokens=n) for h in halves)
     assert abs(float(loss - ref)) <= TOL * abs(float(ref))
     assert max_rel_error(grads(ours), grads(stock)) <= TOL
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint", "checkpoint+mst", "fpdt+offload+mst", "seco+offload+checkpoint+mst"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma2"])  # untied and tied heads
+def test_lora_equals_stock_lora(preset, strategy):
+    stock, ours = stock_lora_and_ours(preset)
+    batch = padded_batch(stock.config.vocab_size, lengths=(90, 61))
+    assert all("lora_" in n for n, p in stock.named_parameters() if p.requires_grad)
+    check_step(stock, ours, STRATEGIES[strategy](), batch, TOL)
+
+
+@pytest.mark.parametrize("strategy", ["backprop", "checkpoint", "fpdt", "seco"])
+def test_lora_on_the_head_is_exact_without_mst(strategy):
+    stock, ours = stock_lora_and_ours("tiny-llama", head=True)
+    check_step(stock, ours, STRATEGIES[strategy](), packed_batch(320), TOL)
+
+
+def test_lora_on_the_head_is_refused_by_msts_chunked_head():
+    _, ours = stock_lora_and_ours("tiny-llama", head=True)
+    with pytest.raises(lt.LongtrainError, match="plain linear layer.*LoRA on lm_head.*mst:head=false"):
+        lt.apply(ours, lt.Strategy(mst=True))
+    _, ours = stock_lora_and_ours("tiny-llama", head=True)
+    lt.apply(ours, lt.Strategy(mst=lt.MsT(head=False)))  # tiled MLPs alone are fine
+
+
+UNSUPPORTED = {
+    "gpt_neox": dict(vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4),
+    "olmo2": dict(vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+}
+
+
+@pytest.mark.parametrize("family", list(UNSUPPORTED))
+def test_unsupported_families_are_refused_by_every_engine_and_technique(family):
+    config = AutoConfig.for_model(family, **UNSUPPORTED[family])
+    strategies = [lt.Strategy(engine=name) for name in lt.registry.engines()]
+    strategies += [lt.Strategy(**{name: True}) for name in lt.registry.techniques()]
+    for strategy in strategies:
+        model = build_from_config(config, torch.float32)
+        with pytest.raises(lt.LongtrainError) as info:
+            lt.apply(model, strategy)
+        message = str(info.value)
+        assert f"does not support {family} models" in message and "llama" in message and "\n" not in message
+
+
+def test_a_model_that_is_no_causal_lm_is_refused():
+    with pytest.raises(lt.LongtrainError, match="Linear \\(not a Hugging Face causal LM\\)"):
+        lt.apply(torch.nn.Linear(2, 2), lt.Strategy(checkpoint=True))
+
+
+def test_add_lora_targets_exclude_the_head():
+    model = add_lora(build_from_config(AutoConfig.for_model("llama", **UNSUPPORTED["olmo2"]), torch.float32), rank=2)
+    assert not any("lm_head" in n and "lora" in n for n, _ in model.named_parameters())

@@ -3,7 +3,7 @@ import torch
 
 import longtrain as lt
 from longtrain.memory import MemoryTracker, host_allocations, mark_host_resident
-from longtrain.memory.simulate import run_training_steps
+from longtrain.plan.simulate import run_training_steps
 from longtrain.memory.units import format_bytes, parse_bytes, parse_tokens
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config

@@ -1,5 +1,6 @@
 """SeCO (exact chunk-wise optimization) and SpaCO (sparse, unbiased) engines."""
 
+import dataclasses
 import itertools
 import math
 
@@ -7,39 +8,28 @@ import pytest
 import torch
 
 import longtrain as lt
-from conftest import (gemma2_computes_in_float64, grads, llama_norm_in_float64, max_rel_error, padded_batch,
-                      stock_and_ours, stock_lora_and_ours, stock_loss)
-from longtrain.engines.seco import SpaCOOptions, select_chunks, spaco_step
-from longtrain.memory.simulate import run_training_steps
+from conftest import grads, llama_norm_in_float64, max_rel_error, padded_batch, stock_and_ours
+from longtrain.engines.base import EngineContext
+from longtrain.engines.seco import SpaCOOptions, seco_step, select_chunks, spaco_step
+from longtrain.models.adapters import adapter_for
+from longtrain.strategy import applied_context
+from longtrain.plan.simulate import run_training_steps
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
 
 TOL = 1e-10
 
 
-# Chunks of 23 and 40 tokens divide none of the lengths; batch 2 with right padding
-# (and, in the last case, left padding, which takes the masked path).
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2"])
-@pytest.mark.parametrize("case", ["plain", "lora", "mst+checkpoint+offload"])
-def test_seco_gradients_equal_the_stock_model(preset, case):
-    stock, ours = stock_lora_and_ours(preset) if case == "lora" else stock_and_ours(preset)
-    batch = padded_batch(stock.config.vocab_size, lengths=(100, 77))
-    if case == "mst+checkpoint+offload":
-        strategy = lt.Strategy(engine="seco", engine_options={"chunk": 40, "offload": True, "prefetch": 2},
-                               checkpoint=True, mst=lt.MsT(loss_chunks=3))
-    else:
-        strategy = lt.Strategy(engine="seco", engine_options={"chunk": 23})
-    with gemma2_computes_in_float64():
-        ref = stock_loss(stock, batch)
-        ref.backward()
-        lt.apply(ours, strategy)
-        loss = lt.step(ours, batch, strategy)
-    assert abs(float(loss) - float(ref)) <= TOL * abs(float(ref))  # the stock token-mean loss
-    assert max_rel_error(grads(ours), grads(stock)) <= TOL
+def _context(model, engine: str, **options):
+    """An engine context for ``model`` (plain backprop applied), so one model can be
+    stepped by SeCO and by SpaCO with several option sets, as these checks need."""
+    if applied_context(model) is None:
+        lt.apply(model, lt.Strategy())
+    return EngineContext(lt.Strategy(engine=engine, engine_options=options), adapter_for(model))
 
 
 def _spaco_grads(model, batch, options, selected=None):
-    spaco_step(model, batch, options, selected=selected)
+    spaco_step(_context(model, "spaco", **dataclasses.asdict(options)), batch, selected=selected)
     g = grads(model)
     model.zero_grad(set_to_none=True)
     return g
@@ -51,7 +41,7 @@ def _exact_and_expectation(k, budget, cap=None):
     stock, model = stock_and_ours("tiny-llama")
     batch = padded_batch(stock.config.vocab_size, lengths=(60, 47))
     chunk = -(-60 // k)
-    lt.step(model, batch, lt.Strategy(engine="seco", engine_options={"chunk": chunk}))
+    seco_step(_context(model, "seco", chunk=chunk), batch)
     exact = grads(model)
     model.zero_grad(set_to_none=True)
     options = SpaCOOptions(chunk=chunk, budget=budget, cap=cap)
@@ -88,7 +78,7 @@ def test_spaco_sample_mean_converges_like_one_over_sqrt_n():
         stock, model = stock_and_ours("tiny-llama")
         batch = padded_batch(stock.config.vocab_size, lengths=(60, 47))
         k, budget = 6, 2
-        lt.step(model, batch, lt.Strategy(engine="seco", engine_options={"chunk": 10}))
+        seco_step(_context(model, "seco", chunk=10), batch)
         exact = torch.cat([g.flatten() for g in grads(model).values()])
         names = list(grads(model))
         model.zero_grad(set_to_none=True)
@@ -133,28 +123,29 @@ def _seco_peak(seq, chunk=64):
 
 def test_seco_peak_grows_only_by_the_added_kv():
     """Exact CPU measurement: quadrupling the length adds at most the new tokens' K/V
-    (every layer), their gradient accumulators, and their ids/labels."""
+    (every layer), their gradient accumulators, their ids/labels/positions and rotary
+    tables (computed once for the whole sequence)."""
     config = preset_config("tiny-llama")
     head_dim = config.hidden_size // config.num_attention_heads
     kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
     short, long = 256, 1024
     grown = _seco_peak(long) - _seco_peak(short)
-    assert grown <= (long - short) * (2 * kv_per_token + 3 * 8)
+    assert grown <= (long - short) * (2 * kv_per_token + 4 * 8 + 2 * head_dim * 4)
     # ... and the activations of a whole-sequence step grow far faster.
     plain = [run_training_steps(lambda: build_from_config(config, torch.float32), seq_len=n, strategy="checkpoint",
                                 optimizer="none", iterations=1, fake=False)[0].peak_device_bytes for n in (short, long)]
     assert plain[1] - plain[0] > 2 * grown
 
 
-def test_engines_refuse_chunked_attention_and_bad_options():
-    strategy = lt.Strategy(engine="seco", attention={"chunk": 16})
-    model = lt.apply(build_from_config(preset_config("tiny-llama"), torch.float32), strategy)
-    with pytest.raises(lt.LongtrainError, match="drop the 'attention' technique"):
-        lt.step(model, {"input_ids": torch.randint(0, 100, (1, 32))}, strategy)
+def test_bad_options_are_refused_when_the_strategy_is_built():
     with pytest.raises(lt.LongtrainError, match="budget must be a positive integer"):
         lt.Strategy(engine="spaco", engine_options={"budget": 0})
-    with pytest.raises(lt.LongtrainError, match="cap must be at least 1"):
+    with pytest.raises(lt.LongtrainError, match="cap must be a number of at least 1"):
         lt.Strategy(engine="spaco", engine_options={"cap": 0.5})
+    with pytest.raises(lt.LongtrainError, match="seco chunk must be a positive integer"):
+        lt.Strategy.parse("none", engine="seco:chunk=big")
+    with pytest.raises(lt.LongtrainError, match="now the 'fpdt' engine"):
+        lt.Strategy(engine="seco", attention={"chunk": 16})
 
 
 def test_simulated_seco_step_counts_parked_kv_in_host_memory():

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 import longtrain as lt
+import longtrain.strategy
 from longtrain.errors import LongtrainError
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
@@ -37,15 +38,37 @@ def test_unknown_names_and_options_are_clear_errors():
 
 
 def test_command_line_items_carry_options_and_engines():
-    strategy = lt.Strategy.parse("mst,attention:chunk=8192:offload=true:host_memory=120GiB")
-    assert strategy.techniques["attention"] == lt.ChunkedAttention(chunk=8192, offload=True, host_memory="120GiB")
+    strategy = lt.Strategy.parse("mst:loss_chunks=8", engine="fpdt:chunk=8192:offload=true:host_memory=120GiB")
+    assert strategy.engine_options == lt.FPDT(chunk=8192, offload=True, host_memory="120GiB")
+    assert strategy.techniques["mst"] == lt.MsT(loss_chunks=8) and strategy.name == "fpdt:mst"
+    assert lt.Strategy.from_yaml(strategy.to_yaml()) == strategy
     spaco = lt.Strategy.parse("checkpoint", engine="spaco:budget=4", engine_options={"chunk": 64})
     assert spaco.engine == "spaco" and (spaco.engine_options.budget, spaco.engine_options.chunk) == (4, 64)
     assert lt.Strategy.from_yaml(spaco.to_yaml()) == spaco
     with pytest.raises(LongtrainError, match="write options as name:key=value"):
-        lt.Strategy.parse("attention:chunk")
-    with pytest.raises(LongtrainError, match="attention chunk must be a positive integer"):
-        lt.Strategy.parse("attention:chunk=big")
+        lt.Strategy.parse("mst:loss_chunks")
+    with pytest.raises(LongtrainError, match="fpdt chunk must be a positive integer"):
+        lt.Strategy.parse("none", engine="fpdt:chunk=big")
+
+
+def test_conflicts_are_settled_when_the_strategy_is_built():
+    with pytest.raises(LongtrainError, match="fpdt engine does not combine with 'checkpoint'"):
+        lt.Strategy.parse("checkpoint,mst", engine="fpdt")
+    with pytest.raises(LongtrainError, match="adjoint engine does not combine with 'mst'"):
+        lt.Strategy(engine="adjoint", mst=True)
+    with pytest.raises(LongtrainError, match="engine must be a name or a mapping"):
+        lt.Strategy.from_dict({"engine": 5})
+    with pytest.raises(LongtrainError, match="techniques must be a mapping"):
+        lt.Strategy.from_dict({"techniques": ["checkpoint"]})
+    with pytest.raises(LongtrainError, match="a strategy is a Strategy"):
+        lt.Strategy.parse(["checkpoint"])
+
+
+def test_the_only_state_on_a_model_is_its_context():
+    model = build_from_config(preset_config("tiny-llama"))
+    before = set(vars(model))
+    lt.apply(model, lt.Strategy(checkpoint=True, mst=True))
+    assert set(vars(model)) - before == {"_longtrain"}
 
 
 def test_apply_is_idempotent_and_refuses_a_second_strategy():
@@ -62,9 +85,10 @@ def test_step_refuses_a_strategy_that_was_not_applied():
         lt.step(model, {"input_ids": torch.zeros(1, 8, dtype=torch.long)}, lt.Strategy(checkpoint=True))
 
 
-def test_checkpoint_needs_decoder_layers():
-    with pytest.raises(LongtrainError, match="cannot find the decoder layers"):
-        lt.apply(torch.nn.Linear(2, 2), lt.Strategy(checkpoint=True))
+def test_step_applies_an_engine_alone_but_not_techniques():
+    model = build_from_config(preset_config("tiny-llama"))
+    lt.step(model, {"input_ids": torch.randint(0, 300, (1, 16))})  # plain backprop, applied on the way
+    assert lt.strategy.applied_strategy(model) == lt.Strategy()
 
 
 def test_batch_without_label_tokens_is_refused():

@@ -1,25 +1,35 @@
 """longtrain: long-context training with bounded memory and exact gradients.
 
     import longtrain as lt
-    model = lt.apply(model, lt.Strategy(checkpoint=True))
+    model = lt.apply(model, lt.Strategy(checkpoint=True, mst=lt.MsT()))
     loss = lt.step(model, batch)                      # forward + backward
     report = lt.simulate("llama3-8b", 32768, strategy="checkpoint")
-    lt.Strategy(mst=True, attention=lt.ChunkedAttention(chunk=4096, offload=True))
+    lt.Strategy(engine="fpdt", engine_options=lt.FPDT(chunk=4096, offload=True), mst=True)
 """
 
+from .engines.fpdt import FPDT
+from .engines.seco import SeCOOptions, SpaCOOptions
 from .errors import LongtrainError
+from .models.adapters import supported_families
 from .strategy import Strategy, apply, step
-from .techniques.chunked_attention import ChunkedAttention
 from .techniques.mst import MsT
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def simulate(*args, **kwargs):
-    """See :func:`longtrain.memory.simulate.simulate`."""
-    from .memory.simulate import simulate as _simulate
+    """See :func:`longtrain.plan.simulate.simulate`."""
+    from .plan.simulate import simulate as _simulate
 
     return _simulate(*args, **kwargs)
 
 
-__all__ = ["ChunkedAttention", "LongtrainError", "MsT", "Strategy", "apply", "simulate", "step", "__version__"]
+def __getattr__(name: str):
+    if name == "ChunkedAttention":  # renamed when chunked attention became an engine
+        raise LongtrainError("longtrain.ChunkedAttention is now longtrain.FPDT, the options of the 'fpdt' engine: "
+                             "Strategy(engine='fpdt', engine_options=FPDT(chunk=8192, offload=True))")
+    raise AttributeError(f"module 'longtrain' has no attribute {name!r}")
+
+
+__all__ = ["FPDT", "LongtrainError", "MsT", "SeCOOptions", "SpaCOOptions", "Strategy", "apply", "simulate", "step",
+           "supported_families", "__version__"]

@@ -37,11 +37,10 @@ def _add_train(sub) -> None:
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "sgd"])
-    p.add_argument("--strategy", default=d.strategy, help="none, checkpoint, a comma list with options (mst,attention:chunk=8192:offload=true), or a strategy .yaml/.json")
-    p.add_argument("--engine", default=d.engine, help="gradient engine: backprop, seco, spaco, adjoint (SSM models; options as in --strategy: spaco:budget=8:cap=2, adjoint:truncate=64)")
-    p.add_argument("--chunk", type=_tokens, default=None, help="seco/spaco: tokens per chunk (default 4096 for seco, 128 for spaco)")
-    p.add_argument("--budget", type=int, default=None, help="spaco: chunks backpropagated per step, on average (default 8)")
-    p.add_argument("--truncate", type=_tokens, default=None, help="adjoint: truncated adjoint sharding, keep the last T states per token (approximate)")
+    p.add_argument("--strategy", default=d.strategy, help="techniques: none, checkpoint, mst, a comma list with options (checkpoint,mst:loss_chunks=8), or a strategy .yaml/.json")
+    p.add_argument("--engine", default=d.engine, help="gradient engine with options: backprop; fpdt:chunk=8192:offload=true "
+                   "(chunked attention, host offload); seco:chunk=4096; spaco:chunk=128:budget=8:cap=2; "
+                   "adjoint:truncate=64 (SSM-ResNet models)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of all weights (needs peft)")
     p.add_argument("--lora-rank", type=int, default=d.lora_rank)
     p.add_argument("--dtype", default=d.dtype, help="float32, bfloat16, ... (default: bfloat16 on CUDA, float32 on CPU)")
@@ -53,6 +52,8 @@ def _add_train(sub) -> None:
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate the task every N steps (0: only at the end)")
     p.add_argument("--eval-samples", type=int, default=d.eval_samples)
     p.add_argument("--task-loss", default=d.task_loss, choices=["task", "all"], help="pass-key task: loss on needle+answer, or on all text")
+    p.add_argument("--packing", default=d.packing, choices=["concat", "documents"],
+                   help="--data: join documents with EOS and attend across them (concat), or restart positions and attention at each document (documents)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     p.add_argument("--resume-from", default=None, help="continue from this checkpoint directory")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
@@ -82,8 +83,8 @@ def _add_simulate(sub) -> None:
     p.add_argument("--seq-len", type=_tokens, required=True, help="tokens per sample, e.g. 65536 or 64K")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (their gradients are alive in later forwards)")
-    p.add_argument("--strategy", default="none", help="none, checkpoint, a comma list with options (mst,attention:chunk=8192:offload=true), or a strategy .yaml/.json")
-    p.add_argument("--engine", default=None, help="gradient engine: backprop, seco, spaco, adjoint, with options (seco:chunk=4096:offload=true, adjoint:truncate=64)")
+    p.add_argument("--strategy", default="none", help="techniques: none, checkpoint, mst, a comma list with options, or a strategy .yaml/.json")
+    p.add_argument("--engine", default=None, help="gradient engine with options: backprop, fpdt:chunk=8192:offload=true, seco:chunk=4096, spaco, adjoint:truncate=64")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"])
     p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -91,7 +92,7 @@ def _add_simulate(sub) -> None:
 
 
 def _run_simulate(args) -> int:
-    from .memory.simulate import simulate
+    from .plan.simulate import simulate
 
     if args.seq_len < 2:
         raise LongtrainError(f"--seq-len must be at least 2, got {args.seq_len}")

@@ -1,15 +1,16 @@
 """Registries of techniques and gradient engines.
 
-A technique (layer checkpointing, mini-sequence MLP, chunked attention, ...) or an
-engine (plain backprop, SeCO, ...) is added by writing one module that calls
-:func:`register_technique` or :func:`register_engine`; nothing else in the tree needs
-to change. The strategy looks names up here.
+A technique (layer checkpointing, mini-sequence MLP, ...) or an engine (plain backprop,
+FPDT, SeCO, ...) is added by writing one module that calls :func:`register_technique`
+or :func:`register_engine` and importing it from its package's ``__init__``; nothing
+else in the tree needs to change. The strategy (which imports those packages) looks
+names up here. This module imports neither, so the import graph has no cycle.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .errors import LongtrainError
@@ -20,8 +21,11 @@ class Technique:
     """A model transformation installed by :func:`longtrain.apply`.
 
     ``options`` is a dataclass holding the technique's knobs (it may have no fields);
-    ``install(model, options)`` patches the model in place; ``order`` fixes the install
-    order when several techniques are combined (lower first).
+    ``install(context, options)`` patches the model's modules in place (the
+    :class:`~longtrain.engines.base.EngineContext` gives the model's adapter and the
+    whole strategy, for defaults that depend on the engine); ``order`` fixes the install
+    order when several techniques are combined (lower first). Techniques patch modules;
+    they never run a schedule.
     """
 
     name: str
@@ -33,18 +37,23 @@ class Technique:
 
 @dataclass(frozen=True)
 class Engine:
-    """A gradient engine: ``step(model, batch, options, num_label_tokens) -> loss``.
+    """A gradient engine: ``step(context, batch, num_label_tokens) -> loss``.
 
     The engine runs forward and backward for one micro-batch, leaves gradients
     accumulated on the parameters and returns the detached loss, already divided by
-    ``num_label_tokens``.
+    ``num_label_tokens``. ``accepts`` names the techniques it composes with (a strategy
+    naming another is refused when it is built, with ``conflicts``' reason where one is
+    given); ``check(context)``, if given, refuses a model the engine cannot train when
+    the strategy is applied.
     """
 
     name: str
     options: type
     step: Callable[..., Any]
     summary: str
-    check: Callable[[Any], None] | None = None  # check(model): refuse a model the engine cannot train
+    accepts: tuple[str, ...] = ()
+    conflicts: dict[str, str] = field(default_factory=dict)
+    check: Callable[[Any], None] | None = None
 
 
 _TECHNIQUES: dict[str, Technique] = {}
@@ -69,28 +78,22 @@ def register_technique(name: str, options: type, summary: str, order: int = 100)
     return wrap
 
 
-def register_engine(name: str, options: type, summary: str, check: Callable[[Any], None] | None = None):
-    """Decorator registering ``step(model, batch, options, num_label_tokens)`` as an engine;
-    ``check(model)``, if given, raises a clear error for models the engine cannot train
-    (``longtrain.apply`` calls it, so the error comes before any work)."""
+def register_engine(name: str, options: type, summary: str, accepts: tuple[str, ...] = (),
+                    conflicts: dict[str, str] | None = None, check: Callable[[Any], None] | None = None):
+    """Decorator registering ``step(context, batch, num_label_tokens)`` as engine ``name``
+    (see :class:`Engine` for ``accepts``, ``conflicts`` and ``check``)."""
     _check_options_class(options)
 
     def wrap(step):
         if name in _ENGINES:
             raise ValueError(f"engine {name!r} is registered twice")
-        _ENGINES[name] = Engine(name, options, step, summary, check)
+        _ENGINES[name] = Engine(name, options, step, summary, tuple(accepts), dict(conflicts or {}), check)
         return step
 
     return wrap
 
 
-def _load_builtins() -> None:
-    # Importing the packages runs their registrations; done lazily to avoid cycles.
-    from . import engines, techniques  # noqa: F401
-
-
 def technique(name: str) -> Technique:
-    _load_builtins()
     try:
         return _TECHNIQUES[name]
     except KeyError:
@@ -100,7 +103,6 @@ def technique(name: str) -> Technique:
 
 
 def engine(name: str) -> Engine:
-    _load_builtins()
     try:
         return _ENGINES[name]
     except KeyError:
@@ -110,10 +112,8 @@ def engine(name: str) -> Engine:
 
 
 def techniques() -> dict[str, Technique]:
-    _load_builtins()
     return dict(_TECHNIQUES)
 
 
 def engines() -> dict[str, Engine]:
-    _load_builtins()
     return dict(_ENGINES)

@@ -1,8 +1,12 @@
-"""Strategy: which techniques are on, with which knobs, and which gradient engine runs.
+"""Strategy: which gradient engine runs, with which knobs, and which techniques are on.
 
 A :class:`Strategy` is plain data: it round-trips through ``to_dict``/``from_dict``,
-JSON and YAML, so a plan can be saved, reviewed and re-run. :func:`apply` installs its
-techniques into a model; :func:`step` runs one forward + backward with its engine.
+JSON and YAML, so a plan can be saved, reviewed and re-run. Conflicts between its parts
+are settled when it is built (an engine names the techniques it composes with).
+:func:`apply` finds the model's adapter, lets the engine refuse a model it cannot
+train, installs the techniques and records the result — the
+:class:`~longtrain.engines.base.EngineContext` — on the model, in the one attribute
+longtrain keeps there; :func:`step` hands that context to the engine.
 """
 
 from __future__ import annotations
@@ -15,8 +19,11 @@ from typing import Any, Mapping
 
 import yaml
 
-from . import registry
+from . import engines, registry, techniques  # noqa: F401  (importing the packages registers the built-ins)
+from .engines.base import EngineContext
 from .errors import LongtrainError
+from .models.adapters import adapter_for
+from .models.attention import use_longtrain_attention
 
 
 def _make_options(kind: str, name: str, options_cls: type, value: Any) -> Any:
@@ -40,14 +47,23 @@ def _make_options(kind: str, name: str, options_cls: type, value: Any) -> Any:
     )
 
 
+# Spellings of earlier versions that now have another home: one line pointing there.
+_MOVED = {
+    "attention": "chunked attention is now the 'fpdt' engine: write --engine fpdt:chunk=8192:offload=true "
+                 "(Python: Strategy(engine='fpdt', engine_options=FPDT(chunk=8192, offload=True)))",
+}
+
+
 @dataclass(init=False)
 class Strategy:
     """Which gradient engine runs and which model techniques are installed.
 
-    ``Strategy()`` is plain autograd. Techniques are named as keyword arguments, e.g.
-    ``Strategy(checkpoint=True)``; each accepts ``True``, a mapping of its options or its
-    options dataclass. ``engine`` names the gradient engine (``"backprop"`` by default)
-    and ``engine_options`` its knobs.
+    ``Strategy()`` is plain autograd. ``engine`` names the gradient engine
+    (``"backprop"``, ``"fpdt"``, ``"seco"``, ``"spaco"``, ``"adjoint"``) and
+    ``engine_options`` its knobs (a mapping or its options dataclass). Techniques are
+    named as keyword arguments, e.g. ``Strategy(checkpoint=True, mst=MsT())``; each
+    accepts ``True``, a mapping of its options or its options dataclass. A technique the
+    engine does not compose with is refused here, with the reason.
     """
 
     engine: str
@@ -55,14 +71,22 @@ class Strategy:
     techniques: dict[str, Any]
 
     def __init__(self, engine: str = "backprop", engine_options: Any = None, **techniques: Any):
+        if not isinstance(engine, str):
+            raise LongtrainError(f"engine must be an engine name such as 'backprop' or 'fpdt', got {engine!r}")
         spec = registry.engine(engine)
         self.engine = engine
         self.engine_options = _make_options("engine", engine, spec.options, engine_options)
         chosen = {}
         for name, value in techniques.items():
+            if name in _MOVED:
+                raise LongtrainError(_MOVED[name])
             if value is False:
                 continue
             tech = registry.technique(name)
+            if name not in spec.accepts:
+                reason = spec.conflicts.get(name) or (
+                    f"it composes with {', '.join(spec.accepts) or 'no techniques'}")
+                raise LongtrainError(f"the {engine} engine does not combine with '{name}': {reason}")
             chosen[name] = _make_options("technique", name, tech.options, value)
         # Stored in install order so that equal strategies compare and print equally.
         order = registry.techniques()
@@ -89,19 +113,22 @@ class Strategy:
     @classmethod
     def from_dict(cls, data: Mapping) -> "Strategy":
         if not isinstance(data, Mapping):
-            raise LongtrainError(f"a strategy must be a mapping, got {type(data).__name__}")
+            raise LongtrainError(f"a strategy must be a mapping with 'engine' and 'techniques', got {type(data).__name__}")
         unknown = sorted(set(data) - {"engine", "techniques"})
         if unknown:
             raise LongtrainError(f"unknown strategy field {unknown[0]!r}; fields: engine, techniques")
         engine = data.get("engine", "backprop")
         if isinstance(engine, str):
             engine, engine_options = engine, None
-        else:
+        elif isinstance(engine, Mapping):
             engine = dict(engine)
-            engine_name = engine.pop("name", "backprop")
-            engine, engine_options = engine_name, engine
+            engine, engine_options = engine.pop("name", "backprop"), engine
+        else:
+            raise LongtrainError(f"a strategy's engine must be a name or a mapping with 'name' and options, got {engine!r}")
         techniques = data.get("techniques") or {}
-        return cls(engine=engine, engine_options=engine_options, **dict(techniques))
+        if not isinstance(techniques, Mapping):
+            raise LongtrainError(f"a strategy's techniques must be a mapping of names to options, got {type(techniques).__name__}")
+        return cls(engine=engine, engine_options=engine_options, **{str(k): v for k, v in techniques.items()})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
@@ -121,17 +148,19 @@ class Strategy:
     def parse(cls, spec: "str | Strategy | None", engine: str | None = None,
               engine_options: Mapping | None = None) -> "Strategy":
         """Parse a command-line strategy: ``none``, ``checkpoint``, ``checkpoint,mst``,
-        ``mst,attention:chunk=8192:offload=true`` (options after the name), or a path
-        to a ``.yaml``/``.json`` file written by :meth:`to_yaml`/:meth:`to_json`.
+        ``mst:loss_chunks=8`` (options after the name), or a path to a
+        ``.yaml``/``.json`` file written by :meth:`to_yaml`/:meth:`to_json`.
 
-        ``engine`` (``"seco"``, ``"spaco:chunk=128:budget=8"``) and ``engine_options``
-        replace the engine the spec names (a file may name one)."""
+        ``engine`` (``"fpdt:chunk=8192:offload=true"``, ``"spaco:chunk=128:budget=8"``)
+        and ``engine_options`` replace the engine the spec names (a file may name one)."""
         if isinstance(spec, Strategy) and engine is None and not engine_options:
             return spec
         if isinstance(spec, Strategy):
             strat = spec
-        else:
+        elif spec is None or isinstance(spec, str):
             strat = cls._parse_spec((spec or "none").strip())
+        else:
+            raise LongtrainError(f"a strategy is a Strategy, a comma list such as 'checkpoint,mst' or a file path, got {spec!r}")
         if engine is None and not engine_options:
             return strat
         if engine is None:
@@ -157,29 +186,55 @@ class Strategy:
 
 
 def _parse_item(item: str) -> tuple[str, Any]:
-    """``"mst"`` -> ("mst", True); ``"attention:chunk=8192:offload=true"`` -> ("attention",
+    """``"mst"`` -> ("mst", True); ``"fpdt:chunk=8192:offload=true"`` -> ("fpdt",
     {"chunk": 8192, "offload": True}) (values read as YAML scalars)."""
     name, *pairs = item.split(":")
     if not pairs:
-        return name, True
+        return name.strip(), True
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise LongtrainError(f"cannot read {pair!r} in strategy item {item!r}; write options as name:key=value:key=value")
-        options[key.strip()] = yaml.safe_load(value)
+        try:
+            options[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise LongtrainError(f"cannot read the value {value!r} of {key.strip()!r} in strategy item {item!r}") from None
     return name.strip(), options
 
 
-def apply(model, strategy: Strategy):
-    """Install ``strategy``'s techniques into ``model`` in place and return it.
+# The one attribute longtrain sets on a model: its EngineContext once a strategy is applied.
+_CONTEXT_ATTR = "_longtrain"
 
-    Applying the same strategy again is a no-op; applying a different one to a model
-    that already has one is an error (build a fresh model instead), because techniques
-    patch modules and cannot all be undone cleanly.
+
+def applied_context(model) -> EngineContext | None:
+    """The context :func:`apply` recorded on ``model``, or None."""
+    return getattr(model, _CONTEXT_ATTR, None)
+
+
+def applied_strategy(model) -> Strategy | None:
+    context = applied_context(model)
+    return None if context is None else context.strategy
+
+
+def pinned_host_bytes(model) -> int:
+    """Page-locked host memory the model's engine holds for parked chunks."""
+    context = applied_context(model)
+    return 0 if context is None else context.pool.allocated_bytes
+
+
+def apply(model, strategy: "Strategy | str | None"):
+    """Install ``strategy`` on ``model`` in place and return it.
+
+    The model's family must have an adapter (one line naming the supported families
+    otherwise); the engine may refuse the model (an SSM under a chunked engine, dropout
+    under recomputation); attention is routed through longtrain's backend; techniques
+    patch their modules. Applying the same strategy again is a no-op; applying a
+    different one to a model that already has one is an error (build a fresh model
+    instead), because techniques patch modules and cannot all be undone cleanly.
     """
     strategy = Strategy.parse(strategy)
-    prior = getattr(model, "_longtrain_strategy", None)
+    prior = applied_strategy(model)
     if prior is not None:
         if prior == strategy:
             return model
@@ -187,37 +242,49 @@ def apply(model, strategy: Strategy):
             f"this model already has strategy {prior.name!r} applied; build a fresh model "
             f"to apply {strategy.name!r}"
         )
+    context = EngineContext(strategy, adapter_for(model))
     engine = registry.engine(strategy.engine)
     if engine.check is not None:
-        engine.check(model)
+        engine.check(context)
+    base = context.adapter.base
+    if context.adapter.has_attention:
+        use_longtrain_attention(base)
+    if hasattr(base.config, "use_cache"):
+        base.config.use_cache = False  # a KV cache is useless in training and costs memory
     for name, options in strategy.techniques.items():
-        registry.technique(name).install(model, options)
-    object.__setattr__(model, "_longtrain_strategy", strategy)
+        registry.technique(name).install(context, options)
+    object.__setattr__(model, _CONTEXT_ATTR, context)  # the one documented place (see above)
     return model
 
 
-def applied_strategy(model) -> Strategy | None:
-    return getattr(model, "_longtrain_strategy", None)
-
-
 def step(model, batch: Mapping, strategy: Strategy | None = None, num_label_tokens: int | None = None):
-    """Run forward + backward for one micro-batch with the strategy's engine.
+    """Run forward + backward for one micro-batch with the applied strategy's engine.
 
-    ``batch`` holds ``input_ids`` (B, S) and optionally ``attention_mask`` and
-    ``labels`` (Hugging Face conventions: labels are *not* shifted, -100 is ignored).
-    Gradients are accumulated on the parameters. The returned loss is the sum of token
-    losses divided by ``num_label_tokens`` — pass the label-token count of the whole
-    accumulation step so that the sum of the returned losses equals the mean loss stock
-    Hugging Face computes for one batch holding all of them. By default, the count of
-    this micro-batch is used.
+    ``batch`` holds ``input_ids`` (B, S) and optionally ``attention_mask``, ``labels``
+    and ``position_ids`` (Hugging Face conventions: labels are *not* shifted, -100 is
+    ignored; position ids that restart inside a row mark packed documents, which attend
+    only within themselves). Gradients are accumulated on the parameters. The returned
+    loss is the sum of token losses divided by ``num_label_tokens`` — pass the
+    label-token count of the whole accumulation step so that the sum of the returned
+    losses equals the mean loss stock Hugging Face computes for one batch holding all
+    of them. By default, the count of this micro-batch is used.
+
+    A model with no strategy applied gets ``strategy`` (or plain backprop) applied when
+    it changes no module (an engine alone); techniques need :func:`apply` first.
     """
-    applied = applied_strategy(model)
-    if strategy is None:
-        strategy = applied or Strategy()
-    elif strategy.techniques and applied != strategy:
+    context = applied_context(model)
+    if context is None:
+        strategy = Strategy.parse(strategy)
+        if strategy.techniques:
+            raise LongtrainError(
+                f"strategy {strategy.name!r} is not installed on this model; call "
+                "longtrain.apply(model, strategy) first"
+            )
+        apply(model, strategy)
+        context = applied_context(model)
+    elif strategy is not None and Strategy.parse(strategy) != context.strategy:
         raise LongtrainError(
-            f"strategy {strategy.name!r} is not installed on this model; call "
-            "longtrain.apply(model, strategy) first"
+            f"this model has strategy {context.strategy.name!r} applied, not {Strategy.parse(strategy).name!r}; "
+            "build a fresh model to step with another strategy"
         )
-    spec = registry.engine(strategy.engine)
-    return spec.step(model, batch, strategy.engine_options, num_label_tokens)
+    return registry.engine(context.strategy.engine).step(context, batch, num_label_tokens)

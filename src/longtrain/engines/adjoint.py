@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import validate
 from ..errors import LongtrainError
 from ..memory.units import parse_bytes
 from ..models.layers import unwrap
@@ -47,7 +48,7 @@ from ..ops.chunked_loss import chunked_causal_lm_loss
 from ..ops.linear_scan import adjoint_states
 from ..parallel.layer_groups import LayerGroup, layer_group
 from ..registry import register_engine
-from .batch import label_token_count, prepare_batch
+from .batch import prepare_batch
 
 
 @dataclass
@@ -69,6 +70,7 @@ class AdjointOptions:
             raise LongtrainError(f"adjoint block must be a positive integer (tokens), got {self.block!r}")
         if self.vjp_memory is not None:
             parse_bytes(self.vjp_memory)
+        validate.flag("adjoint", "recompute", self.recompute)
 
 
 @dataclass
@@ -151,13 +153,6 @@ def _block_tokens(layer: SSMLayer, rows: int, length: int, options: AdjointOptio
     return max(1, min(length, budget // per_token))
 
 
-def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
-    if param.grad is None:
-        param.grad = grad.detach().clone()
-    else:
-        param.grad.add_(grad)
-
-
 def _direct_gradient(layer: SSMLayer, c, h, grad_out, block: int, dtype) -> torch.Tensor:
     """C^{tT} g^t for every t: the gradient reaching h^t through the layer's own output
     y^t = C^t h^t, by VJPs of the readout (so adapters on it, LoRA, count) block by block."""
@@ -215,8 +210,9 @@ def backward_layer(
         h_prev = h_prev.reshape(-1, h.shape[-1])
         _, vjp_fn = torch.func.vjp(lambda p, zz: batched(p, zz, h_prev, tokens(h), tokens(keep)), params, tokens(z))
         grad_params, grad_z = vjp_fn((tokens(mu), tokens(grad_out)))
-        for name, grad in grad_params.items():
-            _accumulate(params[name], grad)
+        # Through autograd's accumulation, so post-accumulate hooks, FSDP and LoRA see it.
+        names = list(grad_params)
+        torch.autograd.backward([params[n] for n in names], [grad_params[n] for n in names])
         grad_in[:, sl] += grad_z.reshape(rows, -1, z.shape[-1])
         if stats is not None:
             stats.vjp_calls += 1
@@ -227,12 +223,12 @@ def backward_layer(
     return grad_in
 
 
-def head_backward(base: nn.Module, z_top: torch.Tensor, labels: torch.Tensor, num_label_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def head_backward(base: nn.Module, z_top: torch.Tensor, targets: torch.Tensor, num_label_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss of the final norm + LM head (mini-sequence, no full logits) and ∂L/∂z_K;
     the norm's and head's gradients are accumulated."""
     z = z_top.detach().requires_grad_()
     hidden = base.model.norm(z)
-    loss = chunked_causal_lm_loss(hidden, base.lm_head.weight, labels, num_label_tokens=num_label_tokens)
+    loss = chunked_causal_lm_loss(hidden, base.lm_head.weight, targets, num_label_tokens=num_label_tokens, shifted=True)
     loss.backward()
     return loss.detach(), z.grad
 
@@ -243,18 +239,26 @@ def embedding_backward(base: nn.Module, input_ids: torch.Tensor, grad: torch.Ten
         embedding(input_ids).backward(grad)
 
 
+_OWN_MEMORY = "the adjoint engine keeps only each layer's input and runs its head in mini-sequences already"
+
+
 @register_engine("adjoint", AdjointOptions, "adjoint sharding for SSM-ResNet: token-wise VJPs, no BPTT graph; exact or truncated",
-                 check=check_model)
-def adjoint_step(model, batch, options: AdjointOptions, num_label_tokens: int | None = None, stats: AdjointStats | None = None):
+                 conflicts={"checkpoint": _OWN_MEMORY + "; drop 'checkpoint'", "mst": _OWN_MEMORY + "; drop 'mst'"},
+                 check=lambda context: check_model(context.model))
+def adjoint_step(context, batch, num_label_tokens: int | None = None, stats: AdjointStats | None = None):
     """One micro-batch. On a model sharded by :func:`~longtrain.parallel.layer_groups.shard_model`
     this rank runs its layer group and exchanges the residual stream (forward) and its
     gradient (backward) with its neighbours; unsharded, one process runs every layer."""
-    base = check_model(model)
-    inputs = prepare_batch(batch)
-    num_label_tokens = label_token_count(inputs.labels, num_label_tokens)
+    options: AdjointOptions = context.engine_options
+    base = check_model(context.model)
+    inputs = prepare_batch(batch, num_label_tokens)
+    if inputs.mask.segments is not None:
+        raise LongtrainError("SSM-ResNet does not reset its state at document boundaries; "
+                             "pass batches without position resets (no packed documents) to the adjoint engine")
+    num_label_tokens = inputs.num_label_tokens
     layers = base.model.layers
     group = layer_group(base) or LayerGroup(len(layers), 0, 1)
-    mask = inputs.attention_mask
+    mask = inputs.mask.key_valid
     if group.first:
         with torch.no_grad():
             z = base.model.embed_tokens(inputs.input_ids)
@@ -265,7 +269,7 @@ def adjoint_step(model, batch, options: AdjointOptions, num_label_tokens: int | 
         z, record = forward_layer(layers[index], z, mask, keep_states=not options.recompute)
         records.append(record)
     if group.last:
-        loss, grad = head_backward(base, z, inputs.labels, num_label_tokens)
+        loss, grad = head_backward(base, z, inputs.targets, num_label_tokens)
     else:
         group.send(z, up=True)
         grad = group.recv(z, up=True)

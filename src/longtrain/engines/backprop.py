@@ -1,16 +1,22 @@
 """The ``backprop`` engine: one forward and one backward over the whole sequence.
 
-Memory-saving techniques (checkpointing, mini-sequence ops, chunked attention) act
-inside the model; this engine only decides what the loss is normalized by.
+The forward runs the model piece by piece through its adapter — embeddings, rotary
+tables for the whole sequence and its position ids, each decoder layer (with whatever
+techniques patched into it: checkpointing, tiled MLPs), final norm — and the loss head
+the strategy asks for (stock full logits, or MsT's chunked head). Attention gets the
+batch's packed documents and padding as one :class:`~longtrain.models.attention.WholeSequenceAttention`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..models.head import lm_loss
+import torch
+
+from ..models.attention import WholeSequenceAttention
 from ..registry import register_engine
-from .batch import label_token_count, prepare_batch
+from .base import EngineContext
+from .batch import prepare_batch
 
 
 @dataclass
@@ -18,15 +24,22 @@ class BackpropOptions:
     """Plain autograd has no knobs."""
 
 
-def forward_loss(model, batch, num_label_tokens: int | None):
-    """Forward pass returning the summed token loss divided by ``num_label_tokens``."""
-    inputs = prepare_batch(batch)
-    num_label_tokens = label_token_count(inputs.labels, num_label_tokens)
-    return lm_loss(model, inputs.input_ids, inputs.attention_mask, inputs.labels, num_label_tokens)
+def forward_loss(context: EngineContext, batch, num_label_tokens: int | None = None) -> torch.Tensor:
+    """The summed token loss of ``batch`` divided by ``num_label_tokens``, with autograd's
+    graph when gradients are enabled."""
+    seq = prepare_batch(batch, num_label_tokens)
+    adapter = context.adapter
+    hidden = adapter.embed(seq.input_ids)
+    position_embeddings = adapter.position_embeddings(hidden, seq.position_ids)
+    attention = WholeSequenceAttention(seq.mask)
+    for layer in adapter.layers:
+        hidden = adapter.run_layer(layer, hidden, position_embeddings, attention)
+    hidden = adapter.final_norm(hidden)
+    return context.head_loss(per_chunk=False)(hidden, seq.targets, seq.num_label_tokens)
 
 
-@register_engine("backprop", BackpropOptions, "plain autograd over the whole sequence")
-def backprop_step(model, batch, options: BackpropOptions, num_label_tokens: int | None = None):
-    loss = forward_loss(model, batch, num_label_tokens)
+@register_engine("backprop", BackpropOptions, "plain autograd over the whole sequence", accepts=("checkpoint", "mst"))
+def backprop_step(context: EngineContext, batch, num_label_tokens: int | None = None):
+    loss = forward_loss(context, batch, num_label_tokens)
     loss.backward()
     return loss.detach()

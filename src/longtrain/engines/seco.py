@@ -8,8 +8,8 @@ the parked K/V of the earlier chunks (attention merged by log-sum-exp, never by
 concatenating copies) and backpropagated. The gradient this sends to earlier chunks'
 K/V waits in the store and joins those chunks' own K/V gradient when their turn comes
 (and is freed then). Forward activations exist for one chunk at a time; only K/V grows
-with the sequence. The schedule itself lives in
-:class:`~longtrain.engines.chunked_pipeline.ChunkedRun`.
+with the sequence. The pieces (store, attention calls, rotary tables, head) come from
+:class:`~longtrain.engines.chunked.ChunkedRun`; the chunk-major order is this module's.
 
 **SpaCO** backpropagates a random subset of chunks. Each chunk is selected
 *independently* with probability ρ = t/k (t = ``budget``, k = chunk count; t chunks
@@ -33,35 +33,42 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from .. import validate
 from ..errors import LongtrainError
 from ..memory.units import parse_bytes
-from ..models.attention import CHUNKED_NAME, use_chunked_backend
-from ..models.layers import unwrap
 from ..registry import register_engine
-from .batch import label_token_count, prepare_batch
-from .chunked_pipeline import PIPELINE_ATTR, ChunkedRun, PipelineSettings
+from .base import EngineContext
+from .batch import prepare_batch
+from .chunked import ChunkedRun, ChunkSettings, check_chunkable, check_host_budget
 
 
 @dataclass
 class SeCOOptions:
     """Knobs of the exact chunk-wise engine."""
 
+    _name = "seco"
     chunk: int = 4096  # tokens per chunk
     offload: bool = False  # park K/V (and K/V gradients) in host memory
     prefetch: int = 1  # K/V chunks fetched ahead
     host_memory: str | int | None = None  # host budget, e.g. "64GiB"
 
     def __post_init__(self):
-        if not isinstance(self.chunk, int) or self.chunk <= 0:
-            raise LongtrainError(f"chunk must be a positive integer, got {self.chunk!r}")
+        validate.positive_int(self._name, "chunk", self.chunk)
+        validate.positive_int(self._name, "prefetch", self.prefetch, minimum=0)
+        validate.flag(self._name, "offload", self.offload)
         if self.host_memory is not None:
             parse_bytes(self.host_memory)
+
+    def settings(self) -> ChunkSettings:
+        return ChunkSettings(chunk=self.chunk, offload=self.offload, prefetch=self.prefetch,
+                             host_budget=None if self.host_memory is None else parse_bytes(self.host_memory))
 
 
 @dataclass
 class SpaCOOptions(SeCOOptions):
     """Knobs of the sparse engine: ``budget`` chunks backpropagated per step on average."""
 
+    _name = "spaco"
     chunk: int = 128
     budget: int = 8  # t: expected number of chunks backpropagated per step
     cap: float | None = None  # limit on the relay factor k/t (paper: 2); None: unbiased
@@ -69,35 +76,61 @@ class SpaCOOptions(SeCOOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.budget, int) or self.budget <= 0:
-            raise LongtrainError(f"spaco budget must be a positive integer, got {self.budget!r}")
-        if self.cap is not None and self.cap < 1:
-            raise LongtrainError(f"spaco cap must be at least 1 (or none), got {self.cap!r}")
+        validate.positive_int("spaco", "budget", self.budget)
+        if self.cap is not None and (isinstance(self.cap, bool) or not isinstance(self.cap, (int, float)) or self.cap < 1):
+            raise LongtrainError(f"spaco cap must be a number of at least 1 (or none), got {self.cap!r}")
 
 
-def _prepare(model, batch, options, num_label_tokens):
-    if getattr(model, PIPELINE_ATTR, None) is not None:
-        raise LongtrainError("the seco/spaco engines already run the sequence in chunks; drop the 'attention' technique")
-    base = unwrap(model)
-    if getattr(base.config, "_attn_implementation", None) != CHUNKED_NAME:
-        use_chunked_backend(base)
-    inputs = prepare_batch(batch)
-    num_label_tokens = label_token_count(inputs.labels, num_label_tokens)
-    settings = PipelineSettings(chunk=options.chunk, offload=options.offload, offload_inputs=False, prefetch=options.prefetch,
-                                host_budget=None if options.host_memory is None else parse_bytes(options.host_memory))
-    return ChunkedRun(model, inputs.input_ids, inputs.attention_mask, inputs.labels, num_label_tokens, settings)
-
-
-def _forward(run: ChunkedRun) -> torch.Tensor:
+def forward_chunk_major(run: ChunkedRun) -> torch.Tensor:
+    """SeCO's pass 1: the whole model on each chunk in turn, without gradients, parking
+    every layer's K/V; returns the summed loss."""
+    total = None
     with torch.no_grad():
-        return run.forward_chunk_major()
+        for i in range(len(run.bounds)):
+            loss = _chunk_forward(run, i, "forward")
+            total = loss if total is None else total + loss
+    return total
 
 
-@register_engine("seco", SeCOOptions, "sequential chunk-wise optimization: exact, activations of one chunk (K/V parked)")
-def seco_step(model, batch, options: SeCOOptions, num_label_tokens: int | None = None):
-    run = _prepare(model, batch, options, num_label_tokens)
-    loss = _forward(run)
-    run.backward_chunk_major(torch.ones_like(loss))
+def backward_chunk_major(run: ChunkedRun, grad_loss: torch.Tensor, own_factor: float = 1.0) -> None:
+    """Chunks from the last, each recomputed through the whole model against the parked
+    K/V of earlier chunks and backpropagated from its own loss (times ``own_factor``)
+    plus the K/V gradients later chunks relayed to it. With ``run.selected`` set
+    (SpaCO), only those chunks are recomputed."""
+    for i in reversed(range(len(run.bounds))):
+        if run.selected is None or i in run.selected:
+            # K/V gradients reach this chunk inside attend_chunk's backward (take_grad).
+            torch.autograd.backward(_chunk_forward(run, i, "recompute"), grad_loss * own_factor)
+        for layer in range(len(run.layers)):
+            run.discard_kv(layer, i)
+
+
+def _chunk_forward(run: ChunkedRun, i: int, mode: str) -> torch.Tensor:
+    hidden = run.adapter.embed(run.input_ids(i))
+    for layer in range(len(run.layers)):
+        hidden = run.run_layer(layer, hidden, i, mode)
+    return run.chunk_loss(run.adapter.final_norm(hidden), i)
+
+
+def _run(context: EngineContext, batch, num_label_tokens, engine: str) -> ChunkedRun:
+    seq = prepare_batch(batch, num_label_tokens)
+    settings = context.engine_options.settings()
+    check_host_budget(context, seq, settings, engine)
+    return ChunkedRun(context, seq, settings)
+
+
+_ACCEPTS = ("checkpoint", "mst")
+
+
+@register_engine("seco", SeCOOptions, "sequential chunk-wise optimization: exact, activations of one chunk (K/V parked)",
+                 accepts=_ACCEPTS, check=lambda context: check_chunkable(context, "seco"))
+def seco_step(context: EngineContext, batch, num_label_tokens: int | None = None):
+    run = _run(context, batch, num_label_tokens, "seco")
+    try:
+        loss = forward_chunk_major(run)
+        backward_chunk_major(run, torch.ones_like(loss))
+    finally:
+        run.store.clear()
     return loss.detach()
 
 
@@ -108,12 +141,14 @@ def select_chunks(n_chunks: int, budget: int, generator: torch.Generator) -> set
     return {i for i in range(n_chunks) if float(draws[i]) < rho}
 
 
-@register_engine("spaco", SpaCOOptions, "sparse chunk-wise optimization: backprop ~budget chunks, unbiased")
-def spaco_step(model, batch, options: SpaCOOptions, num_label_tokens: int | None = None, selected: set[int] | None = None):
-    run = _prepare(model, batch, options, num_label_tokens)
+@register_engine("spaco", SpaCOOptions, "sparse chunk-wise optimization: backprop ~budget chunks, unbiased",
+                 accepts=_ACCEPTS, check=lambda context: check_chunkable(context, "spaco"))
+def spaco_step(context: EngineContext, batch, num_label_tokens: int | None = None, selected: set[int] | None = None):
+    options = context.engine_options
+    run = _run(context, batch, num_label_tokens, "spaco")
     k = len(run.bounds)
     ratio = max(1.0, k / options.budget)  # k/t; every chunk is taken when t >= k
-    if selected is None and is_fake(run.input_ids):
+    if selected is None and is_fake(run.seq.input_ids):
         # Simulation: the memory of a step does not depend on which chunks are drawn.
         selected = set(range(max(0, k - options.budget), k))
     if selected is None:
@@ -124,9 +159,10 @@ def spaco_step(model, batch, options: SpaCOOptions, num_label_tokens: int | None
         selected = select_chunks(k, options.budget, generator)
     run.selected = selected
     run.hop_factor = ratio if options.cap is None else min(ratio, options.cap)
-    loss = _forward(run)
-    if selected:
-        run.backward_chunk_major(torch.ones_like(loss), own_factor=ratio)
-    else:
+    try:
+        loss = forward_chunk_major(run)
+        if selected:
+            backward_chunk_major(run, torch.ones_like(loss), own_factor=ratio)
+    finally:
         run.store.clear()
     return loss.detach()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s.
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
@@ -53,19 +53,20 @@ def count_flops(fn, *args, **kwargs) -> tuple[int, object]:
     The counter sees matmuls and attention kernels that PyTorch registers formulas for;
     it counts attention as a full (non-causal) square.
     """
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=_cpu_flash_formulas()) as counter:
         result = fn(*args, **kwargs)
     return counter.get_total_flops(), result
 
 
-def _register_cpu_flash_formulas() -> None:
-    """PyTorch counts its CUDA flash kernels but not the CPU ones our attention blocks
-    call (and the simulator runs). Count them the same way, halved for a causal call: a
-    causal kernel skips the masked half, and whole-sequence causal attention must not
-    look twice as expensive as the same attention done in chunks."""
+def _cpu_flash_formulas() -> dict:
+    """FLOP formulas for the CPU flash kernels our attention blocks call (and the
+    simulator runs), which PyTorch counts only for its CUDA kernels: the same formula,
+    halved for a causal call (a causal kernel skips the masked half, and whole-sequence
+    causal attention must not look twice as expensive as the same attention in chunks).
+    Passed to each counter, never registered process-wide."""
     aten = torch.ops.aten
     if not hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        return
+        return {}
 
     def forward(query_shape, key_shape, value_shape, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kwargs):
         return sdpa_flop_count(query_shape, key_shape, value_shape) // (2 if is_causal else 1)
@@ -74,14 +75,10 @@ def _register_cpu_flash_formulas() -> None:
                  is_causal=False, *args, out_shape=None, **kwargs):
         return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape) // (2 if is_causal else 1)
 
-    try:
-        register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu)(forward)
-        register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward)(backward)
-    except RuntimeError:  # already registered (by a newer PyTorch, or a second import)
-        pass
-
-
-_register_cpu_flash_formulas()
+    return {  # FlopCounterMode hands custom formulas the shapes of the arguments
+        aten._scaled_dot_product_flash_attention_for_cpu: forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+    }
 
 
 def device_peak_flops(device: torch.device | str) -> float | None:

@@ -1,113 +1,119 @@
-"""Hugging Face attention backend ``longtrain_attn``: SDPA with flash-kernel memory on every device.
+"""Hugging Face attention backend ``longtrain_attn``: how longtrain's engines reach attention.
 
 Registered through transformers' ``AttentionInterface`` (no model files are edited).
-It computes what the stock ``sdpa`` backend computes, but grouped K/V heads never
-force the s×s math kernel on CPU (see :mod:`longtrain.ops.sdpa`), so CPU training and
-the simulator show the memory a GPU flash kernel would use.
+A Hugging Face attention module computes q, k, v (projections, norms, rotary tables)
+and hands them, with whatever its layer received as ``attention_mask``, to the backend.
+longtrain's engines run layers through the model's adapter and pass an
+:class:`AttentionCall` in place of the mask; the backend gives it q, k, v, the module's
+scale, window and soft-cap, and it answers with the attention output. So the call
+travels as an argument: a checkpointed layer replays with the same call, and the
+backward — which CUDA runs on autograd's own device thread — needs no state of the
+thread that ran the forward.
+
+Called by Hugging Face's own forward (evaluation, generation) with a tensor mask, the
+backend computes what the stock ``sdpa`` backend computes (or Gemma-2's eager attention
+where logits are soft-capped), with flash-kernel memory on CPU too (:mod:`longtrain.ops.sdpa`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 from transformers import AttentionInterface
 
+from ..errors import LongtrainError
+from ..ops.causal_attention import MASKED_BLOCK, causal_attention, needs_blocks
+from ..ops.chunked_attention import chunk_bounds
+from ..ops.masking import BlockPlanner, SequenceMask
 from ..ops.sdpa import sdpa_gqa
-from . import hf_compat
 
 # The name must not contain "sdpa": transformers applies its SDPA support checks to any
 # backend whose name does, and refuses models (Gemma-2) that our backend handles.
 NAME = "longtrain_attn"
-# The chunked pipeline's backend: inside a pipeline run, attention goes to the run
-# (one query chunk against stored earlier chunks); outside one (evaluation,
-# generation) it behaves like ``longtrain_attn`` (or eager, for soft-capping).
-CHUNKED_NAME = "longtrain_chunked"
-_ACTIVE_RUN: contextvars.ContextVar = contextvars.ContextVar("longtrain_chunked_run", default=None)
 
 
-@contextlib.contextmanager
-def chunked_run(run):
-    """Route ``longtrain_chunked`` attention calls to ``run.attend(module, q, k, v, **kwargs)``."""
-    token = _ACTIVE_RUN.set(run)
-    try:
-        yield run
-    finally:
-        _ACTIVE_RUN.reset(token)
+class AttentionCall:
+    """What an engine passes to a layer as its ``attention_mask``: it receives the layer's
+    q (B, H, S, D), k, v (B, H_kv, S, D) and returns the output (B, H, S, D)."""
+
+    mask: SequenceMask
+
+    def attend(self, module, q, k, v, *, scale: float | None, window: int | None, softcap: float | None):
+        raise NotImplementedError
 
 
-def longtrain_attn_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    if kwargs.get("softcap") is not None:
-        raise ValueError("longtrain_attn does not support attention logit soft-capping; use attn_implementation='eager'")
-    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+class WholeSequenceAttention(AttentionCall):
+    """Causal attention over the whole sequence (the ``backprop`` engine's call)."""
+
+    def __init__(self, mask: SequenceMask):
+        self.mask = mask
+        self._planner: BlockPlanner | None = None  # block decisions, shared by every layer
+
+    def attend(self, module, q, k, v, *, scale, window, softcap):
+        planner = None
+        if needs_blocks(self.mask, window, softcap, q.shape[2]):
+            if self._planner is None:
+                self._planner = BlockPlanner(self.mask, chunk_bounds(q.shape[2], MASKED_BLOCK))
+            planner = self._planner
+        return causal_attention(q, k, v, mask=self.mask, window=window, scale=scale, softcap=softcap, planner=planner)
+
+
+def longtrain_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                        sliding_window=None, softcap=None, **kwargs):
+    if isinstance(attention_mask, AttentionCall):
+        if dropout and module.training:
+            raise LongtrainError("longtrain's engines do not support attention dropout; set attention_dropout=0 in the model config")
+        out = attention_mask.attend(module, query, key, value, scale=scaling, window=sliding_window, softcap=softcap)
+        return out.transpose(1, 2).contiguous(), None
+    return _stock_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs)
+
+
+def _stock_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs):
+    """What transformers' own backends compute, for Hugging Face's own forward."""
+    if softcap is not None:  # Gemma-2: its eager attention (no SDPA kernel soft-caps)
+        from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+        return eager_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                       sliding_window=sliding_window, softcap=softcap, **kwargs)
+    is_causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
     if attention_mask is not None and attention_mask.dim() == 4:
         attention_mask = attention_mask[:, :, :, : key.shape[2]]
-    out = sdpa_gqa(
-        query, key, value, attn_mask=attention_mask, is_causal=is_causal, scale=scaling,
-        dropout_p=dropout if module.training else 0.0,
-    )
+    out = sdpa_gqa(query, key, value, attn_mask=attention_mask, is_causal=is_causal, scale=scaling,
+                   dropout_p=dropout if module.training else 0.0)
     return out.transpose(1, 2).contiguous(), None
 
 
-def longtrain_chunked_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    run = _ACTIVE_RUN.get()
-    if run is None:
-        if kwargs.get("softcap") is not None:  # Gemma-2 outside a run: its own eager attention
-            from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
-
-            return eager_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        return longtrain_attn_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if dropout and module.training:
-        raise ValueError("the chunked pipeline does not support attention dropout; set attention_dropout=0")
-    out = run.attend(module, query, key, value, scaling=scaling, **kwargs)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _chunked_mask(*args, **kwargs):
-    # Inside a pipeline run masks come from positions and the padding mask the run
-    # holds, so none is built; outside one, the mask the fallback attention expects.
+def _mask_for_stock_forward(*args, **kwargs):
+    # Hugging Face builds the mask the fallback expects: additive for eager
+    # (soft-capped Gemma-2), boolean as for sdpa otherwise.
     from transformers.masking_utils import eager_mask, sdpa_mask
 
-    if _ACTIVE_RUN.get() is not None:
-        return None
     config = kwargs.get("config")
     return eager_mask(*args, **kwargs) if getattr(config, "attn_logit_softcapping", None) else sdpa_mask(*args, **kwargs)
 
 
 def _register() -> None:
-    AttentionInterface.register(NAME, longtrain_attn_forward)
-    AttentionInterface.register(CHUNKED_NAME, longtrain_chunked_forward)
-    try:  # transformers builds masks per backend; ours takes the same masks as sdpa
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-        for name, mask in ((NAME, sdpa_mask), (CHUNKED_NAME, _chunked_mask)):
-            AttentionMaskInterface.register(name, mask)
-            if name not in ALL_MASK_ATTENTION_FUNCTIONS:
-                ALL_MASK_ATTENTION_FUNCTIONS[name] = mask
-    except ImportError:  # pragma: no cover - older transformers
-        pass
+    AttentionInterface.register(NAME, longtrain_attention)
+    AttentionMaskInterface.register(NAME, _mask_for_stock_forward)
+    if NAME not in ALL_MASK_ATTENTION_FUNCTIONS:
+        ALL_MASK_ATTENTION_FUNCTIONS[NAME] = _mask_for_stock_forward
 
 
-def use_chunked_backend(model) -> None:
-    """Route ``model``'s attention through ``longtrain_chunked`` (no model files change)."""
+def use_longtrain_attention(model) -> None:
+    """Route ``model``'s attention through ``longtrain_attn`` (no model files change)."""
     setter = getattr(model, "set_attn_implementation", None)
     if callable(setter):
         try:
-            setter(CHUNKED_NAME)
+            setter(NAME)
             return
-        except (ValueError, TypeError):  # older transformers refuse unknown names here
+        except (ValueError, TypeError):
             pass
-    model.config._attn_implementation = CHUNKED_NAME
+    model.config._attn_implementation = NAME
 
 
-def attention_backend(config) -> str:
-    """The backend longtrain builds a model with: ours, or eager where the model needs
-    attention logit soft-capping (Gemma-2), which no SDPA kernel implements."""
-    if getattr(config, "attn_logit_softcapping", None):
-        return "eager"
-    return NAME
+def attention_backend(config) -> str | None:
+    """The backend longtrain builds a model with: ours, or none for attention-free models."""
+    return None if getattr(config, "attention_free", False) else NAME
 
 
 _register()
-hf_compat.install()

@@ -67,11 +67,12 @@ def load_config(spec: str | PretrainedConfig) -> PretrainedConfig:
 
 def _attention_kwargs(config: PretrainedConfig) -> dict:
     """Our attention backend for transformers; nothing for attention-free models (SSM-ResNet)."""
-    return {} if getattr(config, "attention_free", False) else {"attn_implementation": attention_backend(config)}
+    backend = attention_backend(config)
+    return {} if backend is None else {"attn_implementation": backend}
 
 
 def build_from_config(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A randomly initialized causal LM with flash-memory SDPA attention."""
+    """A randomly initialized causal LM with longtrain's attention backend."""
     with default_dtype(dtype):
         model = AutoModelForCausalLM.from_config(config, **_attention_kwargs(config))
     return model

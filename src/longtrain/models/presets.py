@@ -65,6 +65,16 @@ _PRESETS: dict[str, tuple[str, dict]] = {
         vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=16384,
         rope_theta=10000.0, tie_word_embeddings=True)),
+    "tiny-granite": ("granite", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
+        rope_theta=10000.0, embedding_multiplier=6.0, residual_multiplier=0.5,
+        attention_multiplier=0.2, logits_scaling=4.0, tie_word_embeddings=False)),
+    "tiny-cohere": ("cohere", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
+        rope_theta=10000.0, logit_scale=0.25, use_qk_norm=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=True)),
     "tiny-phi3": ("phi3", dict(
         vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,

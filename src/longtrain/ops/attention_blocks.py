@@ -80,12 +80,13 @@ def _flash_backward(dout, q, k, v, out, lse, causal, scale):
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
     # The CUDA kernel's extra arguments describe variable-length packing and dropout,
-    # neither of which blocks use.
+    # neither of which blocks use. A *defined* cum_seq_q/k tensor (even an empty one)
+    # means variable-length packing to the kernel, which then wants int32 offsets:
+    # non-packed calls pass undefined tensors (None), as the forward returns them.
     s_q, s_k = q.shape[2], k.shape[2]
-    empty = torch.empty(0, device=q.device, dtype=torch.int64)
-    seed = torch.empty(0, device=q.device, dtype=torch.int64)
+    no_dropout = torch.empty(0, device=q.device, dtype=torch.int64)
     dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse.float(), empty, empty, s_q, s_k, 0.0, causal, seed, seed, scale=scale
+        dout, q, k, v, out, lse.float(), None, None, s_q, s_k, 0.0, causal, no_dropout, no_dropout, scale=scale
     )
     return dq, dk, dv
 

@@ -1,6 +1,7 @@
 """Chunked causal attention with an online softmax and exact chunk-wise backward.
 
-Two autograd functions share the block kernels of :mod:`.attention_blocks`:
+Two autograd functions share the block kernels of :mod:`.attention_blocks` and the
+masking decisions of :mod:`.masking`:
 
 - :func:`chunked_attention` — the whole sequence is given; it is split into chunks of
   ``chunk`` tokens. Forward: each query chunk meets the key/value chunks at or before
@@ -14,8 +15,8 @@ Two autograd functions share the block kernels of :mod:`.attention_blocks`:
   sends each earlier chunk's dK/dV to the history's accumulator and adds what later
   chunks accumulated for this chunk into its own dK/dV. Running the query chunks in
   reverse order therefore gives exact gradients chunk by chunk: this is how the
-  chunked pipeline (:mod:`longtrain.techniques.chunked_attention`) recomputes a layer
-  one chunk at a time.
+  chunked engines (:mod:`longtrain.engines.chunked`) recompute a layer one chunk at a
+  time.
 
 Neither needs a gradient through an LSE output. Grouped K/V heads are used as they are.
 """
@@ -28,99 +29,72 @@ from typing import Iterator, Protocol
 import torch
 
 from .attention_blocks import block_backward, block_forward, lse_dtype, merge
+from .masking import BlockPlanner, SequenceMask
 
 
 class KVHistory(Protocol):
     """Earlier chunks' keys/values for one layer (what :func:`attend_chunk` reads).
 
-    ``blocks(backward)`` yields ``(index, start, end, k, v)`` for every earlier chunk,
-    in order, with its tensors on the device (prefetching the next ones, and in backward
-    their gradient accumulators, is the history's business). ``add_grad(index, dk, dv)`` accumulates gradients for an earlier chunk;
+    ``blocks(backward)`` yields ``(chunk_index, k, v)`` for every earlier chunk, in
+    order, with its tensors on the device (prefetching the next ones, and in backward
+    their gradient accumulators, is the history's business).
+    ``add_grad(chunk_index, dk, dv)`` accumulates gradients for an earlier chunk;
     ``take_grad()`` returns (and forgets) what was accumulated for the current chunk,
     or None.
     """
 
-    def blocks(self, backward: bool = False) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor]]: ...
+    def blocks(self, backward: bool = False) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]: ...
 
     def add_grad(self, index: int, dk: torch.Tensor, dv: torch.Tensor) -> None: ...
 
     def take_grad(self) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
 
-def block_mask(q_start, q_end, k_start, k_end, *, window=None, q_segments=None, k_segments=None, key_valid=None, device=None):
-    """What one (query range, key range) block needs: ``(skip, causal, mask)``.
-
-    ``skip``: no pair in the block is allowed (outside the window). ``causal``: the block
-    is the diagonal with nothing else masked (a kernel's own causal mode). ``mask``: a
-    boolean (Cq, Ck) or (B, Cq, Ck) mask, or None when every pair is allowed. Decided from
-    positions alone where possible, so the common cases never read tensors on the host.
-    """
-    if window is not None and q_start - (k_end - 1) >= window:
-        return True, False, None
-    diagonal = (q_start, q_end) == (k_start, k_end)
-    window_cuts = window is not None and (q_end - 1) - k_start >= window
-    if q_segments is None and key_valid is None and not window_cuts:
-        if diagonal:
-            return False, True, None
-        if k_end <= q_start + 1:  # every key precedes every query
-            return False, False, None
-    q_pos = torch.arange(q_start, q_end, device=device)
-    k_pos = torch.arange(k_start, k_end, device=device)
-    mask = k_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        mask = mask & (k_pos[None, :] > q_pos[:, None] - window)
-    if q_segments is not None:
-        mask = mask & (q_segments[:, :, None] == k_segments[:, None, :])
-    if key_valid is not None:
-        mask = mask & key_valid[:, None, :]
-    return False, False, mask
+def chunk_bounds(length: int, chunk: int) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` of consecutive chunks of ``chunk`` tokens (the last shorter)."""
+    return [(start, min(start + chunk, length)) for start in range(0, length, chunk)]
 
 
-def _chunk_bounds(s: int, chunk: int) -> list[tuple[int, int]]:
-    return [(start, min(start + chunk, s)) for start in range(0, s, chunk)]
-
-
-def _seg(segments, start, end):
-    return None if segments is None else segments[:, start:end]
-
-
-def _visible_blocks(bounds, window, segments, device, keys_outer=False):
-    """(qa, qb, ka, kb, causal, mask) for every block with an allowed pair, query chunks
-    outer (forward) or key/value chunks outer (FPDT's backward order)."""
-    pairs = [(q, k) for q in bounds for k in bounds if k[0] < q[1]]
+def _visible_blocks(planner: BlockPlanner, window, device, keys_outer=False):
+    """(qi, ki, causal, mask) for every block with an allowed pair, query chunks outer
+    (forward) or key/value chunks outer (FPDT's backward order)."""
+    n = len(planner.bounds)
+    pairs = [(qi, ki) for qi in range(n) for ki in range(qi + 1)]
     if keys_outer:
         pairs.sort(key=lambda pair: (pair[1], pair[0]))
-    for (qa, qb), (ka, kb) in pairs:
-        skip, causal, mask = block_mask(qa, qb, ka, kb, window=window, q_segments=_seg(segments, qa, qb),
-                                        k_segments=_seg(segments, ka, kb), device=device)
+    for qi, ki in pairs:
+        skip, causal, mask = planner.plan(qi, ki, window, device)
         if not skip:
-            yield qa, qb, ka, kb, causal, mask
+            yield qi, ki, causal, mask
 
 
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, segments, chunk, window, scale, softcap):
-        s = q.shape[2]
+    def forward(ctx, q, k, v, planner, window, scale, softcap):
         acc = lse_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], -math.inf, dtype=acc, device=q.device)
-        for qa, qb, ka, kb, causal, mask in _visible_blocks(_chunk_bounds(s, chunk), window, segments, q.device):
+        bounds = planner.bounds
+        for qi, ki, causal, mask in _visible_blocks(planner, window, q.device):
+            (qa, qb), (ka, kb) = bounds[qi], bounds[ki]
             bo, bl = block_forward(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], scale=scale,
                                    causal=causal, mask=mask, softcap=softcap)
             out[:, :, qa:qb], lse[:, :, qa:qb] = merge(out[:, :, qa:qb], lse[:, :, qa:qb], bo.to(acc), bl)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, segments, out, lse)
-        ctx.chunk, ctx.window, ctx.scale, ctx.softcap = chunk, window, scale, softcap
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.planner, ctx.window, ctx.scale, ctx.softcap = planner, window, scale, softcap
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, segments, out, lse = ctx.saved_tensors
-        window, scale, softcap = ctx.window, ctx.scale, ctx.softcap
+        q, k, v, out, lse = ctx.saved_tensors
+        planner, window, scale, softcap = ctx.planner, ctx.window, ctx.scale, ctx.softcap
+        grad_out = grad_out.contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        bounds = _chunk_bounds(q.shape[2], ctx.chunk)
+        bounds = planner.bounds
         # Outer loop over key/value chunks (their dK/dV finish there), inner over queries.
-        for qa, qb, ka, kb, causal, mask in _visible_blocks(bounds, window, segments, q.device, keys_outer=True):
+        for qi, ki, causal, mask in _visible_blocks(planner, window, q.device, keys_outer=True):
+            (qa, qb), (ka, kb) = bounds[qi], bounds[ki]
             bq, bk, bv = block_backward(
                 grad_out[:, :, qa:qb], q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb],
                 out[:, :, qa:qb], lse[:, :, qa:qb], scale=scale, causal=causal, mask=mask, softcap=softcap,
@@ -128,7 +102,7 @@ class _ChunkedAttention(torch.autograd.Function):
             dq[:, :, qa:qb] += bq
             dk[:, :, ka:kb] += bk
             dv[:, :, ka:kb] += bv
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def _check_heads(q, k):
@@ -143,74 +117,67 @@ def chunked_attention(
     *,
     chunk: int,
     window: int | None = None,
-    segments: torch.Tensor | None = None,
+    mask: SequenceMask | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    planner: BlockPlanner | None = None,
 ) -> torch.Tensor:
     """Causal attention of (B, H, S, D) queries over (B, H_kv, S, D) keys/values in chunks.
 
     ``window``: a query attends to at most the last ``window`` positions, itself
-    included (Mistral / Gemma-2 convention). ``segments`` (B, S): packed documents; a
-    query attends only to keys of its own segment. ``softcap``: attention logit
-    soft-capping ``c·tanh(s/c)`` (Gemma-2).
+    included (Mistral / Gemma-2 convention). ``mask``: packed documents and padding
+    (:class:`~longtrain.ops.masking.SequenceMask`). ``softcap``: attention logit
+    soft-capping ``c·tanh(s/c)`` (Gemma-2). ``planner``: the block decisions for these
+    chunks, when the caller already has them (one per step instead of one per call).
     """
     _check_heads(q, k)
     if chunk <= 0:
         raise ValueError(f"chunk must be positive, got {chunk}")
     scale = scale if scale is not None else q.shape[-1] ** -0.5
-    return _ChunkedAttention.apply(q, k, v, segments, chunk, window, scale, softcap)
+    if planner is None:
+        planner = BlockPlanner(mask, chunk_bounds(q.shape[2], chunk))
+    return _ChunkedAttention.apply(q, k, v, planner, window, scale, softcap)
 
 
 class _AttendChunk(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, history, q_start, key_valid, window, scale, softcap):
+    def forward(ctx, q, k, v, history, planner, index, window, scale, softcap):
         acc = lse_dtype(q.dtype)
-        q_end = q_start + q.shape[2]
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], -math.inf, dtype=acc, device=q.device)
-        for _, ka, kb, k_past, v_past in history.blocks():
-            bo, bl = _past_block(block_forward, (q, k_past, v_past), q_start, q_end, ka, kb, key_valid, window, scale, softcap)
-            if bo is not None:
+        for j, k_past, v_past in history.blocks():
+            skip, causal, mask = planner.plan(index, j, window, q.device)
+            if not skip:
+                bo, bl = block_forward(q, k_past, v_past, scale=scale, causal=causal, mask=mask, softcap=softcap)
                 out, lse = merge(out, lse, bo.to(acc), bl)
-        skip, causal, mask = block_mask(q_start, q_end, q_start, q_end, window=window,
-                                        key_valid=_seg(key_valid, q_start, q_end), device=q.device)
+        _, causal, mask = planner.plan(index, index, window, q.device)
         bo, bl = block_forward(q, k, v, scale=scale, causal=causal, mask=mask, softcap=softcap)
         out, lse = merge(out, lse, bo.to(acc), bl)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, key_valid, out, lse)
-        ctx.history, ctx.q_start, ctx.window, ctx.scale, ctx.softcap = history, q_start, window, scale, softcap
-        ctx.diag = (causal, mask)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.history, ctx.planner, ctx.index = history, planner, index
+        ctx.window, ctx.scale, ctx.softcap, ctx.diag = window, scale, softcap, (causal, mask)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, key_valid, out, lse = ctx.saved_tensors
-        history, q_start, window, scale, softcap = ctx.history, ctx.q_start, ctx.window, ctx.scale, ctx.softcap
-        q_end = q_start + q.shape[2]
+        q, k, v, out, lse = ctx.saved_tensors
+        history, planner, index, window = ctx.history, ctx.planner, ctx.index, ctx.window
+        scale, softcap = ctx.scale, ctx.softcap
         grad_out = grad_out.contiguous()
         causal, mask = ctx.diag
         dq, dk, dv = block_backward(grad_out, q, k, v, out, lse, scale=scale, causal=causal, mask=mask, softcap=softcap)
-        for index, ka, kb, k_past, v_past in history.blocks(backward=True):
-            grads = _past_block(
-                lambda *t, **kw: block_backward(grad_out, *t, out, lse, **kw),
-                (q, k_past, v_past), q_start, q_end, ka, kb, key_valid, window, scale, softcap,
-            )
-            if grads[0] is None:
+        for j, k_past, v_past in history.blocks(backward=True):
+            skip, causal, mask = planner.plan(index, j, window, q.device)
+            if skip:
                 continue
-            dq = dq + grads[0]
-            history.add_grad(index, grads[1], grads[2])
+            bq, bk, bv = block_backward(grad_out, q, k_past, v_past, out, lse, scale=scale, causal=causal, mask=mask, softcap=softcap)
+            dq = dq + bq
+            history.add_grad(j, bk, bv)
         later = history.take_grad()  # what the later query chunks sent to this chunk's K/V
         if later is not None:
             dk, dv = dk + later[0], dv + later[1]
         return dq, dk, dv, None, None, None, None, None, None
-
-
-def _past_block(kernel, tensors, q_start, q_end, ka, kb, key_valid, window, scale, softcap):
-    skip, causal, mask = block_mask(q_start, q_end, ka, kb, window=window,
-                                    key_valid=_seg(key_valid, ka, kb), device=tensors[0].device)
-    if skip:
-        return None, None, None
-    return kernel(*tensors, scale=scale, causal=causal, mask=mask, softcap=softcap)
 
 
 def attend_chunk(
@@ -219,18 +186,18 @@ def attend_chunk(
     v: torch.Tensor,
     history: KVHistory,
     *,
-    q_start: int,
-    key_valid: torch.Tensor | None = None,
+    planner: BlockPlanner,
+    index: int,
     window: int | None = None,
     scale: float | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of one query chunk (B, H, C, D) at positions ``q_start…`` over its
-    own keys/values (B, H_kv, C, D) and the earlier chunks in ``history``.
+    """Causal attention of query chunk ``index`` (B, H, C, D) of ``planner.bounds`` over
+    its own keys/values (B, H_kv, C, D) and the earlier chunks in ``history``.
 
-    ``key_valid`` (B, S) marks real (non-padding) tokens of the whole sequence; padded
-    keys are never attended. See the module docstring for the gradient contract.
+    The planner holds the sequence's packed documents and padding; masked keys are
+    never attended. See the module docstring for the gradient contract.
     """
     _check_heads(q, k)
     scale = scale if scale is not None else q.shape[-1] ** -0.5
-    return _AttendChunk.apply(q, k, v, history, q_start, key_valid, window, scale, softcap)
+    return _AttendChunk.apply(q, k, v, history, planner, index, window, scale, softcap)

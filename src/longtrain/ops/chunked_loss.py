@@ -5,7 +5,8 @@ and the loss terms, and keeps only the head input and one float per token (the L
 Backward recomputes each chunk's logits and forms the gradient of the loss with
 respect to the logits in closed form, so the peak holds one chunk's logits instead of
 all of them: (softmax − (1−ε)·onehot − ε/V) · scale, times the soft-cap derivative when
-logits are soft-capped (Gemma-2). Gradients go to the input, the weight and the bias;
+logits are soft-capped (Gemma-2) and the logit scale when the head has one (Granite,
+Cohere). Gradients go to the input, the weight and the bias;
 a frozen head gets none (and no buffer). No step reads a value back to the host, so
 the chunks run without synchronizing.
 """
@@ -19,12 +20,15 @@ from . import _autocast
 from .loss import IGNORE_INDEX, shift_labels
 
 
-def _logits(x, weight, bias, softcap):
-    """Raw logits of a chunk in the input dtype, then float32 (float64 stays float64)."""
+def _logits(x, weight, bias, logit_scale, softcap):
+    """Logits of a chunk: the matmul in the input dtype, then float32 (float64 stays
+    float64), times the logit scale, soft-capped."""
     z = x @ weight.t()
     if bias is not None:
         z = z + bias
     z = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
+    if logit_scale != 1.0:
+        z = z * logit_scale
     if softcap:
         z = torch.tanh(z / softcap) * softcap
     return z
@@ -32,7 +36,7 @@ def _logits(x, weight, bias, softcap):
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, targets, normalizer, chunk_tokens, ignore_index, label_smoothing, softcap):
+    def forward(ctx, x, weight, bias, targets, normalizer, chunk_tokens, ignore_index, label_smoothing, logit_scale, softcap):
         n_tokens = x.shape[0]
         valid = targets != ignore_index
         safe_targets = torch.where(valid, targets, 0)
@@ -40,7 +44,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=lse.dtype, device=x.device)
         for start in range(0, n_tokens, chunk_tokens):
             sl = slice(start, start + chunk_tokens)
-            z = _logits(x[sl], weight, bias, softcap)
+            z = _logits(x[sl], weight, bias, logit_scale, softcap)
             chunk_lse = torch.logsumexp(z, dim=-1)
             lse[sl] = chunk_lse
             target_logit = z.gather(1, safe_targets[sl, None]).squeeze(1)
@@ -50,14 +54,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             total = total + (terms * valid[sl]).sum()
             del z, terms  # drop this chunk's logits before the next chunk's exist
         ctx.save_for_backward(x, weight, bias, safe_targets, valid, lse, normalizer)
-        ctx.chunk_tokens, ctx.label_smoothing, ctx.softcap = chunk_tokens, label_smoothing, softcap
+        ctx.chunk_tokens, ctx.label_smoothing, ctx.logit_scale, ctx.softcap = chunk_tokens, label_smoothing, logit_scale, softcap
         ctx.autocast = _autocast.capture(x.device)
         return total / normalizer
 
     @staticmethod
     def backward(ctx, grad_loss):
         x, weight, bias, targets, valid, lse, normalizer = ctx.saved_tensors
-        eps, softcap = ctx.label_smoothing, ctx.softcap
+        eps, softcap, logit_scale = ctx.label_smoothing, ctx.softcap, ctx.logit_scale
         want_x, want_w, want_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
         scale = grad_loss / normalizer  # d(total/normalizer)/d(total), a 0-d tensor: no host sync
         grad_x = torch.empty_like(x) if want_x else None
@@ -69,7 +73,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, x.shape[0], ctx.chunk_tokens):
             sl = slice(start, start + ctx.chunk_tokens)
             with _autocast.restore(ctx.autocast):
-                z = _logits(x[sl], weight, bias, softcap)
+                z = _logits(x[sl], weight, bias, logit_scale, softcap)
             # d/du of softcap·tanh(u/softcap), taken before z is overwritten below
             cap_slope = 1 - (z / softcap) ** 2 if softcap else None
             dz = z.sub_(lse[sl, None]).exp_()  # softmax, in z's buffer
@@ -80,6 +84,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if cap_slope is not None:
                 dz *= cap_slope
                 del cap_slope
+            if logit_scale != 1.0:
+                dz *= logit_scale
             # The weight (and bias) gradient uses dz before rounding to the input dtype.
             if want_w:
                 grad_w.addmm_(dz.t().to(acc_dtype), x[sl].to(acc_dtype))
@@ -90,7 +96,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             del z, dz
         grad_w = grad_w.to(weight.dtype) if want_w else None
         grad_b = grad_b.to(bias.dtype) if want_b else None
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def chunked_causal_lm_loss(
@@ -105,6 +111,7 @@ def chunked_causal_lm_loss(
     chunk_tokens: int | None = None,
     ignore_index: int = IGNORE_INDEX,
     label_smoothing: float = 0.0,
+    logit_scale: float = 1.0,
     softcap: float | None = None,
     shifted: bool = False,
 ) -> torch.Tensor:
@@ -116,7 +123,8 @@ def chunked_causal_lm_loss(
     the count of non-ignored targets (``"mean"``). The tokens are processed in ``chunks``
     mini-sequences (default V/d, the paper's rule) or in chunks of ``chunk_tokens``.
     ``shifted=True``: ``labels`` are already the targets of each position (a slice of a
-    longer sequence's shifted labels, as the chunked pipeline passes).
+    longer sequence's shifted labels, as the chunked engines pass). ``logit_scale``
+    multiplies the logits (head output, bias included) before soft-capping.
     """
     if reduction not in ("normalized", "sum", "mean"):
         raise ValueError(f"reduction must be 'normalized', 'sum' or 'mean', got {reduction!r}")
@@ -138,5 +146,6 @@ def chunked_causal_lm_loss(
     if x.dtype == torch.float64:
         normalizer = normalizer.double()
     return _ChunkedLinearCrossEntropy.apply(
-        x, weight, bias, targets, normalizer, chunk_tokens, ignore_index, float(label_smoothing), float(softcap or 0.0)
+        x, weight, bias, targets, normalizer, chunk_tokens, ignore_index, float(label_smoothing), float(logit_scale),
+        float(softcap or 0.0),
     )

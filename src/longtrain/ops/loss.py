@@ -15,14 +15,32 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_label_tokens: int | torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropies divided by ``num_label_tokens``.
+def logits_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    num_label_tokens: int | torch.Tensor,
+    *,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Sum of cross-entropies of ``logits`` (..., V) against position-aligned ``targets``
+    (already shifted; IGNORE_INDEX where no loss) divided by ``num_label_tokens``.
 
-    Half-precision logits are upcast to float32 (as Hugging Face does); float32 and
-    float64 logits are used as they are, so float64 checks stay float64.
+    The logits are multiplied by ``logit_scale`` and soft-capped ``c·tanh(z/c)`` first,
+    as the heads of Granite/Cohere and Gemma-2 do. Half-precision logits are upcast to
+    float32 (as Hugging Face does); float32 and float64 are used as they are, so
+    float64 checks stay float64.
     """
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    targets = shift_labels(labels).to(logits.device)
-    total = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    if logit_scale != 1.0:
+        logits = logits * logit_scale
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    total = F.cross_entropy(logits.flatten(0, -2), targets.to(logits.device).flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
     return total / num_label_tokens
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_label_tokens: int | torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropies of unshifted ``labels`` divided by ``num_label_tokens``."""
+    return logits_loss(logits, shift_labels(labels), num_label_tokens)

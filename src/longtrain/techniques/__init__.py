@@ -1,5 +1,5 @@
-"""Model techniques. Each module registers one technique with :mod:`longtrain.registry`."""
+"""Model techniques: each patches modules of a model (never a schedule) and registers
+itself with :mod:`longtrain.registry`."""
 
 from . import checkpoint  # noqa: F401  (registers "checkpoint")
 from . import mst  # noqa: F401  (registers "mst")
-from . import chunked_attention  # noqa: F401  (registers "attention")

@@ -3,8 +3,9 @@
 Each decoder block keeps only its input during the forward pass and recomputes its
 internals in the backward pass. We patch the block's ``forward`` on the instance rather
 than wrapping the module, so parameter names (and therefore checkpoints and LoRA
-targets) are unchanged, and so it works for any model whose blocks
-:func:`~longtrain.models.layers.decoder_layers` can find, not only Hugging Face ones.
+targets) are unchanged. Everything a block's attention needs arrives as an argument
+(the engine's attention call), so the recomputation — which CUDA runs on autograd's
+device thread — sees exactly what the forward saw.
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..models.layers import decoder_layers, unwrap
 from ..registry import register_technique
-from .chunked_attention import PIPELINE_ATTR
 
 
 @dataclass
@@ -26,7 +25,7 @@ class CheckpointOptions:
 
 
 def _checkpointed_forward(forward, *args, **kwargs):
-    if not torch.is_grad_enabled():  # evaluation: nothing to save, run plainly
+    if not torch.is_grad_enabled():  # evaluation, or a chunked engine's no-grad pass: nothing to save
         return forward(*args, **kwargs)
     # Non-reentrant: works with keyword arguments, frozen inputs (LoRA) and nested
     # autograd, and lets the recomputation stop early once the saved tensors exist.
@@ -34,11 +33,6 @@ def _checkpointed_forward(forward, *args, **kwargs):
 
 
 @register_technique("checkpoint", CheckpointOptions, "per-layer activation checkpointing", order=50)
-def install_checkpoint(model, options: CheckpointOptions) -> None:
-    if getattr(model, PIPELINE_ATTR, None) is not None:
-        return  # chunked attention already recomputes every layer, chunk by chunk
-    for layer in decoder_layers(model):
+def install_checkpoint(context, options: CheckpointOptions) -> None:
+    for layer in context.adapter.layers:
         layer.forward = functools.partial(_checkpointed_forward, layer.forward)
-    config = getattr(unwrap(model), "config", None)
-    if config is not None and hasattr(config, "use_cache"):
-        config.use_cache = False  # a KV cache is useless in training and costs memory

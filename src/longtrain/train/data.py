@@ -50,14 +50,21 @@ def _read_documents(path: Path) -> list[str]:
 class TokenWindows:
     """Documents tokenized, joined with EOS and cut into windows of ``seq_len`` tokens.
 
+    With ``restart_per_document`` each sample also carries ``position_ids`` that restart
+    at 0 where a document starts (and at the window's start), so attention stays inside
+    each document and rotary positions count from its start; the first token of a
+    document gets no label (nothing before it in its document predicts it).
+
     Window order is a seeded permutation per epoch, so a sample is a pure function of
     (seed, index): the data position in a checkpoint is just the number of samples seen.
     """
 
-    def __init__(self, path: str | Path, tokenizer, seq_len: int, seed: int = 0):
+    def __init__(self, path: str | Path, tokenizer, seq_len: int, seed: int = 0, restart_per_document: bool = False):
         ids: list[int] = []
+        starts: list[int] = []
         for file in _data_files(Path(path)):
             for doc in _read_documents(file):
+                starts.append(len(ids))
                 ids.extend(tokenizer.encode(doc))
                 if tokenizer.eos_token_id is not None:
                     ids.append(tokenizer.eos_token_id)
@@ -68,6 +75,16 @@ class TokenWindows:
             )
         n = len(ids) // seq_len
         self.windows = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+        self.positions = None
+        if restart_per_document:
+            first = torch.zeros(n * seq_len, dtype=torch.bool)
+            first[[s for s in starts if s < n * seq_len]] = True
+            first = first.view(n, seq_len)
+            first[:, 0] = True  # a window starts a sequence of its own
+            index = torch.arange(seq_len).expand(n, -1)
+            # position = distance to the latest document start at or before each token
+            self.positions = index - torch.cummax(torch.where(first, index, 0), dim=1).values
+            self.first_of_document = first
         self.seq_len = seq_len
         self.seed = seed
 
@@ -77,21 +94,32 @@ class TokenWindows:
     def sample(self, index: int) -> dict:
         epoch, offset = divmod(index, len(self.windows))
         order = torch.randperm(len(self.windows), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
-        input_ids = self.windows[order[offset]]
-        return {"input_ids": input_ids, "labels": input_ids}
+        row = order[offset]
+        input_ids = self.windows[row]
+        if self.positions is None:
+            return {"input_ids": input_ids, "labels": input_ids}
+        labels = input_ids.masked_fill(self.first_of_document[row], -100)
+        return {"input_ids": input_ids, "labels": labels, "position_ids": self.positions[row]}
 
 
 def collate(samples: list[dict], pad_id: int) -> dict:
-    """Stack samples into a batch, right-padding to the longest (padding gets no loss)."""
+    """Stack samples into a batch, right-padding to the longest (padding gets no loss;
+    position ids, when samples carry them, continue past the end)."""
     length = max(len(s["input_ids"]) for s in samples)
     batch = {"input_ids": [], "attention_mask": [], "labels": []}
+    positions = [] if all("position_ids" in s for s in samples) else None
     for s in samples:
         pad = length - len(s["input_ids"])
         ids = s["input_ids"]
         batch["input_ids"].append(torch.cat([ids, ids.new_full((pad,), pad_id)]))
         batch["attention_mask"].append(torch.cat([torch.ones_like(ids), ids.new_zeros(pad)]))
         batch["labels"].append(torch.cat([s["labels"], ids.new_full((pad,), -100)]))
+        if positions is not None:
+            last = s["position_ids"][-1:] if len(ids) else ids.new_zeros(1)
+            positions.append(torch.cat([s["position_ids"], last + torch.arange(1, pad + 1)]))
     out = {k: torch.stack(v) for k, v in batch.items()}
+    if positions is not None:
+        out["position_ids"] = torch.stack(positions)
     if all(len(s["input_ids"]) == length for s in samples):
         out.pop("attention_mask")  # no padding: let attention use its causal fast path
     return out

@@ -57,11 +57,17 @@ class Ranks:
 
     def clip_grad_norm(self, parameters: list[torch.nn.Parameter], max_norm: float) -> float:
         """Clip the gradient norm over the parameters of every rank (as
-        ``torch.nn.utils.clip_grad_norm_``, but summed in float64 the same way for any
-        number of processes, so a run's result does not depend on how it was split)."""
+        ``torch.nn.utils.clip_grad_norm_``). Each tensor's norm is accumulated in float64
+        without copying the gradient (``vector_norm`` with a float64 accumulator), and
+        the squares are summed in float64, so a run's result does not depend on how its
+        layers were split over processes; one value crosses to the host."""
         grads = [p.grad for p in parameters if p.grad is not None]
-        local = sum((g.detach().double().pow(2).sum().cpu() for g in grads), torch.zeros((), dtype=torch.float64))
+        local = torch.zeros((), dtype=torch.float64)
+        if grads:  # (a rank without gradients still joins the all-reduce)
+            norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64).to(grads[0].device) for g in grads])
+            local = norms.square().sum()
         if self.distributed:
+            local = local.cpu()
             dist.all_reduce(local)
         total = float(local.sqrt())
         scale = min(1.0, max_norm / (total + 1e-6))

@@ -30,7 +30,7 @@ from ..memory.measure import StepMemoryMeter
 from ..memory.units import format_bytes
 from ..models.loading import add_lora, build_from_config, is_model_dir, load_config, load_pretrained, parse_dtype
 from ..optimizers import OPTIMIZERS, make_optimizer
-from ..strategy import Strategy, apply, step as strategy_step
+from ..strategy import Strategy, apply, pinned_host_bytes, step as strategy_step
 from . import checkpoint as ckpt
 from .data import TokenWindows, collate
 from .metrics import MetricsLog, truncate_after
@@ -58,10 +58,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     optimizer: str = "adamw"
     strategy: str = "none"
-    engine: str = "backprop"  # gradient engine, optionally with options: "spaco:chunk=128:budget=8"
-    chunk: int | None = None  # shortcut for the seco/spaco engine option
-    budget: int | None = None  # shortcut for the spaco engine option
-    truncate: int | None = None  # shortcut for the adjoint engine option (T̄ states kept)
+    engine: str = "backprop"  # gradient engine with its options: "fpdt:chunk=8192:offload=true", "spaco:chunk=128:budget=8"
     lora: bool = False
     lora_rank: int = 8
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
@@ -73,6 +70,7 @@ class TrainConfig:
     eval_every: int = 0  # 0: evaluate only at the end
     eval_samples: int = 16
     task_loss: str = "all"  # pass-key task: loss on all text ("all") or on the needles and answer only ("task")
+    packing: str = "concat"  # --data: "concat" (documents joined by EOS, attending across) or "documents" (attention and positions restart per document)
     resume: bool = False
     resume_from: str | None = None
     overwrite: bool = False
@@ -81,7 +79,8 @@ class TrainConfig:
     progress: bool = True
 
     # Settings a resumed run must share with the checkpoint it resumes.
-    IDENTITY = ("model", "data", "seq_len", "batch_size", "grad_accum", "seed", "lora", "lora_rank", "optimizer", "task_loss")
+    IDENTITY = ("model", "data", "seq_len", "batch_size", "grad_accum", "seed", "lora", "lora_rank", "optimizer", "task_loss",
+                "packing")
 
 
 class WarmupCosine:
@@ -113,6 +112,8 @@ def _check(config: TrainConfig) -> None:
         raise LongtrainError(f"--optimizer must be adamw or sgd for training, got {config.optimizer!r}")
     if config.task_loss not in ("task", "all"):
         raise LongtrainError(f"--task-loss must be 'task' or 'all', got {config.task_loss!r}")
+    if config.packing not in ("concat", "documents"):
+        raise LongtrainError(f"--packing must be 'concat' or 'documents', got {config.packing!r}")
     if config.resume and config.overwrite:
         raise LongtrainError("--resume and --overwrite contradict each other; pick one")
 
@@ -169,15 +170,7 @@ def _fingerprint(model) -> dict:
 
 
 def _strategy(config: TrainConfig) -> Strategy:
-    shortcuts = {k: v for k, v in (("chunk", config.chunk), ("budget", config.budget), ("truncate", config.truncate)) if v is not None}
-    if shortcuts and config.engine.split(":")[0] == "backprop":
-        name = next(iter(shortcuts))
-        raise LongtrainError(
-            f"--{name} applies to --engine {'adjoint' if name == 'truncate' else 'seco or spaco'}"
-            + ("; for chunked attention use --strategy attention:chunk=N" if name == "chunk" else "")
-        )
-    engine = None if config.engine == "backprop" and not shortcuts else config.engine
-    return Strategy.parse(config.strategy, engine=engine, engine_options=shortcuts or None)
+    return Strategy.parse(config.strategy, engine=None if config.engine == "backprop" else config.engine)
 
 
 class Trainer:
@@ -207,7 +200,8 @@ class Trainer:
             self.data = self.task
         else:
             self.task = None
-            self.data = TokenWindows(config.data, self.tokenizer, config.seq_len, seed=config.seed)
+            self.data = TokenWindows(config.data, self.tokenizer, config.seq_len, seed=config.seed,
+                                     restart_per_document=config.packing == "documents")
 
         # Only now, with the model and data known to be good, touch the output directory.
         self._prepare_output_dir()
@@ -432,7 +426,7 @@ class Trainer:
         self.tokenizer.save_pretrained(final)
 
     def _summary(self, evaluation, peak_bytes, step_times, seconds) -> dict:
-        from ..memory.simulate import simulate
+        from ..plan.simulate import simulate
 
         c = self.config
         losses = [r["loss"] for r in self.history]
@@ -450,7 +444,7 @@ class Trainer:
             "measured_peak_bytes": peak_bytes,
             "measured_with": "cuda-allocator" if self.device.type == "cuda" else "tracked-storages",
             # Host memory longtrain parked chunks in (chunked attention's pinned pool).
-            "host_pool_bytes": getattr(getattr(self.model, "_longtrain_pinned_pool", None), "allocated_bytes", 0),
+            "host_pool_bytes": pinned_host_bytes(self.model),
             "simulated_stock_peak_bytes": stock.device_peak_bytes,
             "simulated_stock_setup": "full fine-tuning" if c.lora else "same setup",
             "seconds": seconds,

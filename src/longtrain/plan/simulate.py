@@ -25,12 +25,11 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..errors import LongtrainError
-from ..models import hf_compat
+from ..memory.tracker import CATEGORIES, MemoryReport, MemoryTracker
+from ..memory.units import format_bytes
 from ..models.loading import build_from_config, default_dtype, load_config, parse_dtype
 from ..optimizers import make_optimizer
 from ..strategy import Strategy, apply, step
-from .tracker import CATEGORIES, MemoryReport, MemoryTracker
-from .units import format_bytes
 
 ASSUMPTIONS = (
     "attention: fused flash kernel, whole-sequence or per chunk (saves output + log-sum-exp, no s×s scores); "
@@ -64,9 +63,6 @@ def run_training_steps(
     with contextlib.ExitStack() as stack:
         if fake:
             stack.enter_context(FakeTensorMode())
-            # Simulated rows hold one unpadded sequence each; fake position ids cannot
-            # tell transformers so, and it would build a dense s×s mask the real run never builds.
-            stack.enter_context(hf_compat.assume_unpacked())
         stack.enter_context(default_dtype(dtype))
         torch.manual_seed(seed)
         model = build_model()

@@ -1,58 +1,26 @@
-"""Chunked attention with offload (FPDT on one device): exact against stock Hugging Face
-models, a chunk store that keeps its accounts, and device memory that stops growing."""
+"""The fpdt engine (chunked attention with offload, FPDT on one device): the op it is built
+on, a chunk store that keeps its accounts, device memory that stops growing, and clear
+refusals. Its exactness against stock models is in test_exactness.py's table."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import longtrain as lt
-from conftest import gemma2_computes_in_float64, grads, max_rel_error, padded_batch, stock_and_ours, stock_lora_and_ours, stock_loss
+from conftest import check_step, padded_batch, stock_and_ours
 from longtrain.memory.chunk_store import ChunkStore
-from longtrain.memory.simulate import run_training_steps
+from longtrain.plan.simulate import run_training_steps
 from longtrain.memory.tracker import MemoryTracker
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
-from longtrain.ops.chunked_attention import attend_chunk
+from longtrain.ops.chunked_attention import attend_chunk, chunk_bounds
+from longtrain.ops.masking import BlockPlanner, SequenceMask
 
 TOL = 1e-10
 
 
-def _left_padded(batch):
-    """The same rows with their padding moved to the front."""
-    out = {k: v.clone() for k, v in batch.items()}
-    for row, n in enumerate(batch["attention_mask"].sum(1).tolist()):
-        for key in out:
-            out[key][row] = torch.roll(batch[key][row], out[key].shape[1] - n)
-    return out
-
-
-def _check_step(preset, strategy, lengths, lora=False, left=False):
-    stock, ours = stock_lora_and_ours(preset) if lora else stock_and_ours(preset)
-    batch = padded_batch(stock.config.vocab_size, lengths=lengths)
-    if left:
-        batch = _left_padded(batch)
-    with gemma2_computes_in_float64():
-        ref = stock_loss(stock, batch)
-        ref.backward()
-        lt.apply(ours, strategy)
-        loss = lt.step(ours, batch)
-    assert abs(float(loss - ref)) <= TOL * abs(float(ref))
-    assert max_rel_error(grads(ours), grads(stock)) <= TOL
-
-
-# Chunks of 23 and 40 tokens divide none of the lengths; padding stays shorter than
-# tiny-gemma2's 64-token window (a query whose window is all padding is NaN in stock Gemma-2).
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2", "tiny-qwen3", "tiny-phi3"])
-def test_training_step_equals_stock(preset):
-    _check_step(preset, lt.Strategy(attention=lt.ChunkedAttention(chunk=23)), lengths=(100, 80))
-
-
-@pytest.mark.parametrize("preset,recompute_kv", [("tiny-llama", True), ("tiny-qwen2", True), ("tiny-gemma2", True),
-                                                  ("tiny-llama", False), ("tiny-mistral", False)])
-def test_offloaded_with_mst_and_checkpointing_equals_stock(preset, recompute_kv):
-    strategy = lt.Strategy(checkpoint=True, mst=lt.MsT(loss_chunks=3),
-                           attention=lt.ChunkedAttention(chunk=40, offload=True, prefetch=2, recompute_kv=recompute_kv))
-    _check_step(preset, strategy, lengths=(181, 150))
+def _fpdt(**options):
+    return lt.Strategy(engine="fpdt", engine_options=options)
 
 
 def test_recomputing_kv_parks_one_layer_of_kv_at_a_time():
@@ -63,37 +31,29 @@ def test_recomputing_kv_parks_one_layer_of_kv_at_a_time():
     kv = 2 * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 4 * seq
 
     def host_peak(recompute_kv):
-        return _peaks(lt.Strategy(attention=lt.ChunkedAttention(chunk=128, offload=True, recompute_kv=recompute_kv)), seq)[1]
+        return _peaks(_fpdt(chunk=128, offload=True, recompute_kv=recompute_kv), seq)[1]
 
     assert host_peak(False) - host_peak(True) >= (config.num_hidden_layers - 1) * kv
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral"])
-def test_left_padding_is_masked_and_exact(preset):
-    # Right padding needs no key mask (the fast path above); left padding precedes real
-    # tokens, so its keys are masked — the math path.
-    _check_step(preset, lt.Strategy(attention=lt.ChunkedAttention(chunk=23, offload=True)), lengths=(100, 70), left=True)
-
-
-def test_lora_step_equals_stock_lora():
-    _check_step("tiny-llama", lt.Strategy(attention=lt.ChunkedAttention(chunk=30, offload=True)), lengths=(90, 61), lora=True)
-
-
 def test_sliding_window_spanning_many_chunks_equals_stock():
-    # tiny-mistral's window is 64 tokens; 16-token chunks put whole chunks outside it.
-    _check_step("tiny-mistral", lt.Strategy(attention=lt.ChunkedAttention(chunk=16, offload=True)), lengths=(150, 131))
+    # A 64-token window over 16-token chunks puts whole chunks outside it (never fetched).
+    config = preset_config("tiny-mistral")
+    config.sliding_window = 64
+    stock, ours = stock_and_ours(config)
+    check_step(stock, ours, _fpdt(chunk=16, offload=True), padded_batch(320, lengths=(150, 131)))
 
 
 class _DictHistory:
     """A plain in-memory K/V history, to test the op without the store."""
 
-    def __init__(self, kv, bounds, index):
-        self.kv, self.bounds, self.index = kv, bounds, index
+    def __init__(self, kv, index):
+        self.kv, self.index = kv, index
         self.grads = {}
 
     def blocks(self, backward=False):
         for j in range(self.index):
-            yield j, *self.bounds[j], *self.kv[j]
+            yield j, *self.kv[j]
 
     def add_grad(self, j, dk, dv):
         old = self.grads.get(j)
@@ -104,31 +64,37 @@ class _DictHistory:
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
-def test_attend_chunk_in_reverse_order_gives_exact_gradients(kv_heads):
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_attend_chunk_in_reverse_order_gives_exact_gradients(kv_heads, padding):
     g = torch.Generator().manual_seed(kv_heads)
     b, h, s, d, chunk = 2, 4, 53, 8, 12
     q = torch.randn(b, h, s, d, dtype=torch.float64, generator=g)
     k = torch.randn(b, kv_heads, s, d, dtype=torch.float64, generator=g)
     v = torch.randn(b, kv_heads, s, d, dtype=torch.float64, generator=g)
     valid = torch.ones(b, s, dtype=torch.bool)
-    valid[1, 40:] = False  # right padding
+    if padding == "right":
+        valid[1, 40:] = False
+    else:
+        valid[1, :30] = False  # padded rows see no key at all: output 0
     dout = torch.randn(b, h, s, d, dtype=torch.float64, generator=g)
     # Reference: SDPA over the whole sequence, padded keys masked.
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     mask = torch.ones(s, s, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
     group = h // kv_heads
     ref = F.scaled_dot_product_attention(qr, kr.repeat_interleave(group, 1), vr.repeat_interleave(group, 1), attn_mask=mask)
+    ref = ref.nan_to_num(0.0)  # rows with no visible key: 0
     ref.backward(dout)
     # Chunk by chunk in reverse, relaying K/V gradients through the history.
-    bounds = [(a, min(a + chunk, s)) for a in range(0, s, chunk)]
+    bounds = chunk_bounds(s, chunk)
+    planner = BlockPlanner(SequenceMask(key_valid=valid), bounds)
     kv = [(k[:, :, a:e], v[:, :, a:e]) for a, e in bounds]
-    shared = _DictHistory(kv, bounds, 0)
+    shared = _DictHistory(kv, 0)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for i in reversed(range(len(bounds))):
         a, e = bounds[i]
         shared.index = i
         qi, ki, vi = (t[:, :, a:e].clone().requires_grad_() for t in (q, k, v))
-        out = attend_chunk(qi, ki, vi, shared, q_start=a, key_valid=valid)
+        out = attend_chunk(qi, ki, vi, shared, planner=planner, index=i)
         torch.testing.assert_close(out, ref[:, :, a:e].detach(), rtol=0, atol=1e-12)
         out.backward(dout[:, :, a:e])
         dq[:, :, a:e], dk[:, :, a:e], dv[:, :, a:e] = qi.grad, ki.grad, vi.grad
@@ -157,18 +123,36 @@ def test_chunk_store_parks_in_host_memory_and_brings_back():
 
 def test_host_budget_too_small_is_refused_before_the_step():
     model = build_from_config(preset_config("tiny-llama"), torch.float32)
-    lt.apply(model, lt.Strategy(attention=lt.ChunkedAttention(chunk=32, offload=True, host_memory="1KiB")))
+    lt.apply(model, _fpdt(chunk=32, offload=True, host_memory="1KiB"))
     ids = torch.randint(0, 100, (1, 128))
-    with pytest.raises(lt.LongtrainError, match="host memory for 128 tokens.*budget is 1.00 KiB"):
+    with pytest.raises(lt.LongtrainError, match="fpdt engine needs .* host memory for 128 tokens.*budget is 1.00 KiB"):
         lt.step(model, {"input_ids": ids})
     assert all(p.grad is None for p in model.parameters())
 
 
 def test_bad_options_get_one_clear_line():
-    with pytest.raises(lt.LongtrainError, match="chunk must be a positive integer"):
-        lt.ChunkedAttention(chunk=0)
+    with pytest.raises(lt.LongtrainError, match="fpdt chunk must be a positive integer"):
+        lt.FPDT(chunk=0)
     with pytest.raises(lt.LongtrainError, match="cannot read size"):
-        lt.ChunkedAttention(host_memory="lots")
+        lt.FPDT(host_memory="lots")
+    with pytest.raises(lt.LongtrainError, match="offload must be true or false, got 'no'"):
+        lt.FPDT(offload="no")  # a string is not quietly taken as true
+    with pytest.raises(lt.LongtrainError, match="fpdt engine already recomputes every layer.*drop 'checkpoint'"):
+        lt.Strategy(engine="fpdt", checkpoint=True)
+    with pytest.raises(lt.LongtrainError, match="now the 'fpdt' engine: write --engine fpdt"):
+        lt.Strategy.parse("mst,attention:chunk=64")
+    with pytest.raises(lt.LongtrainError, match="ChunkedAttention is now longtrain.FPDT"):
+        lt.ChunkedAttention(chunk=64)
+
+
+def test_chunked_engines_refuse_ssms_and_dropout():
+    ssm = build_from_config(preset_config("tiny-ssm"), torch.float32)
+    with pytest.raises(lt.LongtrainError, match="fpdt engine chunks attention; ssm_resnet models have none"):
+        lt.apply(ssm, _fpdt())
+    config = preset_config("tiny-llama")
+    config.attention_dropout = 0.1
+    with pytest.raises(lt.LongtrainError, match="does not replay dropout"):
+        lt.apply(build_from_config(config, torch.float32), lt.Strategy(engine="seco"))
 
 
 def _peaks(strategy, seq):
@@ -183,17 +167,19 @@ def test_offloaded_device_peak_stops_growing_with_the_sequence():
     """Exact CPU measurement: with K/V and layer inputs in host memory, quadrupling the
     sequence adds only its token ids, labels and positions to the device peak, while the
     host holds what grew; without offload the device holds it."""
-    offload = lt.Strategy(attention=lt.ChunkedAttention(chunk=128, offload=True))
-    on_device = lt.Strategy(attention=lt.ChunkedAttention(chunk=128))
+    offload = _fpdt(chunk=128, offload=True)
+    on_device = _fpdt(chunk=128)
     short, long = 512, 2048
     dev_short, host_short = _peaks(offload, short)
     dev_long, host_long = _peaks(offload, long)
     config = preset_config("tiny-llama")
-    per_token_ids = 3 * 8  # int64 input ids, labels and shifted targets
+    per_token_ids = 3 * 8 + 8  # int64 input ids, labels and shifted targets; position ids
     assert dev_long - dev_short <= (long - short) * per_token_ids
     layers, hidden = config.num_hidden_layers, config.hidden_size
     kv = 2 * config.num_key_value_heads * (hidden // config.num_attention_heads)
-    parked_per_token = 4 * (kv + (layers + 1) * hidden)  # float32 layer inputs + one layer's K/V (recompute_kv)
+    head_dim = hidden // config.num_attention_heads
+    # float32 layer inputs + one layer's K/V (recompute_kv) + the rotary tables
+    parked_per_token = 4 * (kv + (layers + 1) * hidden + 2 * head_dim)
     assert host_long - host_short >= (long - short) * parked_per_token
     dev_short_kept, _ = _peaks(on_device, short)
     dev_long_kept, _ = _peaks(on_device, long)
@@ -201,15 +187,15 @@ def test_offloaded_device_peak_stops_growing_with_the_sequence():
 
 
 def test_simulated_strategy_reports_host_bytes():
-    report = lt.simulate("tiny-llama", 1024, strategy=lt.Strategy(mst=True, attention=lt.ChunkedAttention(chunk=256, offload=True)),
+    report = lt.simulate("tiny-llama", 1024, strategy=lt.Strategy(engine="fpdt", engine_options=lt.FPDT(chunk=256, offload=True), mst=True),
                          dtype="float32", optimizer="none")
     assert report.peak.peak_host_bytes > 0
-    assert report.strategy["techniques"]["attention"]["offload"] is True
+    assert report.strategy["engine"]["offload"] is True
 
 
 def test_evaluation_outside_a_step_uses_plain_attention():
     stock, ours = stock_and_ours("tiny-qwen2")
-    lt.apply(ours, lt.Strategy(attention=lt.ChunkedAttention(chunk=16)))
+    lt.apply(ours, _fpdt(chunk=16))
     batch = padded_batch(stock.config.vocab_size, lengths=(50, 41))
     with torch.no_grad():
         want = stock(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

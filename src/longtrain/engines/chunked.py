@@ -1,0 +1,226 @@
+"""The state of one chunked step, shared by the ``fpdt``, ``seco`` and ``spaco`` engines.
+
+A :class:`ChunkedRun` cuts a batch's sequence into chunks and keeps what outlives a
+chunk in a :class:`~longtrain.memory.chunk_store.ChunkStore` (on the device, or parked
+in host memory and prefetched): every layer's K/V per chunk, their gradient
+accumulators and, for FPDT's layer-major order, the layer inputs. The engines decide
+the order of work (:mod:`.fpdt`: layer by layer; :mod:`.seco`: chunk by chunk); the
+run gives them the pieces:
+
+- :meth:`ChunkedRun.call` — the :class:`ChunkAttention` a layer receives in place of
+  its attention mask. In ``"forward"`` mode attention parks the chunk's K/V and attends
+  over the parked K/V of earlier chunks, one at a time
+  (:func:`~longtrain.ops.chunked_attention.attend_chunk`); in ``"recompute"`` mode
+  (backward) the K/V are already parked; in ``"kv"`` mode attention only parks them
+  (K/V recomputation).
+- :meth:`ChunkedRun.position_embeddings` — the rotary tables of chunk i, computed once
+  for the whole sequence (dynamic-NTK and longrope tables depend on its length).
+- :meth:`ChunkedRun.chunk_loss` — the head and loss of one chunk.
+
+Everything a layer's attention needs travels in the call object, so a checkpointed
+layer recomputes with the same call, on whichever thread autograd runs the backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..errors import LongtrainError
+from ..memory.chunk_store import ChunkStore
+from ..memory.units import format_bytes
+from ..models.attention import AttentionCall
+from ..ops.chunked_attention import attend_chunk, chunk_bounds
+from ..ops.masking import BlockPlanner
+from .base import EngineContext, HeadLoss
+from .batch import Sequence
+
+
+@dataclass(frozen=True)
+class ChunkSettings:
+    chunk: int  # tokens per chunk
+    offload: bool  # park K/V chunks (and their gradients) in host memory
+    prefetch: int  # chunks fetched ahead of use
+    host_budget: int | None  # bytes; None: unbounded
+    offload_inputs: bool = False  # FPDT: park the layer inputs (and their gradients) too
+    recompute_kv: bool = False  # FPDT: park one layer's K/V at a time; recompute them in backward
+
+
+_PARKED = object()  # marks a rotary table whose chunks live in the store
+
+
+class ChunkAttention(AttentionCall):
+    """Attention of chunk ``index`` of ``run`` in ``mode`` ("forward", "recompute", "kv")."""
+
+    def __init__(self, run: "ChunkedRun", index: int, mode: str):
+        self.run, self.index, self.mode = run, index, mode
+        self.mask = run.seq.mask
+
+    def attend(self, module, q, k, v, *, scale, window, softcap):
+        return self.run.attend(self.index, self.mode, module, q, k, v, scale=scale, window=window, softcap=softcap)
+
+
+class _LayerHistory:
+    """One layer's earlier K/V chunks for :func:`attend_chunk`, read from the store."""
+
+    def __init__(self, run: "ChunkedRun", layer: int, index: int, first: int):
+        self.run, self.layer, self.index, self.first = run, layer, index, first
+
+    def blocks(self, backward: bool = False):
+        store, ahead = self.run.store, self.run.settings.prefetch
+        # In backward the gradient accumulators travel with the K/V they belong to.
+        kinds = ("k", "v", "dk", "dv") if backward else ("k", "v")
+        indices = range(self.first, self.index)
+        for n in range(min(ahead, len(indices))):
+            self._prefetch(indices[n], kinds)
+        for n, j in enumerate(indices):
+            if n + ahead < len(indices):
+                self._prefetch(indices[n + ahead], kinds)
+            yield j, store.get(("k", self.layer, j)), store.get(("v", self.layer, j))
+
+    def _prefetch(self, j, kinds):
+        for kind in kinds:
+            self.run.store.prefetch((kind, self.layer, j))
+
+    def add_grad(self, j, dk, dv):
+        factor = self.run.relay_factor(j)
+        if factor is None:  # chunk j is not backpropagated (SpaCO): its K/V gradient is dropped
+            return
+        if factor != 1.0:
+            dk, dv = dk * factor, dv * factor
+        self.run.store.add_(("dk", self.layer, j), dk)
+        self.run.store.add_(("dv", self.layer, j), dv)
+
+    def take_grad(self):
+        store, key = self.run.store, (self.layer, self.index)
+        if ("dk",) + key not in store:
+            return None
+        return store.pop(("dk",) + key), store.pop(("dv",) + key)
+
+
+class ChunkedRun:
+    """One chunked step over ``seq``: chunk bounds, the store, rotary tables, the head."""
+
+    def __init__(self, context: EngineContext, seq: Sequence, settings: ChunkSettings):
+        self.adapter = context.adapter
+        self.layers = self.adapter.layers
+        self.seq = seq
+        self.settings = settings
+        self.bounds = chunk_bounds(seq.length, settings.chunk)
+        self.planner = BlockPlanner(seq.mask, self.bounds)
+        self.head_loss: HeadLoss = context.head_loss(per_chunk=True)
+        self.store = ChunkStore(seq.input_ids.device, offload=settings.offload, host_budget=settings.host_budget,
+                                pool=context.pool)
+        self.selected: set[int] | None = None  # chunks backpropagated (None: all)
+        self.hop_factor = 1.0  # multiplies K/V gradients relayed to earlier chunks
+        self._rotary = None  # (leaves, spec) of the whole sequence's rotary tables (_PARKED: in the store)
+
+    # ---- pieces of the forward -----------------------------------------------------------
+    def call(self, index: int, mode: str) -> ChunkAttention:
+        return ChunkAttention(self, index, mode)
+
+    def input_ids(self, i: int) -> torch.Tensor:
+        a, b = self.bounds[i]
+        return self.seq.input_ids[:, a:b]
+
+    def position_embeddings(self, i: int):
+        """Chunk ``i``'s rotary tables: slices of the whole sequence's, computed once."""
+        if self._rotary is None:
+            self._rotary = self._compute_rotary()
+        leaves, spec = self._rotary
+        a, b = self.bounds[i]
+        chunk = []
+        for n, leaf in enumerate(leaves):
+            if leaf is _PARKED:
+                chunk.append(self.store.get(("rotary", i, n)))
+            else:
+                chunk.append(leaf[:, a:b] if isinstance(leaf, torch.Tensor) else leaf)
+        return tree_unflatten(chunk, spec)
+
+    def _compute_rotary(self):
+        # The tables' dtype and device follow the embeddings' output, as in the model's forward.
+        probe = self.adapter.embed(self.seq.input_ids[:, :0])
+        with torch.no_grad():
+            leaves, spec = tree_flatten(self.adapter.position_embeddings(probe, self.seq.position_ids))
+        if self.settings.offload_inputs:  # each chunk's slice goes to host memory, the whole tables go
+            for n, leaf in enumerate(leaves):
+                if isinstance(leaf, torch.Tensor):
+                    for i, (a, b) in enumerate(self.bounds):
+                        self.store.put(("rotary", i, n), leaf[:, a:b], offload=True)
+                    leaves[n] = _PARKED
+        return leaves, spec
+
+    def run_layer(self, index: int, hidden: torch.Tensor, i: int, mode: str) -> torch.Tensor:
+        return self.adapter.run_layer(self.layers[index], hidden, self.position_embeddings(i), self.call(i, mode))
+
+    def chunk_loss(self, hidden: torch.Tensor, i: int) -> torch.Tensor:
+        a, b = self.bounds[i]
+        return self.head_loss(hidden, self.seq.targets[:, a:b], self.seq.num_label_tokens)
+
+    # ---- called by the attention backend ---------------------------------------------------
+    def attend(self, index, mode, module, q, k, v, *, scale, window, softcap):
+        layer = module.layer_idx
+        if mode != "recompute":
+            self.store.put(("k", layer, index), k.detach())
+            self.store.put(("v", layer, index), v.detach())
+        if mode == "kv":
+            return torch.zeros_like(q)  # only the K/V were wanted
+        first = 0
+        if window is not None:  # chunks wholly outside the window are never fetched
+            start = self.bounds[index][0]
+            first = next(j for j, (_, end) in enumerate(self.bounds) if start - (end - 1) < window)
+        history = _LayerHistory(self, layer, index, first)
+        return attend_chunk(q, k, v, history, planner=self.planner, index=index, window=window, scale=scale, softcap=softcap)
+
+    def relay_factor(self, j: int) -> float | None:
+        """Factor for K/V gradients sent to earlier chunk ``j``; None: not sent."""
+        if self.selected is not None and j not in self.selected:
+            return None
+        return self.hop_factor
+
+    def discard_kv(self, layer: int, i: int) -> None:
+        for kind in ("k", "v", "dk", "dv"):
+            self.store.discard((kind, layer, i))
+
+
+def host_bytes_needed(context: EngineContext, seq: Sequence, settings: ChunkSettings, dtype: torch.dtype) -> int:
+    """Host memory a chunked step parks at its fullest: K/V of every layer and chunk (one
+    layer's with ``recompute_kv``) with ``offload``; plus every layer's input, the final
+    output and the rotary tables with ``offload_inputs``."""
+    config = context.adapter.config
+    item = torch.tensor([], dtype=dtype).element_size()
+    batch, length = seq.input_ids.shape
+    n = config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv = 2 * batch * length * (getattr(config, "num_key_value_heads", None) or heads) * head_dim * item
+    inputs = (n + 1) * batch * length * config.hidden_size * item + 2 * seq.position_ids.shape[0] * length * head_dim * item
+    kv_layers = 1 if settings.recompute_kv else n
+    return kv_layers * kv * settings.offload + inputs * settings.offload_inputs
+
+
+def check_host_budget(context: EngineContext, seq: Sequence, settings: ChunkSettings, engine: str) -> None:
+    """Refuse a step whose parked chunks cannot fit the host budget, before any work."""
+    if settings.host_budget is None or not (settings.offload or settings.offload_inputs):
+        return
+    dtype = context.adapter.base.get_input_embeddings().weight.dtype
+    need = host_bytes_needed(context, seq, settings, dtype)
+    if need > settings.host_budget:
+        raise LongtrainError(
+            f"the {engine} engine needs {format_bytes(need)} of host memory for {seq.length:,} tokens "
+            f"(batch {seq.input_ids.shape[0]}), the host budget is {format_bytes(settings.host_budget)}; "
+            "raise host_memory, shorten the sequence, or offload less"
+        )
+
+
+def check_chunkable(context: EngineContext, engine: str) -> None:
+    """Chunked engines recompute layers and need attention to chunk: refuse other models."""
+    adapter = context.adapter
+    if not adapter.has_attention:
+        raise LongtrainError(f"the {engine} engine chunks attention; {adapter.config.model_type} models have none "
+                             "(use --engine backprop, or adjoint for SSM-ResNet)")
+    if adapter.dropout() > 0:
+        raise LongtrainError(f"the {engine} engine recomputes layers chunk by chunk and does not replay dropout; "
+                             "set the model's dropout probabilities to 0 for training")

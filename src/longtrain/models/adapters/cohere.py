@@ -1,0 +1,15 @@
+"""Cohere (Command-R): attention and MLP in parallel on one layer norm, interleaved
+rotary tables, optional q/k norms — all inside the modules — and logits multiplied by
+``logit_scale``."""
+
+from __future__ import annotations
+
+from .base import DecoderAdapter, Head, register_adapter
+
+
+@register_adapter
+class CohereAdapter(DecoderAdapter):
+    families = ("cohere",)
+
+    def head(self) -> Head:
+        return Head(self.base.get_output_embeddings(), logit_scale=float(self.base.logit_scale))

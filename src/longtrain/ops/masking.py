@@ -1,0 +1,141 @@
+"""What a query may see, beyond causality: one masking semantics for every attention path.
+
+A batch of B rows of S tokens is described by a :class:`SequenceMask`:
+
+- ``segments`` (B, S): the document of each token (non-decreasing along a row, as
+  packed documents are); a query sees only keys of its own document;
+- ``key_valid`` (B, S): False for keys no query may see (padding).
+
+Causality and a sliding window come from positions (token indices), so the mask needs
+no (S, S) tensor. A query row with no visible key gets output 0 — what PyTorch's SDPA
+gives a fully masked row — on every path.
+
+Chunked attention works block by block ((query chunk, key chunk) pairs). A
+:class:`BlockPlanner` decides for each block whether it can be skipped (nothing
+visible), run by a kernel's own causal or unmasked mode, or needs an explicit boolean
+mask. It reads a small per-chunk summary of the mask once (one host transfer per
+step), so blocks inside one document and free of padding — nearly all of them — take
+the fast kernels. Under fake tensors (simulation) nothing can be read: every block that
+might need a mask gets one, which never underestimates memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SequenceMask:
+    """Document boundaries and padding of a (B, S) batch; both None means plain causal."""
+
+    segments: torch.Tensor | None = None  # (B, S) document ids, non-decreasing along a row
+    key_valid: torch.Tensor | None = None  # (B, S) bool, False for keys nobody may see
+
+    @property
+    def trivial(self) -> bool:
+        return self.segments is None and self.key_valid is None
+
+    def narrow(self, start: int, end: int) -> "SequenceMask":
+        """The same description for tokens ``start:end`` (a chunk of the sequence)."""
+        return SequenceMask(
+            None if self.segments is None else self.segments[:, start:end],
+            None if self.key_valid is None else self.key_valid[:, start:end],
+        )
+
+
+def segments_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document ids from position ids: a document starts wherever the position does not
+    follow its predecessor by one (Hugging Face's rule for packed sequences)."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(tensor)
+
+
+class BlockPlanner:
+    """Per-block masking decisions for chunks ``bounds`` of a sequence with ``mask``."""
+
+    def __init__(self, mask: SequenceMask | None, bounds: list[tuple[int, int]]):
+        self.mask = mask if mask is not None and not mask.trivial else None
+        self.bounds = bounds
+        self._summary = self._summarize() if self.mask is not None else None
+
+    def _summarize(self):
+        """(first segment, last segment) per row and chunk, and whether each chunk's keys
+        are all valid — read in one transfer — or None when the mask cannot be read."""
+        mask = self.mask
+        reference = mask.segments if mask.segments is not None else mask.key_valid
+        if _is_fake(reference):
+            return None
+        device = reference.device
+        starts = torch.tensor([a for a, _ in self.bounds], device=device)
+        lasts = torch.tensor([b - 1 for _, b in self.bounds], device=device)
+        parts = []
+        if mask.segments is not None:
+            parts += [mask.segments[:, starts], mask.segments[:, lasts]]
+        if mask.key_valid is not None:
+            invalid = (~mask.key_valid).long().cumsum(-1)
+            before = torch.where(starts > 0, invalid[:, (starts - 1).clamp(min=0)], 0)
+            parts.append(((invalid[:, lasts] - before) == 0).all(0, keepdim=True).long().expand(mask.key_valid.shape[0], -1))
+        rows = torch.cat(parts, dim=1).tolist()
+        k = len(self.bounds)
+        summary = {"first": None, "last": None, "valid": None}
+        offset = 0
+        if mask.segments is not None:
+            summary["first"] = [r[0:k] for r in rows]
+            summary["last"] = [r[k:2 * k] for r in rows]
+            offset = 2 * k
+        if mask.key_valid is not None:
+            summary["valid"] = [bool(v) for v in rows[0][offset:offset + k]]
+        return summary
+
+    def plan(self, qi: int, ki: int, window: int | None, device: torch.device):
+        """``(skip, causal, mask)`` for query chunk ``qi`` against key chunk ``ki``.
+
+        ``skip``: no pair is allowed. ``causal``: the diagonal block with nothing else
+        masked (the kernel's causal mode). ``mask``: a boolean (Cq, Ck) or (B, Cq, Ck)
+        mask on ``device``, True where a query may attend, or None when every pair is
+        allowed.
+        """
+        qa, qb = self.bounds[qi]
+        ka, kb = self.bounds[ki]
+        if window is not None and qa - (kb - 1) >= window:
+            return True, False, None
+        need_segments = need_keys = self.mask is not None
+        summary = self._summary
+        if summary is not None:
+            if self.mask.segments is not None:
+                first, last = summary["first"], summary["last"]
+                if all(last[r][ki] < first[r][qi] for r in range(len(first))):
+                    return True, False, None  # every key is in an earlier document
+                need_segments = any(first[r][ki] != last[r][qi] for r in range(len(first)))
+            else:
+                need_segments = False
+            need_keys = self.mask.key_valid is not None and not summary["valid"][ki]
+        diagonal = (qa, qb) == (ka, kb)
+        window_cuts = window is not None and (qb - 1) - ka >= window
+        if not (need_segments or need_keys or window_cuts):
+            if diagonal:
+                return False, True, None
+            if kb <= qa + 1:  # every key precedes every query
+                return False, False, None
+        return False, False, self._dense(qa, qb, ka, kb, window, need_segments, need_keys, device)
+
+    def _dense(self, qa, qb, ka, kb, window, need_segments, need_keys, device):
+        q_pos = torch.arange(qa, qb, device=device)
+        k_pos = torch.arange(ka, kb, device=device)
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+        if need_segments:
+            seg = self.mask.segments
+            allowed = allowed & (seg[:, qa:qb, None] == seg[:, None, ka:kb])
+        if need_keys:
+            allowed = allowed & self.mask.key_valid[:, None, ka:kb]
+        return allowed
