@@ -12,18 +12,23 @@ import torch
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
-def write_report(name: str, title: str, columns: list[tuple[str, str]], rows: list[dict], notes: str, command: str) -> None:
-    """``columns`` pairs a row key with its header; ``rows`` hold the values."""
-    DOCS.mkdir(exist_ok=True)
-    meta = {"generated": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "machine": platform.machine(), "command": command}
-    (DOCS / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+def write_report(name: str, title: str, columns: list[tuple[str, str]], rows: list[dict], notes: str, command: str,
+                 out_dir: Path | None = None, meta: dict | None = None, quiet: bool = False) -> None:
+    """``columns`` pairs a row key with its header; ``rows`` hold the values. Written to
+    docs/ (or ``out_dir``); ``meta`` adds fields (the device, versions) to the JSON."""
+    out = Path(out_dir) if out_dir is not None else DOCS
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"generated": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "machine": platform.machine(), "command": command,
+            **(meta or {})}
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = [f"# {title}", "", notes.strip(), "", f"Reproduce: `{command}` (torch {torch.__version__}, {meta['generated']}).", ""]
     lines.append("| " + " | ".join(h for _, h in columns) + " |")
     lines.append("|" + "|".join("---" for _ in columns) + "|")
     for row in rows:
         lines.append("| " + " | ".join(_cell(row[k]) for k, _ in columns) + " |")
-    (DOCS / f"{name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    if not quiet:
+        print("\n".join(lines))
 
 
 def _cell(value) -> str:

@@ -31,7 +31,8 @@ import time
 import torch
 
 import longtrain as lt
-from longtrain.engines.adjoint import AdjointOptions, AdjointStats, adjoint_step
+from longtrain.engines.adjoint import AdjointStats, adjoint_step
+from longtrain.strategy import engine_context
 from longtrain.plan.simulate import run_training_steps, simulate
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
@@ -102,7 +103,8 @@ def count(lengths=(256, 1024, 4096, 16384), windows=(None, 64, 256)) -> list[dic
         for window in windows:  # None (exact) first: the truncated gradients are compared with it
             stats = AdjointStats()
             t0 = time.perf_counter()
-            adjoint_step(model, {"input_ids": ids}, AdjointOptions(truncate=window), stats=stats)
+            context = engine_context(model, lt.Strategy(engine="adjoint", engine_options={"truncate": window}))
+            adjoint_step(context, {"input_ids": ids}, stats=stats)
             seconds = time.perf_counter() - t0
             grads = {name: p.grad.clone() for name, p in model.named_parameters()}
             exact = exact or grads
@@ -217,18 +219,19 @@ def ranks_worker(length: int = 8192) -> None:
     from longtrain.memory import MemoryTracker
     from longtrain.optimizers import make_optimizer
     from longtrain.parallel.layer_groups import init_from_env, owned_parameters, shard_model
+    from longtrain.strategy import applied_context
 
     rank, world = init_from_env()
     torch.manual_seed(0)
-    model = build_from_config(preset_config("tiny-ssm", **RANKS_MODEL))
+    model = lt.apply(build_from_config(preset_config("tiny-ssm", **RANKS_MODEL)), lt.Strategy(engine="adjoint"))
     if world > 1:
-        shard_model(model, rank, world)
+        shard_model(applied_context(model), rank, world)
     optimizer = make_optimizer("adamw", model.parameters())
     batch = {"input_ids": torch.randint(0, 4096, (BATCH, length), generator=torch.Generator().manual_seed(0))}
     with MemoryTracker(model, optimizer) as tracker:
         for _ in range(2):
             tracker.reset_peak()
-            adjoint_step(model, batch, AdjointOptions())
+            lt.step(model, batch)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         peak = tracker.report().peak_device_bytes

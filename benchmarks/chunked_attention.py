@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
@@ -35,13 +34,17 @@ SMALL = dict(vocab_size=8192, hidden_size=256, intermediate_size=896, num_hidden
              num_attention_heads=4, num_key_value_heads=2)  # Llama-3's ratios at width 256
 
 
+def _fpdt(mst, **options) -> lt.Strategy:
+    return lt.Strategy(engine="fpdt", engine_options=options, mst=mst)
+
+
 def _strategies(chunk: int) -> dict[str, lt.Strategy]:
     mst = lt.MsT()
     return {
         "checkpoint+mst": lt.Strategy(checkpoint=True, mst=mst),
-        "chunked": lt.Strategy(mst=mst, attention=lt.ChunkedAttention(chunk=chunk)),
-        "chunked, K/V offloaded": lt.Strategy(mst=mst, attention=lt.ChunkedAttention(chunk=chunk, offload=True, offload_inputs=False)),
-        "chunked, all offloaded": lt.Strategy(mst=mst, attention=lt.ChunkedAttention(chunk=chunk, offload=True)),
+        "chunked": _fpdt(mst, chunk=chunk),
+        "chunked, K/V offloaded": _fpdt(mst, chunk=chunk, offload=True, offload_inputs=False),
+        "chunked, all offloaded": _fpdt(mst, chunk=chunk, offload=True),
     }
 
 
@@ -107,7 +110,7 @@ def chunk_sweep(seq_len=8192, chunks=(256, 512, 1024, 2048, 4096, 8192), repeats
     cases = {"checkpoint+mst": lt.Strategy(checkpoint=True, mst=lt.MsT())}
     for c in chunks:
         for offload in (False, True):
-            cases[(c, offload)] = lt.Strategy(mst=lt.MsT(), attention=lt.ChunkedAttention(chunk=c, offload=offload))
+            cases[(c, offload)] = _fpdt(lt.MsT(), chunk=c, offload=offload)
     models = {}
     for key, strategy in cases.items():
         torch.manual_seed(0)
@@ -122,34 +125,6 @@ def chunk_sweep(seq_len=8192, chunks=(256, 512, 1024, 2048, 4096, 8192), repeats
         rows.append({"chunk": chunk, "offload": offload, "time_ratio": medians[key] / base,
                      "device_peak_mib": report.peak_device_bytes / MiB, "host_peak_mib": report.peak_host_bytes / MiB})
         print(rows[-1], flush=True)
-    return rows
-
-
-def gpu_throughput(lengths=(32768, 65536, 131072), chunk=32768) -> list[dict]:
-    """Llama-3-8B (random weights, bf16, forward + backward without an optimizer step),
-    tokens/s with chunked attention on the device vs offloaded, side by side."""
-    config = load_config("llama3-8b")
-    config.max_position_embeddings = max(lengths)
-    model = build_from_config(config, torch.bfloat16).cuda()
-    lt.apply(model, lt.Strategy(mst=lt.MsT(), attention=lt.ChunkedAttention(chunk=chunk)))
-    options = model._longtrain_chunked_attention  # read at every step: toggled below, same weights
-    rows = []
-    for n in lengths:
-        batch = {"input_ids": torch.randint(0, config.vocab_size, (1, n), device="cuda")}
-        for offload in (False, True):
-            options.offload = offload
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            times = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                lt.step(model, batch)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-                model.zero_grad(set_to_none=True)
-            rows.append({"tokens": n, "offload": offload, "tokens_per_s": n / statistics.median(times[1:]),
-                         "peak_gib": torch.cuda.max_memory_allocated() / GiB})
-            print(rows[-1], flush=True)
     return rows
 
 
@@ -178,11 +153,11 @@ def plot(cpu_rows, sweep_rows) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["cpu", "llama3-8b", "sweep", "gpu", "plot"],
+    parser.add_argument("--only", choices=["cpu", "llama3-8b", "sweep", "plot"],
                         help="run one part (plot: redraw the PNG from the JSON files under docs/)")
     args = parser.parse_args()
     cmd = "python benchmarks/chunked_attention.py" + (f" --only {args.only}" if args.only else "")
-    parts = [args.only] if args.only else ["cpu", "llama3-8b", "sweep"] + (["gpu"] if torch.cuda.is_available() else [])
+    parts = [args.only] if args.only else ["cpu", "llama3-8b", "sweep"]  # GPU timings: benchmarks/gpu_peers.py
     cpu_rows = sweep_rows = None
     if "cpu" in parts:
         cpu_rows = cpu_memory()
@@ -224,12 +199,6 @@ def main() -> None:
         sweep_rows = json.loads((DOCS / "chunked_attention_chunk_sweep.json").read_text())["rows"]
     if cpu_rows and sweep_rows:
         plot(cpu_rows, sweep_rows)
-    if "gpu" in parts:
-        rows = gpu_throughput()
-        write_report("chunked_attention_gpu", "Chunked attention on a GPU: tokens/s with and without offload",
-                     [("tokens", "tokens"), ("offload", "offload"), ("tokens_per_s", "tokens/s"), ("peak_gib", "peak GiB")], rows,
-                     notes="Llama-3-8B, random weights, bf16, MsT, chunk 32K, median of 2 steps after a warm-up.", command=cmd)
-
 
 if __name__ == "__main__":
     main()

@@ -32,7 +32,6 @@ from transformers import LlamaConfig
 import longtrain as lt
 from longtrain.memory.flops import count_flops
 from longtrain.plan.simulate import run_training_steps, simulate
-from longtrain.models import hf_compat
 from longtrain.models.loading import build_from_config, default_dtype, load_config
 
 from _report import DOCS, median_step_times, plot_series, write_report
@@ -88,14 +87,14 @@ def cpu_time(lengths=(4096, 8192, 16384), repeats=2) -> list[dict]:
     return rows
 
 
-def _fake_flops(config, seq_len, strategy, step=lt.step) -> int:
+def _fake_flops(config, seq_len, strategy, step=None) -> int:
+    step = step or (lambda model, batch, **kw: lt.step(model, batch, strategy, **kw))
     with contextlib.ExitStack() as stack:
         stack.enter_context(FakeTensorMode())
-        stack.enter_context(hf_compat.assume_unpacked())
         stack.enter_context(default_dtype(torch.bfloat16))
         model = lt.apply(build_from_config(config, torch.bfloat16), strategy)
         ids = torch.randint(0, config.vocab_size, (1, seq_len))
-        flops, _ = count_flops(step, model, {"input_ids": ids}, strategy, num_label_tokens=seq_len - 1)
+        flops, _ = count_flops(step, model, {"input_ids": ids}, num_label_tokens=seq_len - 1)
     return flops
 
 
@@ -119,15 +118,17 @@ def llama3_8b(lengths=(8192, 16384, 32768), flop_lengths=(32768,), flop_chunk=10
     # FLOPs executed, counted on fake tensors. SpaCO's expectation is exact by linearity:
     # each chunk is backpropagated with probability t/k, so E[FLOPs] = forward pass +
     # (t/k) · (SeCO's recomputation and backward), both counted with the same chunks.
-    from longtrain.engines.seco import SpaCOOptions, spaco_step
+    from longtrain.engines.seco import spaco_step
+    from longtrain.strategy import engine_context
 
     for n in flop_lengths:
         k = n // flop_chunk
         flops = {name: _fake_flops(config, n, strategy) for name, strategy in {
             "backprop": lt.Strategy(), "checkpoint": lt.Strategy(checkpoint=True),
             "seco": lt.Strategy(engine="seco", engine_options={"chunk": flop_chunk})}.items()}
-        forward_only = _fake_flops(config, n, lt.Strategy(engine="spaco", engine_options={"chunk": flop_chunk}),
-                                   step=lambda m, b, s, **kw: spaco_step(m, b, SpaCOOptions(chunk=flop_chunk), selected=set(), **kw))
+        spaco = lt.Strategy(engine="spaco", engine_options={"chunk": flop_chunk})
+        forward_only = _fake_flops(config, n, spaco,
+                                   step=lambda m, b, **kw: spaco_step(engine_context(m, spaco), b, selected=set(), **kw))
         flops["forward only (chunked)"] = forward_only
         for t in budgets:
             flops[f"spaco t={t}"] = forward_only + min(1.0, t / k) * (flops["seco"] - forward_only)
@@ -148,14 +149,15 @@ def spaco_bias(k=6, budget=2) -> list[dict]:
     combining runs does not add float32 rounding) vs SeCO's gradient."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from conftest import llama_norm_in_float64, padded_batch, stock_and_ours
-    from longtrain.engines.seco import SpaCOOptions, spaco_step
+    from longtrain.engines.seco import seco_step, spaco_step
+    from longtrain.strategy import engine_context
 
     rows = []
     with llama_norm_in_float64():
         _, model = stock_and_ours("tiny-llama")
         batch = padded_batch(model.config.vocab_size, lengths=(120, 97))
         chunk = -(-120 // k)
-        lt.step(model, batch, lt.Strategy(engine="seco", engine_options={"chunk": chunk}))
+        seco_step(engine_context(model, lt.Strategy(engine="seco", engine_options={"chunk": chunk})), batch)
         exact = _grad_vector(model)
         model.zero_grad(set_to_none=True)
         rho = budget / k
@@ -165,7 +167,9 @@ def spaco_bias(k=6, budget=2) -> list[dict]:
             for r in range(k + 1):
                 for subset in itertools.combinations(range(k), r):
                     weight = rho**r * (1 - rho) ** (k - r)
-                    spaco_step(model, batch, SpaCOOptions(chunk=chunk, budget=budget, cap=cap), selected=set(subset))
+                    options = {"chunk": chunk, "budget": budget, "cap": cap}
+                    spaco_step(engine_context(model, lt.Strategy(engine="spaco", engine_options=options)), batch,
+                               selected=set(subset))
                     g = _grad_vector(model)
                     model.zero_grad(set_to_none=True)
                     mean += weight * g
@@ -180,9 +184,9 @@ def spaco_bias(k=6, budget=2) -> list[dict]:
 def training(steps=60, seq_len=2048) -> list[dict]:
     """`longtrain train` on the pass-key task with SeCO and SpaCO, same seed and steps."""
     rows = []
-    runs = {"seco": ["--engine", "seco", "--chunk", "256"],
-            "spaco t=2": ["--engine", "spaco", "--chunk", "256", "--budget", "2"],
-            "spaco t=2, cap 2": ["--engine", "spaco:cap=2", "--chunk", "256", "--budget", "2"]}
+    runs = {"seco": ["--engine", "seco:chunk=256"],
+            "spaco t=2": ["--engine", "spaco:chunk=256:budget=2"],
+            "spaco t=2, cap 2": ["--engine", "spaco:cap=2:chunk=256:budget=2"]}
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in runs.items():
             out = Path(tmp) / name.replace(" ", "_").replace(",", "").replace("=", "")

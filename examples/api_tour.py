@@ -34,20 +34,25 @@ with MemoryTracker(model, optimizer) as tracker:
         print(f"step {step}: loss {float(loss):.3f}, peak {format_bytes(peak.peak_device_bytes)} "
               f"(activations {format_bytes(peak.device_bytes('activations'))})")
 
-# 3. Longer than the device holds: chunked attention parks K/V and layer inputs in host
-#    memory (exact gradients); the report shows what moved to the host.
-long_strategy = lt.Strategy(mst=lt.MsT(), attention=lt.ChunkedAttention(chunk=512, offload=True))
+# 3. Longer than the device holds: the fpdt engine (chunked attention) parks K/V and layer
+#    inputs in host memory (exact gradients); the report shows what moved to the host.
+long_strategy = lt.Strategy(engine="fpdt", engine_options=lt.FPDT(chunk=512, offload=True), mst=lt.MsT())
 long_model = lt.apply(build_from_config(preset_config("tiny-llama")), long_strategy)
 with MemoryTracker(long_model) as tracker:
     lt.step(long_model, {"input_ids": torch.randint(0, 256, (1, 4096))}, long_strategy)
     peak = tracker.report()
-print(f"chunked attention, 4,096 tokens: device peak {format_bytes(peak.peak_device_bytes)}, "
+print(f"fpdt, 4,096 tokens: device peak {format_bytes(peak.peak_device_bytes)}, "
       f"host peak {format_bytes(peak.peak_host_bytes)}")
 
 # 4. Chunk-wise engines: SeCO (exact) and SpaCO (about `budget` chunks backpropagated per
-#    step, an unbiased estimate) need no technique: the engine runs the chunks.
+#    step, an unbiased estimate): the engine runs the chunks.
 for engine, options in (("seco", {"chunk": 512}), ("spaco", {"chunk": 256, "budget": 4})):
     chunked = lt.Strategy(engine=engine, engine_options=options)
     chunk_model = lt.apply(build_from_config(preset_config("tiny-llama")), chunked)
     loss = lt.step(chunk_model, {"input_ids": torch.randint(0, 256, (1, 4096))}, chunked)
     print(f"{engine}: loss {float(loss):.3f}")
+
+# 5. Packed documents: position ids that restart mark document boundaries; attention stays
+#    inside each document on every engine.
+packed = {"input_ids": torch.randint(0, 256, (1, 12)), "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])}
+print("packed batch loss:", float(lt.step(lt.apply(build_from_config(preset_config("tiny-llama")), lt.Strategy()), packed)))

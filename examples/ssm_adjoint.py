@@ -10,11 +10,12 @@ On several processes (layer groups; gloo on CPU, NCCL on GPUs):
 import torch
 
 import longtrain as lt
-from longtrain.engines.adjoint import AdjointOptions, AdjointStats, adjoint_step
+from longtrain.engines.adjoint import AdjointStats, adjoint_step
 from longtrain.memory import MemoryTracker
 from longtrain.memory.units import format_bytes
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
+from longtrain.strategy import engine_context
 
 # 1. The adjoint engine's gradient is autograd's (float64, a 3-layer SSM, batch 2).
 torch.manual_seed(0)
@@ -24,20 +25,20 @@ lt.step(model, batch)  # plain backprop through the scan
 reference = {n: p.grad.clone() for n, p in model.named_parameters()}
 model.zero_grad(set_to_none=True)
 stats = AdjointStats()
-adjoint_step(model, batch, AdjointOptions(), stats=stats)
+adjoint_step(engine_context(model, lt.Strategy(engine="adjoint")), batch, stats=stats)  # one step, with its counts
 error = max(float((p.grad - reference[n]).norm() / reference[n].norm()) for n, p in model.named_parameters())
 print(f"adjoint vs autograd: max relative error {error:.1e} over {len(reference)} tensors; "
       f"{stats.token_vjps} token VJPs in {stats.vjp_calls} batched calls")
 
 # 2. Truncated adjoint sharding (T̄ = 32) is an approximation: how far is it?
 model.zero_grad(set_to_none=True)
-adjoint_step(model, batch, AdjointOptions(truncate=32))
+adjoint_step(engine_context(model, lt.Strategy(engine="adjoint", engine_options={"truncate": 32})), batch)
 error = max(float((p.grad - reference[n]).norm() / reference[n].norm()) for n, p in model.named_parameters())
 print(f"truncated (T̄=32) vs exact: max relative difference {error:.1e}")
 
 # 3. Memory of one step at 16K tokens, measured exactly on CPU.
 for name, strategy in (("backprop", lt.Strategy()), ("adjoint", lt.Strategy(engine="adjoint"))):
-    model = build_from_config(preset_config("ssm-demo"))
+    model = lt.apply(build_from_config(preset_config("ssm-demo")), strategy)
     with MemoryTracker(model) as tracker:
         lt.step(model, {"input_ids": torch.randint(0, 256, (1, 16384))}, strategy)
         print(f"{name:>9}: peak {format_bytes(tracker.report().peak_device_bytes)}")

@@ -14,6 +14,7 @@ from longtrain.engines.adjoint import AdjointOptions
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
 from longtrain.parallel.layer_groups import init_from_env, owned_parameters, shard_model
+from longtrain.strategy import applied_context
 
 
 def build_model_and_batch(truncate: int | None):
@@ -30,7 +31,7 @@ def main(out_dir: str, truncate: int | None) -> None:
     rank, world_size = init_from_env()
     model, batch, options = build_model_and_batch(truncate)
     lt.apply(model, lt.Strategy(engine="adjoint", engine_options=options))
-    shard_model(model, rank, world_size)
+    shard_model(applied_context(model), rank, world_size)
     loss = lt.step(model, batch)
     owned = {name: p.grad for name, p in owned_parameters(model).items()}
     kept = sum(p.numel() for p in owned_parameters(model).values())

@@ -20,10 +20,6 @@ from longtrain.models.presets import preset_config
 ARCHITECTURES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2"]
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped without one)")
-
-
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -15,8 +15,7 @@ import torch
 import longtrain as lt
 
 from longtrain.engines.adjoint import AdjointOptions, AdjointStats, adjoint_step, truncated_adjoint_states
-from longtrain.engines.base import EngineContext
-from longtrain.models.adapters import adapter_for
+from longtrain.strategy import engine_context
 from longtrain.errors import LongtrainError
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
@@ -65,9 +64,9 @@ def autograd_grads(model, batch):
     return loss.detach(), grads(model)
 
 
-def adjoint_context(model, **options) -> EngineContext:
-    """The context ``lt.apply`` would build, for stepping one model with several option sets."""
-    return EngineContext(lt.Strategy(engine="adjoint", engine_options=options), adapter_for(model))
+def adjoint_context(model, **options):
+    """For stepping one model with several option sets."""
+    return engine_context(model, lt.Strategy(engine="adjoint", engine_options=options))
 
 
 def adjoint_grads(model, batch, **options):
@@ -222,7 +221,7 @@ def test_gradients_accumulate_through_autograd_hooks():
 def test_adjoint_refuses_transformers_packing_and_bad_options():
     model = build_from_config(preset_config("tiny-llama"))
     with pytest.raises(LongtrainError, match="SSM-ResNet"):
-        adjoint_step(adjoint_context(model), {"input_ids": torch.zeros(1, 8, dtype=torch.long)})
+        adjoint_context(model)
     _, ssm = ssm_pair(2)
     packed = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])}
     with pytest.raises(LongtrainError, match="does not reset its state at document boundaries"):

@@ -16,7 +16,7 @@ from longtrain.models.loading import build_from_config
 from longtrain.ops.chunked_loss import chunked_causal_lm_loss
 from longtrain.ops.tiled_mlp import tiled_mlp
 
-from conftest import check_step, grads, max_rel_error, padded_batch, stock_and_ours, stock_lora_and_ours, stock_loss
+from conftest import check_step, grads, padded_batch, stock_and_ours, stock_lora_and_ours, stock_loss
 
 TOL = 1e-10
 LENGTHS = [1, 63, 300, 1000]

@@ -9,10 +9,8 @@ import torch
 
 import longtrain as lt
 from conftest import grads, llama_norm_in_float64, max_rel_error, padded_batch, stock_and_ours
-from longtrain.engines.base import EngineContext
 from longtrain.engines.seco import SpaCOOptions, seco_step, select_chunks, spaco_step
-from longtrain.models.adapters import adapter_for
-from longtrain.strategy import applied_context
+from longtrain.strategy import engine_context
 from longtrain.plan.simulate import run_training_steps
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
@@ -21,11 +19,8 @@ TOL = 1e-10
 
 
 def _context(model, engine: str, **options):
-    """An engine context for ``model`` (plain backprop applied), so one model can be
-    stepped by SeCO and by SpaCO with several option sets, as these checks need."""
-    if applied_context(model) is None:
-        lt.apply(model, lt.Strategy())
-    return EngineContext(lt.Strategy(engine=engine, engine_options=options), adapter_for(model))
+    """One model stepped by SeCO and by SpaCO with several option sets, as these checks need."""
+    return engine_context(model, lt.Strategy(engine=engine, engine_options=options))
 
 
 def _spaco_grads(model, batch, options, selected=None):

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from . import engines, registry, techniques  # noqa: F401  (importing the packages registers the built-ins)
+from . import engines as _builtin_engines, registry, techniques as _builtin_techniques  # noqa: F401  (registers the built-ins)
 from .engines.base import EngineContext
 from .errors import LongtrainError
 from .models.adapters import adapter_for
@@ -255,6 +255,22 @@ def apply(model, strategy: "Strategy | str | None"):
         registry.technique(name).install(context, options)
     object.__setattr__(model, _CONTEXT_ATTR, context)  # the one documented place (see above)
     return model
+
+
+def engine_context(model, strategy: "Strategy | str") -> EngineContext:
+    """A context for stepping ``model`` with ``strategy``'s engine and options directly
+    (``engine.step(context, batch)``), whatever strategy the model has applied — for
+    scripts and tests that compare engine options on one model. The model's applied
+    techniques stay; ``strategy``'s own techniques are not installed."""
+    strategy = Strategy.parse(strategy)
+    if applied_context(model) is None:
+        apply(model, Strategy())
+    applied = applied_context(model)
+    context = EngineContext(strategy, applied.adapter, pool=applied.pool)
+    engine = registry.engine(strategy.engine)
+    if engine.check is not None:
+        engine.check(context)
+    return context
 
 
 def step(model, batch: Mapping, strategy: Strategy | None = None, num_label_tokens: int | None = None):

@@ -46,7 +46,7 @@ from ..models.layers import unwrap
 from ..models.ssm_resnet import SSMLayer, is_ssm_resnet
 from ..ops.chunked_loss import chunked_causal_lm_loss
 from ..ops.linear_scan import adjoint_states
-from ..parallel.layer_groups import LayerGroup, layer_group
+from ..parallel.layer_groups import LayerGroup
 from ..registry import register_engine
 from .batch import prepare_batch
 
@@ -257,7 +257,7 @@ def adjoint_step(context, batch, num_label_tokens: int | None = None, stats: Adj
                              "pass batches without position resets (no packed documents) to the adjoint engine")
     num_label_tokens = inputs.num_label_tokens
     layers = base.model.layers
-    group = layer_group(base) or LayerGroup(len(layers), 0, 1)
+    group = context.parallel if isinstance(context.parallel, LayerGroup) else LayerGroup(len(layers), 0, 1)
     mask = inputs.mask.key_valid
     if group.first:
         with torch.no_grad():

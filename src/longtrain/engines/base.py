@@ -57,6 +57,7 @@ class EngineContext:
     strategy: "Strategy"
     adapter: DecoderAdapter
     pool: PinnedPool = field(default_factory=PinnedPool)  # pinned host buffers, reused across steps
+    parallel: Any = None  # how the model is split over processes (a LayerGroup under layer groups)
 
     @property
     def model(self) -> torch.nn.Module:

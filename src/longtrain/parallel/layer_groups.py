@@ -33,9 +33,6 @@ from torch import nn
 
 from ..errors import LongtrainError
 
-SHARD_ATTR = "_longtrain_layer_group"
-
-
 def layer_ranges(n_layers: int, world_size: int) -> list[range]:
     """Contiguous, balanced layer groups, one per rank (earlier ranks take the remainder)."""
     if world_size > n_layers:
@@ -84,15 +81,18 @@ def init_from_env(device: torch.device | None = None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def shard_model(model: nn.Module, rank: int, world_size: int, process_group=None) -> LayerGroup:
-    """Keep only this rank's layers (and the embedding or head) in memory.
+def shard_model(context, rank: int, world_size: int, process_group=None) -> LayerGroup:
+    """Keep only this rank's layers (and the embedding or head) of the applied model in
+    memory; the group is recorded as the context's ``parallel`` placement.
 
     The other modules move to the meta device: no storage, no gradient, so an optimizer
     built over ``model.parameters()`` keeps state for this rank's parameters only.
+    ``context`` is the model's :class:`~longtrain.engines.base.EngineContext`
+    (``longtrain.strategy.applied_context(model)``).
     """
     from ..engines.adjoint import check_model
 
-    base = check_model(model)
+    base = check_model(context.model)
     if world_size > 1 and base.config.tie_word_embeddings:
         raise LongtrainError("layer groups need untied embeddings (the first rank holds the embedding, the last the head); set tie_word_embeddings=False")
     group = LayerGroup(len(base.model.layers), rank, world_size, process_group)
@@ -104,12 +104,8 @@ def shard_model(model: nn.Module, rank: int, world_size: int, process_group=None
     if not group.last:
         base.model.norm.to("meta")
         base.lm_head.to("meta")
-    object.__setattr__(base, SHARD_ATTR, group)
+    context.parallel = group
     return group
-
-
-def layer_group(model: nn.Module) -> LayerGroup | None:
-    return getattr(model, SHARD_ATTR, None)
 
 
 def owned_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

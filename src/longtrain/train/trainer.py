@@ -30,7 +30,7 @@ from ..memory.measure import StepMemoryMeter
 from ..memory.units import format_bytes
 from ..models.loading import add_lora, build_from_config, is_model_dir, load_config, load_pretrained, parse_dtype
 from ..optimizers import OPTIMIZERS, make_optimizer
-from ..strategy import Strategy, apply, pinned_host_bytes, step as strategy_step
+from ..strategy import Strategy, applied_context, apply, pinned_host_bytes, step as strategy_step
 from . import checkpoint as ckpt
 from .data import TokenWindows, collate
 from .metrics import MetricsLog, truncate_after
@@ -191,7 +191,7 @@ class Trainer:
         if self.ranks.distributed:
             from ..parallel.layer_groups import shard_model
 
-            shard_model(self.model, self.ranks.rank, self.ranks.world_size)
+            shard_model(applied_context(self.model), self.ranks.rank, self.ranks.world_size)
 
         if config.data is None:
             if not isinstance(self.tokenizer, ByteTokenizer):

@@ -1,0 +1,188 @@
+"""The CUDA tier: every engine and technique on a CUDA device against a float64 reference.
+
+Skipped where no GPU is present (CI runs on CPU); ``python benchmarks/gpu_suite.py``
+runs it on a GPU machine. What CPU tests cannot show, these check on the device:
+streams and events of the chunk store, pinned host buffers, the CUDA flash kernels'
+argument conventions, backward (and checkpoint recomputation) on autograd's device
+thread. Per model and strategy: two steps (the second reuses the store's streams and the
+pinned pool, which must not grow); float32 within 1e-5 of float64, bfloat16 no worse than
+1.5 × the error of stock Hugging Face in bfloat16 on the same device.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import longtrain as lt
+from longtrain.models.loading import build_from_config, default_dtype
+from longtrain.models.presets import preset_config
+from longtrain.strategy import applied_context
+
+from conftest import grads, padded_batch, stock_and_ours
+
+pytestmark = pytest.mark.cuda
+
+FP32_TOL = 1e-5
+BF16_FACTOR = 1.5
+
+# Chunks of 256 and 300 tokens over rows of 1000 and 950 tokens: no chunk divides a row.
+CUDA_STRATEGIES = {
+    "backprop": lambda: lt.Strategy(),
+    "checkpoint": lambda: lt.Strategy(checkpoint=True),
+    "mst": lambda: lt.Strategy(mst=lt.MsT(loss_chunks=4)),
+    "checkpoint+mst": lambda: lt.Strategy(checkpoint=True, mst=True),
+    "fpdt": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 256}),
+    "fpdt+offload(prefetch 1)": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 300, "offload": True}),
+    "fpdt+offload(prefetch 2)+mst": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 256, "offload": True, "prefetch": 2},
+                                                        mst=True),
+    "fpdt+offload,kv-kept": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 300, "offload": True, "recompute_kv": False}),
+    "seco": lambda: lt.Strategy(engine="seco", engine_options={"chunk": 256}),
+    "seco+offload+checkpoint+mst": lambda: lt.Strategy(engine="seco", engine_options={"chunk": 300, "offload": True, "prefetch": 2},
+                                                       checkpoint=True, mst=True),
+    "spaco(every chunk)": lambda: lt.Strategy(engine="spaco", engine_options={"chunk": 256, "budget": 8}),
+}
+PRESETS = ["tiny-llama", "tiny-gemma2"]
+
+
+def cuda_config(preset: str):
+    """The tiny preset widened to head dimension 64, which every CUDA flash kernel takes."""
+    config = preset_config(preset)
+    config.hidden_size, config.intermediate_size = 256, 512
+    config.head_dim = 64
+    if getattr(config, "query_pre_attn_scalar", None):
+        config.query_pre_attn_scalar = 64
+    config.use_cache = False
+    return config
+
+
+def _batch(device=None):
+    # Padding stays shorter than Gemma-2's 64-token window (stock Gemma-2 gives NaN where a
+    # window holds only padding).
+    batch = padded_batch(320, lengths=(1000, 950))
+    return {k: v.to(device) for k, v in batch.items()} if device else batch
+
+
+@functools.lru_cache(maxsize=None)
+def reference(preset: str):
+    """Stock Hugging Face in float64 on the CPU: the weights, the loss and the gradients."""
+    stock, _ = stock_and_ours(cuda_config(preset))
+    batch = _batch()
+    loss = _stock_loss(stock, batch)
+    loss.backward()
+    return stock.state_dict(), float(loss), grads(stock)
+
+
+def _stock_loss(model, batch):
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).double(), batch["labels"][:, 1:].flatten(), ignore_index=-100)
+
+
+def _global_error(got: dict, exact: dict) -> float:
+    """‖got − exact‖ / ‖exact‖ over all gradients together."""
+    num = sum(float((got[k].double().cpu() - exact[k]).norm() ** 2) for k in exact)
+    return (num / sum(float(exact[k].norm() ** 2) for k in exact)) ** 0.5
+
+
+def _ours_on_cuda(preset: str, dtype: torch.dtype, strategy):
+    weights, _, _ = reference(preset)
+    model = build_from_config(cuda_config(preset), dtype)
+    model.load_state_dict({k: v.to(dtype) for k, v in weights.items()})
+    return lt.apply(model.cuda().train(), strategy)
+
+
+def _two_steps(model, batch) -> list[tuple[float, dict]]:
+    """Two steps on the same batch; each step's loss and gradients (the pool must not grow)."""
+    results, pooled = [], []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        loss = lt.step(model, batch)
+        torch.cuda.synchronize()
+        results.append((float(loss), grads(model)))
+        pooled.append(applied_context(model).pool.allocated_bytes)
+    assert pooled[1] == pooled[0], f"the pinned pool grew from {pooled[0]} to {pooled[1]} bytes: buffers were re-pinned"
+    return results
+
+
+@pytest.mark.parametrize("strategy", list(CUDA_STRATEGIES))
+@pytest.mark.parametrize("preset", PRESETS)
+def test_float32_on_cuda_equals_float64(preset, strategy):
+    _, ref_loss, ref_grads = reference(preset)
+    model = _ours_on_cuda(preset, torch.float32, CUDA_STRATEGIES[strategy]())
+    for loss, got in _two_steps(model, _batch("cuda")):
+        assert abs(loss - ref_loss) <= FP32_TOL * abs(ref_loss)
+        assert got.keys() == ref_grads.keys()
+        worst = max(float((got[k].double().cpu() - ref_grads[k]).norm() / ref_grads[k].norm()) for k in ref_grads)
+        assert worst <= FP32_TOL, worst
+
+
+@functools.lru_cache(maxsize=None)
+def stock_bf16_error(preset: str) -> float:
+    """Stock Hugging Face in bfloat16 on the same device: its gradient error."""
+    weights, _, ref_grads = reference(preset)
+    config = cuda_config(preset)
+    attention = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+    from transformers import AutoModelForCausalLM
+
+    with default_dtype(torch.bfloat16):
+        stock = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attention)
+    stock.load_state_dict({k: v.to(torch.bfloat16) for k, v in weights.items()})
+    stock = stock.cuda().train()
+    _stock_loss(stock, _batch("cuda")).backward()
+    return _global_error(grads(stock), ref_grads)
+
+
+@pytest.mark.parametrize("strategy", list(CUDA_STRATEGIES))
+@pytest.mark.parametrize("preset", PRESETS)
+def test_bfloat16_on_cuda_is_no_worse_than_stock_bfloat16(preset, strategy):
+    _, ref_loss, ref_grads = reference(preset)
+    model = _ours_on_cuda(preset, torch.bfloat16, CUDA_STRATEGIES[strategy]())
+    bound = BF16_FACTOR * stock_bf16_error(preset)
+    for loss, got in _two_steps(model, _batch("cuda")):
+        assert abs(loss - ref_loss) <= 2e-2 * abs(ref_loss)
+        error = _global_error(got, ref_grads)
+        assert error <= bound, (error, bound)
+
+
+def test_offload_keeps_kv_and_inputs_off_the_device():
+    """Growing the sequence 4× grows the device peak (CUDA allocator) far less with
+    offload than with every chunk kept on the device."""
+
+    def growth(offload: bool) -> int:
+        peaks = []
+        for length in (1024, 4096):
+            strategy = lt.Strategy(engine="fpdt", engine_options={"chunk": 256, "offload": offload})
+            model = _ours_on_cuda("tiny-llama", torch.bfloat16, strategy)
+            batch = {"input_ids": torch.randint(0, 320, (1, length), device="cuda")}
+            lt.step(model, batch)  # warm-up: the pool and the kernels
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            lt.step(model, batch)
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated())
+            del model
+        return peaks[1] - peaks[0]
+
+    assert growth(True) < 0.5 * growth(False)
+
+
+def test_adjoint_on_cuda_equals_float64_autograd():
+    from longtrain.ops.loss import causal_lm_loss
+
+    config = preset_config("tiny-ssm", num_hidden_layers=3)
+    torch.manual_seed(0)
+    reference_model = build_from_config(copy.deepcopy(config), torch.float64).train()
+    batch = _batch()
+    out = reference_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    causal_lm_loss(out.logits, batch["labels"], int((batch["labels"][:, 1:] != -100).sum())).backward()
+    model = build_from_config(config, torch.float32)
+    model.load_state_dict({k: v.float() for k, v in reference_model.state_dict().items()})
+    model = lt.apply(model.cuda().train(), lt.Strategy(engine="adjoint", engine_options={"block": 128}))
+    for _, got in _two_steps(model, _batch("cuda")):
+        expected = grads(reference_model)
+        worst = max(float((got[k].double().cpu() - expected[k]).norm() / expected[k].norm()) for k in expected)
+        assert worst <= FP32_TOL, worst
