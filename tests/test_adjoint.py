@@ -284,3 +284,17 @@ def test_adjoint_peak_is_below_backprop_and_simulation_matches_measurement():
     assert adjoint[4096] < 0.5 * backprop[4096]
     assert adjoint[4096] - adjoint[1024] < 0.5 * (backprop[4096] - backprop[1024])
     assert peak("adjoint", 4096, fake=True) == adjoint[4096]  # the simulator runs the same engine
+
+
+@pytest.mark.parametrize("strategy", ["none", "checkpoint", "mst", "checkpoint,mst"])
+@pytest.mark.parametrize("left", [False, True], ids=["right", "left"])
+def test_ssm_through_its_adapter_equals_its_own_forward(strategy, left):
+    """The backprop engine runs the SSM-ResNet piece by piece through its adapter; that
+    must be the model's own forward (float64, padding keeps the state)."""
+    _, reference = ssm_pair(3)
+    ours = copy.deepcopy(reference)
+    batch = padded(41, left=left)
+    _, expected = autograd_grads(reference, batch)
+    lt.apply(ours, lt.Strategy.parse(strategy))
+    lt.step(ours, batch)
+    assert max_rel_error(grads(ours), expected) <= 1e-10

@@ -64,7 +64,11 @@ def _add_train(sub) -> None:
 
 
 def _run_train(args) -> int:
+    from transformers.utils import logging as hf_logging
+
     from .train.trainer import Trainer, config_from_dict, format_summary
+
+    hf_logging.disable_progress_bar()  # transformers' own bars ("Writing model shards") would interleave with ours
 
     config = config_from_dict(vars(args))
     trainer = Trainer(config)

@@ -141,8 +141,8 @@ class ChunkedRun:
 
     def _compute_rotary(self):
         # The tables' dtype and device follow the embeddings' output, as in the model's forward.
-        probe = self.adapter.embed(self.seq.input_ids[:, :0])
         with torch.no_grad():
+            probe = self.adapter.embed(self.seq.input_ids[:, :0])
             leaves, spec = tree_flatten(self.adapter.position_embeddings(probe, self.seq.position_ids))
         if self.settings.offload_inputs:  # each chunk's slice goes to host memory, the whole tables go
             for n, leaf in enumerate(leaves):
