@@ -185,3 +185,20 @@ def test_resume_problems(tmp_path, capsys):
     assert code == 2 and "corrupt" in err and "weights.safetensors" in err
     code, _, err = run_cli(capsys, "train", *TINY, "--steps", "3", "--resume", "--out", str(tmp_path / "empty"))
     assert code == 2 and "holds no checkpoint" in err
+
+
+def test_document_packing_restarts_positions_and_drops_cross_document_targets(tmp_path):
+    from longtrain.train.data import TokenWindows
+    from longtrain.train.tokenizer import ByteTokenizer
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": "x" * n}) + "\n" for n in (5, 9, 3, 30)))
+    windows = TokenWindows(docs, ByteTokenizer(), seq_len=16, restart_per_document=True)
+    rows = {tuple(windows.windows[i].tolist()): i for i in range(len(windows))}
+    first = windows.sample(0)
+    row = rows[tuple(first["input_ids"].tolist())]
+    positions = windows.positions[row]
+    assert positions[0] == 0 and ((positions[1:] == positions[:-1] + 1) | (positions[1:] == 0)).all()
+    assert (first["labels"][positions == 0] == -100).all() and (first["labels"][positions != 0] >= 0).all()
+    # documents of 5 and 9 bytes (each + EOS) then the third: window 0 restarts at 0, 6, 16...
+    assert windows.positions[0].tolist()[:8] == [0, 1, 2, 3, 4, 5, 0, 1]

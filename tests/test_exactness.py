@@ -11,7 +11,7 @@ import longtrain.registry
 from longtrain.models.loading import add_lora, build_from_config
 from transformers import AutoConfig
 
-from conftest import (BATCHES, STRATEGIES, check_step, grads, max_rel_error, packed_batch, padded_batch, stock_and_ours,
+from conftest import (BATCHES, STRATEGIES, check_step, computes_in_float64, grads, max_rel_error, packed_batch, padded_batch, stock_and_ours,
                       stock_lora_and_ours, stock_loss)
 
 TOL = 1e-10
@@ -131,3 +131,22 @@ def test_a_model_that_is_no_causal_lm_is_refused():
 def test_add_lora_targets_exclude_the_head():
     model = add_lora(build_from_config(AutoConfig.for_model("llama", **UNSUPPORTED["olmo2"]), torch.float32), rank=2)
     assert not any("lm_head" in n and "lora" in n for n, _ in model.named_parameters())
+
+
+def test_rows_with_no_visible_key_give_the_same_answer_on_every_path():
+    """Left padding with a target on the first real token: the padding before it sees no
+    key at all. Every engine gives that row 0 (as SDPA does), so all paths agree — stock
+    Gemma-2's eager attention would give it the mean of the masked values instead."""
+    batch = padded_batch(320, lengths=(100, 70), left=True)
+    batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)  # first real tokens have targets
+    results = {}
+    for name in ("backprop", "checkpoint+mst", "fpdt+offload+mst", "seco", "spaco(every chunk)"):
+        _, ours = stock_and_ours("tiny-gemma2")
+        lt.apply(ours, STRATEGIES[name]())
+        with computes_in_float64():
+            loss = lt.step(ours, batch)
+        results[name] = (float(loss), grads(ours))
+    loss, reference = results.pop("backprop")
+    for name, (other_loss, other) in results.items():
+        assert abs(other_loss - loss) <= TOL * abs(loss), name
+        assert max_rel_error(other, reference) <= TOL, name

@@ -96,3 +96,37 @@ def test_batch_without_label_tokens_is_refused():
     ids = torch.ones(1, 8, dtype=torch.long)
     with pytest.raises(LongtrainError, match="no label tokens"):
         lt.step(model, {"input_ids": ids, "labels": torch.full_like(ids, -100)})
+
+
+def test_layering_techniques_never_import_engines_and_the_registry_imports_neither():
+    """The import graph of the architecture: techniques patch modules and never reach an
+    engine; the registry imports no engine, technique or strategy (no cycle through it);
+    longtrain sets state on a model in one place only."""
+    import ast
+    from pathlib import Path
+
+    root = Path(lt.__file__).parent
+
+    def imports(path: Path) -> set[str]:
+        """Modules imported at run time (``if TYPE_CHECKING:`` blocks left out)."""
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                       and getattr(block.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(block)}
+        names = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                names.add("." * node.level + (node.module or ""))
+                names.update("." * node.level + (node.module + "." if node.module else "") + a.name for a in node.names)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        return names
+
+    for path in (root / "techniques").glob("*.py"):
+        assert not [n for n in imports(path) if "engines" in n], path
+    assert not [n for n in imports(root / "registry.py") if any(k in n for k in ("engines", "techniques", "strategy"))]
+    for path in (root / "engines").glob("*.py"):
+        assert not [n for n in imports(path) if "strategy" in n], path
+    setters = [p for p in root.rglob("*.py") if "object.__setattr__(" in p.read_text()]
+    assert setters == [root / "strategy.py"]
