@@ -13,7 +13,8 @@ import longtrain as lt
 from longtrain.engines.adjoint import AdjointOptions
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
-from longtrain.parallel.layer_groups import init_from_env, owned_parameters, shard_model
+from longtrain.parallel.distributed import init_from_env
+from longtrain.parallel.layer_groups import owned_parameters, shard_model
 from longtrain.strategy import applied_context
 
 

@@ -44,7 +44,7 @@ class Engine:
     ``num_label_tokens``. ``accepts`` names the techniques it composes with (a strategy
     naming another is refused when it is built, with ``conflicts``' reason where one is
     given); ``check(context)``, if given, refuses a model the engine cannot train when
-    the strategy is applied.
+    the strategy is applied; ``sequence_parallel``: the engine runs under Ulysses.
     """
 
     name: str
@@ -54,6 +54,7 @@ class Engine:
     accepts: tuple[str, ...] = ()
     conflicts: dict[str, str] = field(default_factory=dict)
     check: Callable[[Any], None] | None = None
+    sequence_parallel: bool = False  # runs under Ulysses sequence parallelism
 
 
 _TECHNIQUES: dict[str, Technique] = {}
@@ -79,7 +80,8 @@ def register_technique(name: str, options: type, summary: str, order: int = 100)
 
 
 def register_engine(name: str, options: type, summary: str, accepts: tuple[str, ...] = (),
-                    conflicts: dict[str, str] | None = None, check: Callable[[Any], None] | None = None):
+                    conflicts: dict[str, str] | None = None, check: Callable[[Any], None] | None = None,
+                    sequence_parallel: bool = False):
     """Decorator registering ``step(context, batch, num_label_tokens)`` as engine ``name``
     (see :class:`Engine` for ``accepts``, ``conflicts`` and ``check``)."""
     _check_options_class(options)
@@ -87,7 +89,7 @@ def register_engine(name: str, options: type, summary: str, accepts: tuple[str, 
     def wrap(step):
         if name in _ENGINES:
             raise ValueError(f"engine {name!r} is registered twice")
-        _ENGINES[name] = Engine(name, options, step, summary, tuple(accepts), dict(conflicts or {}), check)
+        _ENGINES[name] = Engine(name, options, step, summary, tuple(accepts), dict(conflicts or {}), check, sequence_parallel)
         return step
 
     return wrap

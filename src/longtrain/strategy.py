@@ -21,9 +21,11 @@ import yaml
 
 from . import engines as _builtin_engines, registry, techniques as _builtin_techniques  # noqa: F401  (registers the built-ins)
 from .engines.base import EngineContext
+from .engines.sequence_parallel import Ulysses, distribute
 from .errors import LongtrainError
 from .models.adapters import adapter_for
 from .models.attention import use_longtrain_attention
+from .parallel.distributed import collective_failures
 
 
 def _make_options(kind: str, name: str, options_cls: type, value: Any) -> Any:
@@ -69,8 +71,10 @@ class Strategy:
     engine: str
     engine_options: Any
     techniques: dict[str, Any]
+    sequence_parallel: Ulysses | None
 
-    def __init__(self, engine: str = "backprop", engine_options: Any = None, **techniques: Any):
+    def __init__(self, engine: str = "backprop", engine_options: Any = None, sequence_parallel: Any = None,
+                 **techniques: Any):
         if not isinstance(engine, str):
             raise LongtrainError(f"engine must be an engine name such as 'backprop' or 'fpdt', got {engine!r}")
         spec = registry.engine(engine)
@@ -91,6 +95,14 @@ class Strategy:
         # Stored in install order so that equal strategies compare and print equally.
         order = registry.techniques()
         self.techniques = dict(sorted(chosen.items(), key=lambda kv: (order[kv[0]].order, kv[0])))
+        if isinstance(sequence_parallel, int) and not isinstance(sequence_parallel, bool):
+            sequence_parallel = {"degree": sequence_parallel}
+        self.sequence_parallel = None
+        if sequence_parallel not in (None, False, 1) and sequence_parallel != {"degree": 1}:
+            self.sequence_parallel = _make_options("option", "sequence_parallel", Ulysses, sequence_parallel)
+            if not spec.sequence_parallel:
+                raise LongtrainError(f"the {engine} engine does not run under sequence parallelism; "
+                                     "use backprop, fpdt, seco or spaco, or drop --sp")
 
     # ---- names -------------------------------------------------------------------
     @property
@@ -98,25 +110,29 @@ class Strategy:
         """Short human name, e.g. ``"checkpoint"`` or ``"none"``; engines other than
         backprop are prefixed (``"seco:checkpoint"``)."""
         parts = ",".join(self.techniques) or "none"
-        return parts if self.engine == "backprop" else f"{self.engine}:{parts}"
+        name = parts if self.engine == "backprop" else f"{self.engine}:{parts}"
+        return name if self.sequence_parallel is None else f"{name}+sp{self.sequence_parallel.degree}"
 
     def uses(self, technique: str) -> bool:
         return technique in self.techniques
 
     # ---- serialization -----------------------------------------------------------
     def to_dict(self) -> dict:
-        return {
+        data = {
             "engine": {"name": self.engine, **dataclasses.asdict(self.engine_options)},
             "techniques": {n: dataclasses.asdict(o) for n, o in self.techniques.items()},
         }
+        if self.sequence_parallel is not None:
+            data["sequence_parallel"] = dataclasses.asdict(self.sequence_parallel)
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "Strategy":
         if not isinstance(data, Mapping):
             raise LongtrainError(f"a strategy must be a mapping with 'engine' and 'techniques', got {type(data).__name__}")
-        unknown = sorted(set(data) - {"engine", "techniques"})
+        unknown = sorted(set(data) - {"engine", "techniques", "sequence_parallel"})
         if unknown:
-            raise LongtrainError(f"unknown strategy field {unknown[0]!r}; fields: engine, techniques")
+            raise LongtrainError(f"unknown strategy field {unknown[0]!r}; fields: engine, techniques, sequence_parallel")
         engine = data.get("engine", "backprop")
         if isinstance(engine, str):
             engine, engine_options = engine, None
@@ -128,7 +144,8 @@ class Strategy:
         techniques = data.get("techniques") or {}
         if not isinstance(techniques, Mapping):
             raise LongtrainError(f"a strategy's techniques must be a mapping of names to options, got {type(techniques).__name__}")
-        return cls(engine=engine, engine_options=engine_options, **{str(k): v for k, v in techniques.items()})
+        return cls(engine=engine, engine_options=engine_options, sequence_parallel=data.get("sequence_parallel"),
+                   **{str(k): v for k, v in techniques.items()})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
@@ -146,13 +163,17 @@ class Strategy:
 
     @classmethod
     def parse(cls, spec: "str | Strategy | None", engine: str | None = None,
-              engine_options: Mapping | None = None) -> "Strategy":
+              engine_options: Mapping | None = None, sequence_parallel: int | None = None) -> "Strategy":
         """Parse a command-line strategy: ``none``, ``checkpoint``, ``checkpoint,mst``,
         ``mst:loss_chunks=8`` (options after the name), or a path to a
         ``.yaml``/``.json`` file written by :meth:`to_yaml`/:meth:`to_json`.
 
         ``engine`` (``"fpdt:chunk=8192:offload=true"``, ``"spaco:chunk=128:budget=8"``)
-        and ``engine_options`` replace the engine the spec names (a file may name one)."""
+        and ``engine_options`` replace the engine the spec names (a file may name one);
+        ``sequence_parallel`` (a degree, ``--sp``) replaces its sequence parallelism."""
+        if sequence_parallel is not None:
+            strat = cls.parse(spec, engine, engine_options)
+            return cls(strat.engine, strat.engine_options, sequence_parallel, **strat.techniques)
         if isinstance(spec, Strategy) and engine is None and not engine_options:
             return spec
         if isinstance(spec, Strategy):
@@ -168,7 +189,7 @@ class Strategy:
         else:
             name, options = _parse_item(engine)
             options = {} if options is True else options
-        return cls(name, {**options, **(engine_options or {})}, **strat.techniques)
+        return cls(name, {**options, **(engine_options or {})}, strat.sequence_parallel, **strat.techniques)
 
     @classmethod
     def _parse_spec(cls, spec: str) -> "Strategy":
@@ -253,6 +274,8 @@ def apply(model, strategy: "Strategy | str | None"):
         base.config.use_cache = False  # a KV cache is useless in training and costs memory
     for name, options in strategy.techniques.items():
         registry.technique(name).install(context, options)
+    if strategy.sequence_parallel is not None:
+        distribute(context)  # join the group, shard parameters over all ranks (FSDP2)
     object.__setattr__(model, _CONTEXT_ATTR, context)  # the one documented place (see above)
     return model
 
@@ -303,4 +326,10 @@ def step(model, batch: Mapping, strategy: Strategy | None = None, num_label_toke
             f"this model has strategy {context.strategy.name!r} applied, not {Strategy.parse(strategy).name!r}; "
             "build a fresh model to step with another strategy"
         )
-    return registry.engine(context.strategy.engine).step(context, batch, num_label_tokens)
+    engine = registry.engine(context.strategy.engine)
+    sp = context.sequence_parallel
+    if sp is None:
+        return engine.step(context, batch, num_label_tokens)
+    with collective_failures("the sequence-parallel step"):
+        sp.check_same_batch(batch)
+        return engine.step(context, batch, num_label_tokens)

@@ -25,21 +25,23 @@ class BackpropOptions:
 
 
 def forward_loss(context: EngineContext, batch, num_label_tokens: int | None = None) -> torch.Tensor:
-    """The summed token loss of ``batch`` divided by ``num_label_tokens``, with autograd's
-    graph when gradients are enabled."""
-    seq = prepare_batch(batch, num_label_tokens)
+    """This rank's summed token loss of ``batch`` divided by the step's label count, with
+    autograd's graph when gradients are enabled (under sequence parallelism, over this
+    rank's tokens, attention seeing them all)."""
+    shard = context.shard(prepare_batch(batch, num_label_tokens))
     adapter = context.adapter
-    hidden = adapter.embed(seq.input_ids)
-    position_embeddings = adapter.position_embeddings(hidden, seq.position_ids)
-    attention = WholeSequenceAttention(seq.mask)
+    hidden = adapter.embed(shard.input_ids)
+    position_embeddings = context.rotary_tables(shard, hidden)
+    attention = context.attention(WholeSequenceAttention(shard.mask))
     for layer in adapter.layers:
         hidden = adapter.run_layer(layer, hidden, position_embeddings, attention)
     hidden = adapter.final_norm(hidden)
-    return context.head_loss(per_chunk=False)(hidden, seq.targets, seq.num_label_tokens)
+    return context.head_loss(per_chunk=False)(hidden, shard.targets, shard.num_label_tokens)
 
 
-@register_engine("backprop", BackpropOptions, "plain autograd over the whole sequence", accepts=("checkpoint", "mst"))
+@register_engine("backprop", BackpropOptions, "plain autograd over the whole sequence", accepts=("checkpoint", "mst"),
+                 sequence_parallel=True)
 def backprop_step(context: EngineContext, batch, num_label_tokens: int | None = None):
     loss = forward_loss(context, batch, num_label_tokens)
     loss.backward()
-    return loss.detach()
+    return context.finish(loss)

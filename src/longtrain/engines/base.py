@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
+from torch.utils._pytree import tree_map
 
 from ..memory.chunk_store import PinnedPool
 from ..models.adapters import DecoderAdapter, Head
@@ -22,9 +24,34 @@ if TYPE_CHECKING:  # the strategy module sits above the engines; only its type i
     from ..strategy import Strategy
 
 
+class LossHead(nn.Module):
+    """The LM head and the next-token loss as one module.
+
+    A module, so that sharded data parallelism (FSDP2) gathers the head's weights around
+    each call and reduces their gradients after it, like any layer — the fused loss reads
+    the weight matrix directly, which only a call of the module that holds it makes
+    whole. It is not registered in the model: the head stays where the model has it.
+    """
+
+    def __init__(self, head: Head):
+        super().__init__()
+        self.head = head.module
+        self.logit_scale, self.softcap = head.logit_scale, head.softcap
+        self.plain_linear = head.linear is not None  # decided before any wrapper (FSDP) changes its class
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor, num_label_tokens: int, fused: bool,
+                chunks: int | None) -> torch.Tensor:
+        if not fused:
+            return logits_loss(self.head(hidden), targets, num_label_tokens, logit_scale=self.logit_scale, softcap=self.softcap)
+        return chunked_causal_lm_loss(
+            hidden, self.head.weight, targets, bias=self.head.bias, shifted=True, num_label_tokens=num_label_tokens,
+            chunks=chunks, logit_scale=self.logit_scale, softcap=self.softcap,
+        )
+
+
 @dataclass(frozen=True)
 class HeadLoss:
-    """The LM head and the next-token loss, for hidden states of a whole sequence or a chunk.
+    """The head + loss for hidden states of a whole sequence or a chunk.
 
     ``fused``: the chunked linear + cross-entropy op (:mod:`longtrain.ops.chunked_loss`),
     which never keeps the logits, in ``chunks`` mini-sequences (None: V/d, MsT's rule);
@@ -32,22 +59,14 @@ class HeadLoss:
     module (whatever wraps it, LoRA included) and autograd keeps them, as stock does.
     """
 
-    head: Head
+    module: LossHead
     fused: bool
     chunks: int | None = None
 
     def __call__(self, hidden: torch.Tensor, targets: torch.Tensor, num_label_tokens: int) -> torch.Tensor:
         """Sum of the token losses of ``hidden`` (B, S, d) against position-aligned
         ``targets`` (B, S), divided by ``num_label_tokens``."""
-        head = self.head
-        if not self.fused:
-            return logits_loss(head.module(hidden), targets, num_label_tokens,
-                               logit_scale=head.logit_scale, softcap=head.softcap)
-        linear = head.linear
-        return chunked_causal_lm_loss(
-            hidden, linear.weight, targets, bias=linear.bias, shifted=True, num_label_tokens=num_label_tokens,
-            chunks=self.chunks, logit_scale=head.logit_scale, softcap=head.softcap,
-        )
+        return self.module(hidden, targets, num_label_tokens, self.fused, self.chunks)
 
 
 @dataclass
@@ -58,6 +77,12 @@ class EngineContext:
     adapter: DecoderAdapter
     pool: PinnedPool = field(default_factory=PinnedPool)  # pinned host buffers, reused across steps
     parallel: Any = None  # how the model is split over processes (a LayerGroup under layer groups)
+    sequence_parallel: Any = None  # the SequenceParallel group under Ulysses (engines/sequence_parallel.py)
+    loss_head: LossHead | None = None  # built from the adapter's head on first use
+
+    def __post_init__(self):
+        if self.loss_head is None:
+            self.loss_head = LossHead(self.adapter.head())
 
     @property
     def model(self) -> torch.nn.Module:
@@ -67,6 +92,32 @@ class EngineContext:
     def engine_options(self) -> Any:
         return self.strategy.engine_options
 
+    def shard(self, seq, chunk: int | None = None):
+        """This rank's :class:`~longtrain.engines.batch.Shard` of ``seq`` (all of it
+        without sequence parallelism); the normalizer covers every data-parallel group."""
+        from .batch import shard_sequence
+
+        sp = self.sequence_parallel
+        if sp is not None:
+            seq.num_label_tokens = sp.global_label_count(seq.num_label_tokens, seq.count_given, seq.input_ids.device)
+        return shard_sequence(seq, sp, chunk)
+
+    def attention(self, inner):
+        """``inner`` behind the sequence-parallel all-to-alls, or as it is."""
+        return inner if self.sequence_parallel is None else self.sequence_parallel.attention(inner)
+
+    def finish(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss as every rank reports it (summed over sequence and data
+        parallel ranks), detached."""
+        loss = loss.detach()
+        return loss if self.sequence_parallel is None else self.sequence_parallel.reduce_loss(loss)
+
+    def rotary_tables(self, shard, probe: torch.Tensor):
+        """Rotary tables of this rank's tokens, computed over the whole sequence (dynamic-NTK
+        and longrope tables depend on its length) and taken at this rank's positions."""
+        tables = self.adapter.position_embeddings(probe, shard.rotary_positions)
+        return tree_map(lambda t: shard.local(t) if isinstance(t, torch.Tensor) else t, tables)
+
     def technique(self, name: str) -> Any:
         """The options of technique ``name`` when the strategy has it, else None."""
         return self.strategy.techniques.get(name)
@@ -75,10 +126,9 @@ class EngineContext:
         """The head + loss this strategy asks for. With MsT's head: the fused op in its
         mini-sequences. Otherwise, over a chunk (``per_chunk``) the fused op on the whole
         chunk where the head allows, and over a whole sequence the stock full logits."""
-        head = self.adapter.head()
         mst = self.technique("mst")
         if mst is not None and mst.head:
-            return HeadLoss(head, fused=True, chunks=mst.loss_chunks)
-        if per_chunk and head.linear is not None:
-            return HeadLoss(head, fused=True, chunks=1)
-        return HeadLoss(head, fused=False)
+            return HeadLoss(self.loss_head, fused=True, chunks=mst.loss_chunks)
+        if per_chunk and self.loss_head.plain_linear:
+            return HeadLoss(self.loss_head, fused=True, chunks=1)
+        return HeadLoss(self.loss_head, fused=False)

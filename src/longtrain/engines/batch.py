@@ -38,6 +38,7 @@ class Sequence:
     position_ids: torch.Tensor  # (B, S) or (1, S)
     mask: SequenceMask  # packed documents and the padding attention must skip
     num_label_tokens: int  # the loss normalizer
+    count_given: bool = False  # the caller passed num_label_tokens (else this batch's own count)
 
     @property
     def length(self) -> int:
@@ -77,7 +78,7 @@ def prepare_batch(batch: Mapping, num_label_tokens: int | None = None) -> Sequen
     targets = shift_labels(labels)
     count = label_token_count(targets, num_label_tokens)
     seq_mask, positions = _settle_masking(input_ids, mask, targets, positions)
-    return Sequence(input_ids, labels, targets, positions, seq_mask, count)
+    return Sequence(input_ids, labels, targets, positions, seq_mask, count, num_label_tokens is not None)
 
 
 def _settle_masking(input_ids, attention_mask, targets, position_ids):
@@ -121,3 +122,50 @@ def label_token_count(targets: torch.Tensor, num_label_tokens: int | None) -> in
 def count_label_tokens(labels: torch.Tensor) -> int:
     """Tokens of unshifted ``labels`` that contribute a loss term: position t predicts labels[t + 1]."""
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+@dataclass
+class Shard:
+    """The tokens this rank computes on — the whole sequence without sequence parallelism —
+    and what attention, which sees the whole sequence, needs."""
+
+    input_ids: torch.Tensor  # (B, S_local) this rank's tokens
+    targets: torch.Tensor  # (B, S_local) what each of them predicts (shifted on the whole sequence)
+    position_ids: torch.Tensor  # (B or 1, S_local) their global positions
+    mask: SequenceMask  # documents and padding of the whole (padded) sequence
+    num_label_tokens: int  # the loss normalizer of the whole step
+    rotary_positions: torch.Tensor  # position ids of the whole (padded) sequence: the rotary tables' input
+    local_index: torch.Tensor | None = None  # this rank's tokens among the padded sequence (None: all of them)
+    attention_bounds: list[tuple[int, int]] | None = None  # the token ranges attention sees at once per chunk
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[1]
+
+    def local(self, table: torch.Tensor) -> torch.Tensor:
+        """This rank's rows (dim 1) of a table over the whole padded sequence."""
+        return table if self.local_index is None else table[:, self.local_index]
+
+
+def shard_sequence(seq: Sequence, sp=None, chunk: int | None = None, rank: int | None = None) -> Shard:
+    """This rank's :class:`Shard` of ``seq``: all of it without sequence parallelism
+    (``sp`` None); otherwise ``sp``'s layout (contiguous shards, or global chunks
+    r, r+P, … of ``chunk`` tokens), after padding the sequence at its end to fill the
+    layout with tokens that carry no loss — a dead end no real token attends to."""
+    if sp is None:
+        return Shard(seq.input_ids, seq.targets, seq.position_ids, seq.mask, seq.num_label_tokens, seq.position_ids)
+    layout = sp.layout(seq.length, chunk)
+    pad = layout.padded - seq.length
+    positions, segments, valid = seq.position_ids, seq.mask.segments, seq.mask.key_valid
+    input_ids = torch.nn.functional.pad(seq.input_ids, (0, pad))
+    targets = torch.nn.functional.pad(seq.targets, (0, pad), value=IGNORE_INDEX)
+    if pad:
+        positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1, device=positions.device)], dim=1)
+        if segments is not None:  # the padding joins the last document
+            segments = torch.cat([segments, segments[:, -1:].expand(-1, pad)], dim=1)
+        if valid is not None:
+            valid = torch.nn.functional.pad(valid, (0, pad), value=False)
+    index = layout.local_positions(sp.rank, device=input_ids.device)
+    bounds = layout.gathered_bounds() if chunk is not None else None
+    return Shard(input_ids[:, index], targets[:, index], positions[:, index], SequenceMask(segments, valid),
+                 seq.num_label_tokens, positions, index, bounds)

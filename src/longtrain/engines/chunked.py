@@ -35,7 +35,7 @@ from ..models.attention import AttentionCall
 from ..ops.chunked_attention import attend_chunk, chunk_bounds
 from ..ops.masking import BlockPlanner
 from .base import EngineContext, HeadLoss
-from .batch import Sequence
+from .batch import Shard
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class ChunkAttention(AttentionCall):
 
     def __init__(self, run: "ChunkedRun", index: int, mode: str):
         self.run, self.index, self.mode = run, index, mode
-        self.mask = run.seq.mask
+        self.mask = run.shard.mask
 
     def attend(self, module, q, k, v, *, scale, window, softcap):
         return self.run.attend(self.index, self.mode, module, q, k, v, scale=scale, window=window, softcap=softcap)
@@ -101,29 +101,32 @@ class _LayerHistory:
 
 
 class ChunkedRun:
-    """One chunked step over ``seq``: chunk bounds, the store, rotary tables, the head."""
+    """One chunked step over this rank's ``shard``: chunk bounds, the store, rotary tables,
+    the head. Under sequence parallelism local chunk i meets the other ranks' chunk i in
+    attention, which sees the gathered chunk ``shard.attention_bounds[i]``."""
 
-    def __init__(self, context: EngineContext, seq: Sequence, settings: ChunkSettings):
+    def __init__(self, context: EngineContext, shard: Shard, settings: ChunkSettings):
+        self.context = context
         self.adapter = context.adapter
         self.layers = self.adapter.layers
-        self.seq = seq
+        self.shard = shard
         self.settings = settings
-        self.bounds = chunk_bounds(seq.length, settings.chunk)
-        self.planner = BlockPlanner(seq.mask, self.bounds)
+        self.bounds = chunk_bounds(shard.length, settings.chunk)
+        self.planner = BlockPlanner(shard.mask, shard.attention_bounds or self.bounds)
         self.head_loss: HeadLoss = context.head_loss(per_chunk=True)
-        self.store = ChunkStore(seq.input_ids.device, offload=settings.offload, host_budget=settings.host_budget,
+        self.store = ChunkStore(shard.input_ids.device, offload=settings.offload, host_budget=settings.host_budget,
                                 pool=context.pool)
         self.selected: set[int] | None = None  # chunks backpropagated (None: all)
         self.hop_factor = 1.0  # multiplies K/V gradients relayed to earlier chunks
         self._rotary = None  # (leaves, spec) of the whole sequence's rotary tables (_PARKED: in the store)
 
     # ---- pieces of the forward -----------------------------------------------------------
-    def call(self, index: int, mode: str) -> ChunkAttention:
-        return ChunkAttention(self, index, mode)
+    def call(self, index: int, mode: str):
+        return self.context.attention(ChunkAttention(self, index, mode))
 
     def input_ids(self, i: int) -> torch.Tensor:
         a, b = self.bounds[i]
-        return self.seq.input_ids[:, a:b]
+        return self.shard.input_ids[:, a:b]
 
     def position_embeddings(self, i: int):
         """Chunk ``i``'s rotary tables: slices of the whole sequence's, computed once."""
@@ -142,8 +145,8 @@ class ChunkedRun:
     def _compute_rotary(self):
         # The tables' dtype and device follow the embeddings' output, as in the model's forward.
         with torch.no_grad():
-            probe = self.adapter.embed(self.seq.input_ids[:, :0])
-            leaves, spec = tree_flatten(self.adapter.position_embeddings(probe, self.seq.position_ids))
+            probe = self.adapter.embed(self.shard.input_ids[:, :0])
+            leaves, spec = tree_flatten(self.context.rotary_tables(self.shard, probe))
         if self.settings.offload_inputs:  # each chunk's slice goes to host memory, the whole tables go
             for n, leaf in enumerate(leaves):
                 if isinstance(leaf, torch.Tensor):
@@ -157,7 +160,7 @@ class ChunkedRun:
 
     def chunk_loss(self, hidden: torch.Tensor, i: int) -> torch.Tensor:
         a, b = self.bounds[i]
-        return self.head_loss(hidden, self.seq.targets[:, a:b], self.seq.num_label_tokens)
+        return self.head_loss(hidden, self.shard.targets[:, a:b], self.shard.num_label_tokens)
 
     # ---- called by the attention backend ---------------------------------------------------
     def attend(self, index, mode, module, q, k, v, *, scale, window, softcap):
@@ -169,8 +172,8 @@ class ChunkedRun:
             return torch.zeros_like(q)  # only the K/V were wanted
         first = 0
         if window is not None:  # chunks wholly outside the window are never fetched
-            start = self.bounds[index][0]
-            first = next(j for j, (_, end) in enumerate(self.bounds) if start - (end - 1) < window)
+            bounds = self.planner.bounds
+            first = next(j for j, (_, end) in enumerate(bounds) if bounds[index][0] - (end - 1) < window)
         history = _LayerHistory(self, layer, index, first)
         return attend_chunk(q, k, v, history, planner=self.planner, index=index, window=window, scale=scale, softcap=softcap)
 
@@ -185,32 +188,38 @@ class ChunkedRun:
             self.store.discard((kind, layer, i))
 
 
-def host_bytes_needed(context: EngineContext, seq: Sequence, settings: ChunkSettings, dtype: torch.dtype) -> int:
-    """Host memory a chunked step parks at its fullest: K/V of every layer and chunk (one
-    layer's with ``recompute_kv``) with ``offload``; plus every layer's input, the final
-    output and the rotary tables with ``offload_inputs``."""
+def host_bytes_needed(context: EngineContext, shard: Shard, settings: ChunkSettings, dtype: torch.dtype) -> int:
+    """Host memory a chunked step parks at its fullest on this rank: K/V of every layer and
+    chunk (one layer's with ``recompute_kv``) with ``offload``; plus the inputs of every
+    layer but the first, the final output and the rotary tables with ``offload_inputs``. Under sequence
+    parallelism K/V are the whole sequence's for this rank's heads."""
     config = context.adapter.config
     item = torch.tensor([], dtype=dtype).element_size()
-    batch, length = seq.input_ids.shape
+    batch, length = shard.input_ids.shape
     n = config.num_hidden_layers
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv = 2 * batch * length * (getattr(config, "num_key_value_heads", None) or heads) * head_dim * item
-    inputs = (n + 1) * batch * length * config.hidden_size * item + 2 * seq.position_ids.shape[0] * length * head_dim * item
+    kv_heads, kv_length = getattr(config, "num_key_value_heads", None) or heads, length
+    sp = context.sequence_parallel
+    if sp is not None:  # the whole (padded) sequence, this rank's K/V heads (repeated where they do not group evenly)
+        kv_heads = len(sp.kv_index) if sp.kv_index is not None else len(sp.heads.kv_heads_of(sp.rank))
+        kv_length = shard.rotary_positions.shape[1]
+    kv = 2 * batch * kv_length * kv_heads * head_dim * item
+    inputs = n * batch * length * config.hidden_size * item + 2 * shard.position_ids.shape[0] * length * head_dim * item
     kv_layers = 1 if settings.recompute_kv else n
     return kv_layers * kv * settings.offload + inputs * settings.offload_inputs
 
 
-def check_host_budget(context: EngineContext, seq: Sequence, settings: ChunkSettings, engine: str) -> None:
+def check_host_budget(context: EngineContext, shard: Shard, settings: ChunkSettings, engine: str) -> None:
     """Refuse a step whose parked chunks cannot fit the host budget, before any work."""
     if settings.host_budget is None or not (settings.offload or settings.offload_inputs):
         return
     dtype = context.adapter.base.get_input_embeddings().weight.dtype
-    need = host_bytes_needed(context, seq, settings, dtype)
+    need = host_bytes_needed(context, shard, settings, dtype)
     if need > settings.host_budget:
         raise LongtrainError(
-            f"the {engine} engine needs {format_bytes(need)} of host memory for {seq.length:,} tokens "
-            f"(batch {seq.input_ids.shape[0]}), the host budget is {format_bytes(settings.host_budget)}; "
+            f"the {engine} engine needs {format_bytes(need)} of host memory for {shard.rotary_positions.shape[1]:,} tokens "
+            f"(batch {shard.input_ids.shape[0]}), the host budget is {format_bytes(settings.host_budget)}; "
             "raise host_memory, shorten the sequence, or offload less"
         )
 

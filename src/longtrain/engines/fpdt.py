@@ -3,11 +3,12 @@
 FPDT (../shared/papers/fpdt.txt) keeps only the chunks in use on the device. Here, with
 the model's own layers run through its adapter (:mod:`.chunked` has the shared pieces):
 
-**Forward** (no gradients, layer-major): the embeddings of each chunk are parked in the
-store as layer 0's inputs (the checkpoints); then each layer runs over chunk 0, 1, …,
-its attention parking the chunk's K/V and attending over the parked K/V of earlier
-chunks, and its output chunks are parked as the next layer's inputs. The head computes
-each chunk's loss. With ``recompute_kv`` a layer's K/V are dropped once the layer is done.
+**Forward** (no gradients, layer-major): each layer runs over chunk 0, 1, … (the first
+on the chunk's embeddings, a lookup recomputed whenever needed), its attention parking
+the chunk's K/V and attending over the parked K/V of earlier chunks, and its output
+chunks are parked in the store as the next layer's inputs (the checkpoints). The head
+computes each chunk's loss. With ``recompute_kv`` a layer's K/V are dropped once the
+layer is done.
 
 **Backward** (layer-major, in reverse): the head's gradient chunk by chunk from the
 parked final outputs; then for each layer from the top — first parking its K/V again if
@@ -15,7 +16,7 @@ they were dropped, by running only its attention sub-block — each chunk from t
 is recomputed on its parked input with gradients, attending over the parked K/V of
 earlier chunks, and backpropagated. The gradients of earlier chunks' K/V wait in the
 store and join those chunks' own K/V gradients when their turn comes, so the result is
-exact. Last, the embedding's gradient, chunk by chunk.
+exact. The first layer's backward runs on through the chunk's embeddings.
 
 Device memory holds one chunk's working set plus what the store keeps on the device
 (nothing with ``offload`` and ``offload_inputs``). Compute is that of layer
@@ -31,6 +32,7 @@ import torch
 
 from .. import validate
 from ..memory.units import parse_bytes
+from ..parallel.fsdp import gathered
 from ..registry import register_engine
 from .base import EngineContext
 from .batch import prepare_batch
@@ -68,17 +70,16 @@ class FPDT:
 
 
 def forward_layer_major(run: ChunkedRun) -> torch.Tensor:
-    """The summed loss; leaves every layer's input chunks (and the final output) parked."""
+    """The summed loss; leaves every layer's input chunks but the first (embeddings are
+    recomputed: a lookup) and the final output parked."""
     store, adapter, ahead = run.store, run.adapter, run.settings.prefetch
     parked = run.settings.offload_inputs
     chunks = range(len(run.bounds))
-    for i in chunks:
-        store.put(("x", 0, i), adapter.embed(run.input_ids(i)), offload=parked)
     for layer in range(len(run.layers)):
         for i in chunks:
             for j in range(i + 1, min(i + 1 + ahead, len(run.bounds))):
                 store.prefetch(("x", layer, j))
-            out = run.run_layer(layer, store.get(("x", layer, i)), i, "forward")
+            out = run.run_layer(layer, _layer_input(run, layer, i), i, "forward")
             store.put(("x", layer + 1, i), out, offload=parked)
         if run.settings.recompute_kv:
             for i in chunks:
@@ -90,6 +91,11 @@ def forward_layer_major(run: ChunkedRun) -> torch.Tensor:
     return total
 
 
+def _layer_input(run: ChunkedRun, layer: int, i: int) -> torch.Tensor:
+    """Chunk ``i``'s input to ``layer``: parked, or for the first layer its embeddings."""
+    return run.adapter.embed(run.input_ids(i)) if layer == 0 else run.store.get(("x", layer, i))
+
+
 def backward_layer_major(run: ChunkedRun, grad_loss: torch.Tensor) -> None:
     store, adapter, n = run.store, run.adapter, len(run.layers)
     parked = run.settings.offload_inputs
@@ -99,40 +105,42 @@ def backward_layer_major(run: ChunkedRun, grad_loss: torch.Tensor) -> None:
         y = store.pop(("x", n, i)).detach().requires_grad_(True)
         torch.autograd.backward(run.chunk_loss(adapter.final_norm(y), i), grad_loss)
         store.put(("dy", i), y.grad, offload=parked)
-    # Layers from the top; in each, chunks from the last.
+    # Layers from the top; in each, chunks from the last. The first layer's backward goes
+    # on through the embeddings of its chunk, in the same pass.
     for layer in reversed(range(n)):
         if run.settings.recompute_kv:
-            with torch.no_grad():
+            # Only the attention sub-block runs, outside the layer's forward: its weights
+            # are gathered here when they are sharded (FSDP).
+            with torch.no_grad(), gathered(run.layers[layer]):
                 for i in chunks:
-                    adapter.run_attention(run.layers[layer], store.get(("x", layer, i)), run.position_embeddings(i),
+                    adapter.run_attention(run.layers[layer], _layer_input(run, layer, i), run.position_embeddings(i),
                                           run.call(i, "kv"))
         for i in reversed(chunks):
-            if i > 0:
+            if i > 0 and layer > 0:
                 store.prefetch(("x", layer, i - 1))
+            if i > 0:
                 store.prefetch(("dy", i - 1))
-            x = store.pop(("x", layer, i)).detach().requires_grad_(True)
+            if layer > 0:
+                x = store.pop(("x", layer, i)).detach().requires_grad_(True)
+            else:
+                x = adapter.embed(run.input_ids(i))
             torch.autograd.backward(run.run_layer(layer, x, i, "recompute"), store.pop(("dy", i)))
-            store.put(("dy", i), x.grad, offload=parked)
+            if layer > 0:
+                store.put(("dy", i), x.grad, offload=parked)
             run.discard_kv(layer, i)
-    # Embeddings, chunk by chunk.
-    embeddings_train = any(p.requires_grad for p in adapter.base.get_input_embeddings().parameters())
-    for i in chunks:
-        grad = store.pop(("dy", i))
-        if embeddings_train:
-            torch.autograd.backward(adapter.embed(run.input_ids(i)), grad)
 
 
 @register_engine(
     "fpdt", FPDT, "layer-major chunked attention with host offload and prefetch (FPDT on one device, exact)",
     accepts=("mst",),
     conflicts={"checkpoint": "the fpdt engine already recomputes every layer chunk by chunk; drop 'checkpoint'"},
-    check=lambda context: check_chunkable(context, "fpdt"),
+    check=lambda context: check_chunkable(context, "fpdt"), sequence_parallel=True,
 )
 def fpdt_step(context: EngineContext, batch, num_label_tokens: int | None = None):
-    seq = prepare_batch(batch, num_label_tokens)
     settings = context.engine_options.settings()
-    check_host_budget(context, seq, settings, "fpdt")
-    run = ChunkedRun(context, seq, settings)
+    shard = context.shard(prepare_batch(batch, num_label_tokens), chunk=settings.chunk)
+    check_host_budget(context, shard, settings, "fpdt")
+    run = ChunkedRun(context, shard, settings)
     try:
         with torch.no_grad():
             loss = forward_layer_major(run)
@@ -140,4 +148,4 @@ def fpdt_step(context: EngineContext, batch, num_label_tokens: int | None = None
             backward_layer_major(run, torch.ones_like(loss))
     finally:
         run.store.clear()
-    return loss.detach()
+    return context.finish(loss)

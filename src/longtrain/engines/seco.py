@@ -113,17 +113,17 @@ def _chunk_forward(run: ChunkedRun, i: int, mode: str) -> torch.Tensor:
 
 
 def _run(context: EngineContext, batch, num_label_tokens, engine: str) -> ChunkedRun:
-    seq = prepare_batch(batch, num_label_tokens)
     settings = context.engine_options.settings()
-    check_host_budget(context, seq, settings, engine)
-    return ChunkedRun(context, seq, settings)
+    shard = context.shard(prepare_batch(batch, num_label_tokens), chunk=settings.chunk)
+    check_host_budget(context, shard, settings, engine)
+    return ChunkedRun(context, shard, settings)
 
 
 _ACCEPTS = ("checkpoint", "mst")
 
 
 @register_engine("seco", SeCOOptions, "sequential chunk-wise optimization: exact, activations of one chunk (K/V parked)",
-                 accepts=_ACCEPTS, check=lambda context: check_chunkable(context, "seco"))
+                 accepts=_ACCEPTS, check=lambda context: check_chunkable(context, "seco"), sequence_parallel=True)
 def seco_step(context: EngineContext, batch, num_label_tokens: int | None = None):
     run = _run(context, batch, num_label_tokens, "seco")
     try:
@@ -131,7 +131,7 @@ def seco_step(context: EngineContext, batch, num_label_tokens: int | None = None
         backward_chunk_major(run, torch.ones_like(loss))
     finally:
         run.store.clear()
-    return loss.detach()
+    return context.finish(loss)
 
 
 def select_chunks(n_chunks: int, budget: int, generator: torch.Generator) -> set[int]:
@@ -142,13 +142,13 @@ def select_chunks(n_chunks: int, budget: int, generator: torch.Generator) -> set
 
 
 @register_engine("spaco", SpaCOOptions, "sparse chunk-wise optimization: backprop ~budget chunks, unbiased",
-                 accepts=_ACCEPTS, check=lambda context: check_chunkable(context, "spaco"))
+                 accepts=_ACCEPTS, check=lambda context: check_chunkable(context, "spaco"), sequence_parallel=True)
 def spaco_step(context: EngineContext, batch, num_label_tokens: int | None = None, selected: set[int] | None = None):
     options = context.engine_options
     run = _run(context, batch, num_label_tokens, "spaco")
     k = len(run.bounds)
     ratio = max(1.0, k / options.budget)  # k/t; every chunk is taken when t >= k
-    if selected is None and is_fake(run.seq.input_ids):
+    if selected is None and is_fake(run.shard.input_ids):
         # Simulation: the memory of a step does not depend on which chunks are drawn.
         selected = set(range(max(0, k - options.budget), k))
     if selected is None:
@@ -165,4 +165,4 @@ def spaco_step(context: EngineContext, batch, num_label_tokens: int | None = Non
             backward_chunk_major(run, torch.ones_like(loss), own_factor=ratio)
     finally:
         run.store.clear()
-    return loss.detach()
+    return context.finish(loss)

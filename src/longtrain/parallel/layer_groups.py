@@ -25,8 +25,6 @@ bit for bit: every rank runs the same operations on the same values.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -67,18 +65,6 @@ class LayerGroup:
         buffer = torch.empty_like(like)
         dist.recv(buffer, self.rank + (1 if up else -1), group=self.process_group)
         return buffer
-
-
-def init_from_env(device: torch.device | None = None) -> tuple[int, int]:
-    """Initialize the default process group from torchrun's environment (gloo on CPU,
-    NCCL on CUDA); returns (rank, world size). A plain process is rank 0 of 1."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size == 1:
-        return 0, 1
-    if not dist.is_initialized():
-        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
-        dist.init_process_group(backend)
-    return dist.get_rank(), dist.get_world_size()
 
 
 def shard_model(context, rank: int, world_size: int, process_group=None) -> LayerGroup:

@@ -24,7 +24,7 @@ class Ranks:
 
     @classmethod
     def from_env(cls, device: torch.device) -> "Ranks":
-        from ..parallel.layer_groups import init_from_env
+        from ..parallel.distributed import init_from_env
 
         return cls(*init_from_env(device))
 

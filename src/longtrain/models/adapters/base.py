@@ -61,6 +61,12 @@ class DecoderAdapter:
     def layers(self) -> nn.ModuleList:
         return self.decoder.layers
 
+    def embeddings(self) -> nn.Module:
+        return self.decoder.embed_tokens
+
+    def norm(self) -> nn.Module:
+        return self.decoder.norm
+
     def mlp(self, layer: nn.Module) -> nn.Module | None:
         """The layer's token-wise feed-forward block (None if it has none)."""
         return layer.mlp
@@ -74,7 +80,7 @@ class DecoderAdapter:
 
     # ---- the forward, piece by piece -------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.decoder.embed_tokens(input_ids)
+        return self.embeddings()(input_ids)
 
     def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor):
         """Rotary tables for ``position_ids``; computed over the whole sequence at once,
@@ -94,7 +100,7 @@ class DecoderAdapter:
                         attention_mask=attention)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.decoder.norm(hidden)
+        return self.norm()(hidden)
 
 
 def register_adapter(cls: type[DecoderAdapter]) -> type[DecoderAdapter]:

@@ -14,7 +14,7 @@ class GraniteAdapter(DecoderAdapter):
     families = ("granite",)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.decoder.embed_tokens(input_ids) * self.decoder.embedding_multiplier
+        return self.embeddings()(input_ids) * self.decoder.embedding_multiplier
 
     def head(self) -> Head:
         return Head(self.base.get_output_embeddings(), logit_scale=1.0 / self.config.logits_scaling)

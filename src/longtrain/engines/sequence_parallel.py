@@ -1,0 +1,175 @@
+"""Ulysses sequence parallelism for the engines: ``Strategy(sequence_parallel=Ulysses(degree=P))``.
+
+Under ``torchrun``, each group of P consecutive ranks shares one sequence (every rank
+of the group reads the same batch; the rest of the world is data parallel). An engine
+asks :class:`SequenceParallel` for three things:
+
+- :meth:`SequenceParallel.shard` (through :func:`~longtrain.engines.batch.shard_sequence`):
+  its tokens. Labels were shifted on the whole sequence first; position ids stay global;
+  the sequence is padded to a multiple of P (or of P chunks) with tokens that carry no
+  loss at its end; the chunked engines get global chunks r, r+P, … (FPDT: chunk, then
+  all-to-all, and the gathered chunk is contiguous);
+- :meth:`SequenceParallel.attention`: the layer's attention call wrapped in the
+  all-to-alls (:mod:`longtrain.parallel.ulysses`), so attention — whole-sequence or
+  chunked, with the whole sequence's documents and padding — runs over every token for
+  this rank's heads;
+- :meth:`SequenceParallel.reduce_loss`: the loss. Each rank's loss is its token losses
+  divided by the label count of the whole step on every rank (every data-parallel
+  group's), so the gradients summed over all ranks are the gradient of the mean, and
+  ``lt.step`` returns the same number everywhere.
+
+Parameters, gradients and optimizer state are sharded over all ranks with FSDP2
+(:mod:`longtrain.parallel.fsdp`), gradients summed (not averaged) in the reduction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .. import validate
+from ..errors import LongtrainError
+from ..models.attention import AttentionCall
+from ..parallel.ulysses import Collectives, HeadLayout, SimulatedCollectives, ShardLayout, heads_to_sequence, sequence_to_heads
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class Ulysses:
+    """Knobs of Ulysses sequence parallelism."""
+
+    degree: int = 2  # ranks sharing one sequence (the world size or a divisor of it; the rest is data parallel)
+    compute_dtype: str | None = None  # FSDP2 mixed precision: parameters stay in their dtype, layers compute in this one
+
+    def __post_init__(self):
+        validate.positive_int("sequence_parallel", "degree", self.degree)
+        if self.compute_dtype is not None and self.compute_dtype not in _DTYPES:
+            raise LongtrainError(f"sequence_parallel compute_dtype must be one of {', '.join(_DTYPES)}, got {self.compute_dtype!r}")
+
+
+class UlyssesAttention(AttentionCall):
+    """``inner`` (an attention call over the whole sequence, or a gathered chunk) behind
+    the all-to-alls: this rank's tokens and all heads in, the same out."""
+
+    def __init__(self, inner: AttentionCall, sp: "SequenceParallel"):
+        self.inner, self.sp, self.mask = inner, sp, inner.mask
+
+    def attend(self, module, q, k, v, *, scale, window, softcap):
+        sp = self.sp
+        q = sequence_to_heads(q, sp.heads, sp.comm)
+        k = sequence_to_heads(k, sp.heads, sp.comm, kv=True)
+        v = sequence_to_heads(v, sp.heads, sp.comm, kv=True)
+        if sp.kv_index is not None:  # this rank's query heads do not group evenly over its K/V heads
+            k, v = k[:, sp.kv_index], v[:, sp.kv_index]
+        out = q if q.shape[1] == 0 else self.inner.attend(module, q, k, v, scale=scale, window=window, softcap=softcap)
+        return heads_to_sequence(out, sp.heads, sp.comm)
+
+
+class SequenceParallel:
+    """This rank's place in its sequence-parallel group (see the module docstring)."""
+
+    def __init__(self, options: Ulysses, config, comm: Collectives, world_group=None):
+        self.options = options
+        self.degree, self.rank, self.comm = options.degree, comm.rank, comm
+        heads = config.num_attention_heads
+        self.heads = HeadLayout(heads, getattr(config, "num_key_value_heads", None) or heads, self.degree, self.rank)
+        self.kv_index = self.heads.local_kv_index()
+        self.world_group = world_group
+        self.simulated = isinstance(comm, SimulatedCollectives)
+        self.fsdp_root = None  # the FSDP2 root over the model's units (parallel/fsdp.py)
+
+    @classmethod
+    def create(cls, options: Ulysses, config, simulated: bool = False) -> "SequenceParallel":
+        """Join (or, for the simulator, stand in for) the group of this rank."""
+        if simulated:
+            return cls(options, config, SimulatedCollectives(options.degree))
+        if not dist.is_available() or not dist.is_initialized():
+            raise LongtrainError(
+                f"sequence parallelism over {options.degree} ranks needs {options.degree} processes: launch with "
+                f"torchrun --nproc-per-node {options.degree} (the trainer initializes torch.distributed)"
+            )
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % options.degree:
+            raise LongtrainError(
+                f"--sp {options.degree} must divide the number of processes ({world}); the processes beyond one "
+                "sequence-parallel group are data parallel"
+            )
+        mine = None
+        for first in range(0, world, options.degree):  # every rank creates every group, in the same order
+            group = dist.new_group(list(range(first, first + options.degree)))
+            if first <= rank < first + options.degree:
+                mine = group
+        return cls(options, config, Collectives(mine, options.degree, rank % options.degree))
+
+    @property
+    def data_parallel(self) -> int:
+        return 1 if self.simulated else dist.get_world_size() // self.degree
+
+    def layout(self, length: int, chunk: int | None) -> ShardLayout:
+        return ShardLayout(length, self.degree, chunk)
+
+    def attention(self, inner: AttentionCall) -> UlyssesAttention:
+        return UlyssesAttention(inner, self)
+
+    def global_label_count(self, count: int, given: bool, device) -> int:
+        """The loss normalizer: the caller's count (which must already cover every data-
+        parallel group), or this group's count summed over the data-parallel groups."""
+        if given or self.data_parallel == 1:
+            return count
+        total = torch.tensor(float(count), dtype=torch.float64, device=device)
+        dist.all_reduce(total)  # every rank of a group adds the same count
+        return int(round(float(total) / self.degree))
+
+    def check_same_batch(self, batch) -> None:
+        """Every rank of a group must read the same batch; a mismatch (shapes, or the
+        tokens' sum) is one clear line on every rank, not a hang inside an all-to-all."""
+        ids = batch.get("input_ids") if hasattr(batch, "get") else None
+        if self.simulated or not isinstance(ids, torch.Tensor):
+            return  # (a malformed batch gets its own error, the same on every rank)
+        mine = torch.tensor([*ids.shape, int(ids.sum()) % (2**31)], dtype=torch.int64, device=ids.device)
+        every = [torch.empty_like(mine) for _ in range(self.degree)]
+        dist.all_gather(every, mine, group=self.comm.group)
+        seen = [tuple(t.tolist()) for t in every]
+        if len(set(seen)) > 1:
+            other = next(r for r, v in enumerate(seen) if v != seen[0])
+            raise LongtrainError(
+                f"the ranks of a sequence-parallel group read different batches (rank 0: shape {seen[0][:2]}, rank "
+                f"{other}: shape {seen[other][:2]}); every rank of a group must step on the same batch"
+            )
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """This rank's share summed over all ranks: the loss of the whole step, everywhere."""
+        if self.simulated:
+            return loss
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        return total
+
+
+def distribute(context) -> None:
+    """Join the sequence-parallel group and shard the model's parameters over all ranks
+    (FSDP2): called by ``longtrain.apply`` after the techniques are installed. On fake
+    tensors (the simulator, which runs a fake process group) one rank's share is built."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    from ..models.loading import parse_dtype
+    from ..parallel.fsdp import check_all_sharded, shard_parameters
+
+    options: Ulysses = context.strategy.sequence_parallel
+    adapter = context.adapter
+    first = next(adapter.base.parameters())
+    simulated = is_fake(first)
+    if simulated and not dist.is_initialized():
+        raise LongtrainError("simulate sequence parallelism with longtrain.simulate(..., strategy=...) "
+                             "(it stands in for the other ranks)")
+    context.sequence_parallel = SequenceParallel.create(options, adapter.config, simulated)
+    head = context.loss_head
+    tied = head.head.weight is adapter.embeddings().weight if hasattr(head.head, "weight") else False
+    ends = [[adapter.embeddings(), adapter.norm(), head]] if tied else [adapter.embeddings(), [adapter.norm(), head]]
+    compute = parse_dtype(options.compute_dtype) if options.compute_dtype else None
+    context.sequence_parallel.fsdp_root = shard_parameters(
+        [*ends, *adapter.layers], [adapter.model, head], first.device.type, compute)
+    check_all_sharded(adapter.model)

@@ -1,0 +1,62 @@
+"""Joining the processes of a run (``torchrun``) and failing clearly when one of them fails.
+
+:func:`init_from_env` starts the default process group from torchrun's environment —
+NCCL on CUDA, gloo on CPU — with a timeout on every collective, so a rank waiting for a
+peer that died or hangs stops within it. :func:`collective_failures` turns such a
+failure inside a step into one :class:`~longtrain.errors.LongtrainError` line naming the
+rank; other errors keep their traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..errors import LongtrainError
+
+DEFAULT_TIMEOUT_S = 600.0
+# What gloo and NCCL say when a peer died, hung or the network broke.
+_PEER_FAILURE = ("Timed out", "timed out", "Connection reset", "Connection closed", "connection closed", "NCCL", "gloo",
+                 "Broken pipe", "peer")
+
+
+def init_from_env(device: torch.device | None = None, timeout_s: float | None = None) -> tuple[int, int]:
+    """Initialize the default process group from torchrun's environment (gloo on CPU,
+    NCCL on CUDA) and return (rank, world size); a plain process is rank 0 of 1.
+    ``timeout_s`` (default: ``LONGTRAIN_COLLECTIVE_TIMEOUT`` seconds, else 600) bounds
+    every collective."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        timeout = timeout_s if timeout_s is not None else float(os.environ.get("LONGTRAIN_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT_S))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(error, dist_error):
+        return True
+    return isinstance(error, RuntimeError) and any(s in str(error) for s in _PEER_FAILURE)
+
+
+@contextlib.contextmanager
+def collective_failures(what: str):
+    """Inside: a collective that fails because another process died, hung past the
+    timeout or lost its connection becomes one line naming this rank."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - re-raised unless it is a peer failure
+        if not is_peer_failure(error) or not dist.is_initialized():
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise LongtrainError(
+            f"rank {dist.get_rank()} of {dist.get_world_size()}: {what} stopped because another process failed, hung "
+            f"or lost its connection ({first[:160]}); see the first error of the run, fix it and resume"
+        ) from None

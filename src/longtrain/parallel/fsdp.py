@@ -1,0 +1,98 @@
+"""Parameters, gradients and optimizer state sharded over all ranks with FSDP2.
+
+longtrain's engines call a model's pieces one by one (embeddings, each layer, the final
+norm, the loss head) rather than its forward, so each piece is its own FSDP2 unit:
+gathered around each call, its gradients reduce-scattered after each backward through
+it (several per step under the chunked engines, which accumulate). Tied weights share a
+unit. FSDP2 picks its root on the first forward it sees and wants every unit under it,
+so the units sit under one container whose (empty) forward runs once when the model is
+sharded; after that the units run standalone. Gradients are summed, not averaged:
+longtrain normalizes the loss by the label count of the whole step over every rank, so
+the sum is the gradient of the mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import LongtrainError
+
+
+@functools.lru_cache(maxsize=None)
+def _world_mesh(device_type: str, world_size: int, group_id: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world_size,))
+
+
+def world_mesh(device_type: str):
+    """The 1-D mesh of every rank (created once; outside fake tensor mode, so the
+    simulator calls it before it builds a model)."""
+    return _world_mesh(device_type, dist.get_world_size(), id(dist.group.WORLD))
+
+
+class _Root(nn.Module):
+    """The container FSDP2's root is made of: every unit lies under it."""
+
+    def __init__(self, *modules: nn.Module):
+        super().__init__()
+        self.parts = nn.ModuleList(modules)
+
+    def forward(self) -> None:
+        return None
+
+
+def shard_parameters(units: list, parts: list[nn.Module], device_type: str,
+                     compute_dtype: torch.dtype | None = None) -> nn.Module:
+    """``fully_shard`` each unit (a module, or a list of modules that share one, e.g. tied
+    embeddings and head) over every rank, under a root over ``parts`` (modules that hold
+    every unit); mixed precision computes in ``compute_dtype`` with parameters kept in
+    their own dtype and gradients reduced in float32. Returns the root, to keep."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from torch.distributed.tensor import DTensor
+
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32 if compute_dtype else None)
+    mesh = world_mesh(device_type)
+    for unit in units:
+        sharded = fully_shard(unit, mesh=mesh, mp_policy=mp)
+        (sharded[0] if isinstance(sharded, list) else sharded).set_gradient_divide_factor(1.0)
+    root = _Root(*parts)
+    # A module may sit in two places (the head: in the model and in the loss head's unit);
+    # what a unit already holds is not the root's.
+    held = {p for p in root.parameters() if isinstance(p, DTensor)}
+    fully_shard(root, mesh=mesh, mp_policy=mp, ignored_params=held).set_gradient_divide_factor(1.0)
+    with torch.no_grad():
+        root()  # FSDP2 settles its root and the units under it on this first forward
+    return root
+
+
+def check_all_sharded(model: nn.Module) -> None:
+    """Every parameter must belong to a unit (a missed one would be replicated, unsummed)."""
+    from torch.distributed.tensor import DTensor
+
+    loose = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if loose:
+        raise LongtrainError(f"sequence parallelism could not shard parameter {loose[0]} (of {len(loose)}); "
+                             "this model's adapter does not name the module that holds it")
+
+
+@contextlib.contextmanager
+def gathered(module: nn.Module):
+    """``module``'s parameters whole for calls that bypass its forward (no gradients:
+    the chunked engines' K/V recomputation runs part of a layer)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        yield
+        return
+    module.unshard()
+    try:
+        yield
+    finally:
+        module.reshard()

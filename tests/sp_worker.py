@@ -1,0 +1,142 @@
+"""Run under ``torchrun --nproc-per-node R``: Ulysses sequence parallelism (degree P) with
+FSDP2 over R gloo processes against one process of stock Hugging Face autograd, in
+float64. Every case builds the stock model and ours with the same weights on every rank;
+the stock model steps on the whole batch (every data-parallel group's micro-batches
+together) in this process; ours steps with the strategy, and its sharded gradients are
+gathered whole. Rank 0 writes the largest relative errors per case as JSON. Used by
+tests/test_sequence_parallel.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+import longtrain as lt
+from conftest import computes_in_float64, packed_batch, padded_batch, randomize_lora, stock_and_ours, stock_loss
+from transformers import AutoConfig
+
+
+def config(kind: str):
+    """Tiny configs that stress the head split: ``gqa2`` (4 heads, 2 K/V heads: with 4 ranks
+    each K/V head goes to two ranks), ``uneven`` (10 heads in groups of 5 over 2 K/V heads:
+    4 ranks hold 3, 3, 2, 2 heads, and rank 1's three read K/V heads 0, 0 and 1 — no even
+    grouping, so its K/V heads are repeated per query head), ``mha3`` (3 heads: 2 ranks
+    hold 2 and 1)."""
+    base = dict(vocab_size=320, intermediate_size=176, num_hidden_layers=2, max_position_embeddings=4096,
+                rope_theta=10000.0, tie_word_embeddings=False)
+    if kind == "llama-gqa2":
+        return AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, **base)
+    if kind == "qwen2-uneven":
+        return AutoConfig.for_model("qwen2", hidden_size=160, num_attention_heads=10, num_key_value_heads=2, **base)
+    if kind == "mistral-mha3":
+        return AutoConfig.for_model("mistral", hidden_size=48, num_attention_heads=3, num_key_value_heads=3,
+                                    sliding_window=None, **base)
+    if kind == "gemma2":
+        from longtrain.models.presets import preset_config
+
+        return preset_config("tiny-gemma2")
+    raise ValueError(kind)
+
+
+def batches(kind: str, dp_rank: int, dp: int) -> list[dict]:
+    """Two micro-batches per data-parallel group (accumulated), each different."""
+    out = []
+    for micro in range(2):
+        seed = 10 * micro + dp_rank + 1
+        if kind == "packed":
+            out.append(packed_batch(320, documents=((40, 35, 26), (60, 41)), seed=seed))
+        else:  # right padding, labels on the padding of one row; length 101 divides no degree
+            batch = padded_batch(320, lengths=(101, 77), seed=seed, labels_on_pads=micro == 1)
+            out.append(batch)
+    return out
+
+
+def strategy(name: str, degree: int) -> lt.Strategy:
+    engines = {
+        "backprop": ("backprop", None, {}),
+        "checkpoint+mst": ("backprop", None, {"checkpoint": True, "mst": lt.MsT(loss_chunks=3)}),
+        "fpdt+offload+mst": ("fpdt", {"chunk": 16, "offload": True, "prefetch": 2}, {"mst": True}),
+        "seco+checkpoint": ("seco", {"chunk": 13}, {"checkpoint": True}),
+    }
+    engine, options, techniques = engines[name]
+    return lt.Strategy(engine=engine, engine_options=options, sequence_parallel=degree, **techniques)
+
+
+def run_case(model_kind: str, batch_kind: str, engine: str, degree: int, lora: bool) -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp, dp_rank = world // degree, rank // degree
+    stock, ours = stock_and_ours(config(model_kind))
+    if lora:
+        from longtrain.models.loading import add_lora
+
+        stock, ours = add_lora(stock, rank=4), add_lora(ours, rank=4)
+        randomize_lora(stock)
+        ours.load_state_dict(stock.state_dict())
+    every = [b for g in range(dp) for b in batches(batch_kind, g, dp)]
+    mine = batches(batch_kind, dp_rank, dp)
+    total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in every)
+    with computes_in_float64():
+        ref = sum(stock_loss(stock, b) * int((b["labels"][:, 1:] != -100).sum()) / total for b in every)
+        ref.backward()
+        lt.apply(ours, strategy(engine, degree))
+        loss = sum(lt.step(ours, b, num_label_tokens=total) for b in mine)
+    ref = ref.detach()
+    errors = {"loss": abs(float(loss) - float(ref)) / abs(float(ref))}
+    reference = {n: p.grad for n, p in stock.named_parameters() if p.grad is not None}
+    worst = 0.0
+    for name, p in ours.named_parameters():
+        grad = None if p.grad is None else p.grad.full_tensor()  # a collective: every rank, same order
+        if name in reference:
+            worst = max(worst, float((grad - reference[name]).norm() / reference[name].norm()))
+        elif grad is not None and float(grad.abs().max()) > 0:
+            worst = float("inf")  # a gradient the stock model does not have
+    errors["grads"] = worst
+    errors["every_rank_same_loss"] = _same_everywhere(float(loss))
+    return errors
+
+
+def _same_everywhere(value: float) -> bool:
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return len(set(values)) == 1
+
+
+def failures(mode: str) -> None:
+    """``die``: rank 1 exits before the step, rank 0 waits in its collectives until the
+    timeout. ``mismatch``: the ranks read different batches."""
+    _, ours = stock_and_ours(config("llama-gqa2"))
+    lt.apply(ours, strategy("backprop", dist.get_world_size()))
+    batch = padded_batch(320, lengths=(101, 77))
+    if mode == "die" and dist.get_rank() == 1:
+        sys.exit(3)
+    if mode == "mismatch" and dist.get_rank() == 1:
+        batch = padded_batch(320, lengths=(90, 77))
+    lt.step(ours, batch)
+
+
+def main(out: str, cases: str) -> None:
+    from longtrain.parallel.distributed import init_from_env
+
+    init_from_env()  # gloo, with the collective timeout of LONGTRAIN_COLLECTIVE_TIMEOUT
+    if cases in ("die", "mismatch"):
+        try:
+            failures(cases)
+        except lt.LongtrainError as error:
+            print(f"longtrain: error: {error}", file=sys.stderr)
+            sys.exit(2)
+        return
+    results = {}
+    for case in cases.split(";"):
+        model_kind, batch_kind, engine, degree, lora = case.split(",")
+        results[case] = run_case(model_kind, batch_kind, engine, int(degree), lora == "lora")
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

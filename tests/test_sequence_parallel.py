@@ -1,0 +1,126 @@
+"""Ulysses sequence parallelism with FSDP2: the head and token layouts, and torchrun runs of
+2 and 4 gloo processes whose loss and every gradient equal one process of stock Hugging
+Face autograd in float64 (tests/sp_worker.py), and failures that end in one line."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import longtrain as lt
+from longtrain.models.loading import build_from_config
+from longtrain.models.presets import preset_config
+from longtrain.parallel.ulysses import HeadLayout, ShardLayout
+
+HERE = Path(__file__).resolve().parent
+TOL = 1e-10
+
+
+@pytest.mark.parametrize("heads,kv_heads,degree", [(32, 8, 8), (4, 2, 4), (10, 2, 4), (6, 6, 4), (3, 1, 2), (4, 4, 8)])
+def test_head_layout_gives_every_query_head_to_one_rank_and_its_kv_heads_along(heads, kv_heads, degree):
+    group = heads // kv_heads
+    seen = []
+    for rank in range(degree):
+        layout = HeadLayout(heads, kv_heads, degree, rank)
+        q, kv = layout.q_heads(rank), layout.kv_heads_of(rank)
+        seen += list(q)
+        assert all(h // group in kv for h in q)
+        index = layout.local_kv_index()
+        if index is not None:  # repeated K/V: one per query head, the right one
+            assert [kv[i] for i in index] == [h // group for h in q]
+        else:
+            assert len(q) % max(1, len(kv)) == 0
+    assert seen == list(range(heads))
+    sizes = [len(HeadLayout(heads, kv_heads, degree, r).q_heads(r)) for r in range(degree)]
+    assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("length,degree,chunk", [(101, 4, None), (100, 4, None), (101, 2, 13), (7, 4, 3)])
+def test_shard_layout_partitions_the_padded_sequence_and_gathers_contiguous_chunks(length, degree, chunk):
+    layout = ShardLayout(length, degree, chunk)
+    assert layout.padded >= length and layout.padded % (degree * (chunk or 1)) == 0
+    shards = [layout.local_positions(r) for r in range(degree)]
+    assert sorted(torch.cat(shards).tolist()) == list(range(layout.padded))
+    n = chunk or layout.local_length
+    for i, (start, end) in enumerate(layout.gathered_bounds()):  # local chunk i of every rank, in rank order
+        gathered = torch.cat([s[i * n:(i + 1) * n] for s in shards])
+        assert gathered.tolist() == list(range(start, end))
+
+
+def test_sequence_parallel_options_are_checked_when_the_strategy_is_built_and_applied():
+    with pytest.raises(lt.LongtrainError, match="adjoint engine does not run under sequence parallelism"):
+        lt.Strategy(engine="adjoint", sequence_parallel=2)
+    with pytest.raises(lt.LongtrainError, match="degree must be a positive integer"):
+        lt.Strategy(sequence_parallel={"degree": 0})
+    model = build_from_config(preset_config("tiny-llama"))
+    with pytest.raises(lt.LongtrainError, match="needs 2 processes: launch with torchrun --nproc-per-node 2"):
+        lt.apply(model, lt.Strategy(sequence_parallel=2))
+    assert lt.Strategy.parse("checkpoint", sequence_parallel=4).name == "checkpoint+sp4"
+
+
+def _torchrun(processes: int, cases: str, tmp_path, timeout=300, env=None):
+    launcher = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
+    out = tmp_path / f"sp{processes}.json"
+    cmd = [launcher, "--standalone", f"--nproc-per-node={processes}", str(HERE / "sp_worker.py"), str(out), cases]
+    result = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    return result, out
+
+
+# Each case: model, batch, engine, sequence-parallel degree, full fine-tuning or LoRA.
+# Every case steps two accumulated micro-batches; with 4 processes and degree 2, two
+# data-parallel groups step different batches. Rows of 101 and 77 tokens divide no degree.
+CASES = {
+    2: ["llama-gqa2,padded,backprop,2,full", "llama-gqa2,packed,checkpoint+mst,2,full", "mistral-mha3,padded,backprop,2,full",
+        "mistral-mha3,packed,fpdt+offload+mst,2,full", "llama-gqa2,packed,seco+checkpoint,2,full",
+        "gemma2,padded,fpdt+offload+mst,2,full", "llama-gqa2,padded,checkpoint+mst,2,lora"],
+    4: ["llama-gqa2,padded,backprop,4,full", "llama-gqa2,packed,fpdt+offload+mst,4,full",
+        "qwen2-uneven,packed,checkpoint+mst,4,full", "qwen2-uneven,padded,fpdt+offload+mst,4,full",
+        "qwen2-uneven,padded,seco+checkpoint,4,lora", "llama-gqa2,packed,fpdt+offload+mst,2,full",
+        "mistral-mha3,padded,checkpoint+mst,2,lora"],
+}
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_sequence_parallel_equals_one_process_of_stock_autograd(processes, tmp_path):
+    result, out = _torchrun(processes, ";".join(CASES[processes]), tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    results = json.loads(out.read_text())
+    assert set(results) == set(CASES[processes])
+    for case, errors in results.items():
+        assert errors["loss"] <= TOL and errors["grads"] <= TOL, (case, errors)
+        assert errors["every_rank_same_loss"], case
+
+
+def test_ranks_reading_different_batches_stop_with_one_line(tmp_path):
+    result, _ = _torchrun(2, "mismatch", tmp_path, timeout=120)
+    assert result.returncode != 0
+    assert "read different batches (rank 0: shape (2, 101), rank 1: shape (2, 90))" in result.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_rank_that_dies_stops_the_others_within_the_collective_timeout(tmp_path):
+    """Started without torchrun (which would kill the survivors itself): rank 1 exits
+    before the step; rank 0's collectives fail within the 10 s timeout and it ends with
+    one line naming itself, exit code 2."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+           "LONGTRAIN_COLLECTIVE_TIMEOUT": "10", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(HERE / "sp_worker.py"), str(tmp_path / "x.json"), "die"]
+    procs = [subprocess.Popen(cmd, cwd=HERE, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert procs[1].returncode == 3
+    assert procs[0].returncode == 2, outputs[0][1][-3000:]
+    lines = [line for line in outputs[0][1].splitlines() if line.startswith("longtrain: error:")]
+    assert len(lines) == 1 and "rank 0 of 2: the sequence-parallel step stopped because another process failed" in lines[0]
