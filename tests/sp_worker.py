@@ -59,6 +59,7 @@ def strategy(name: str, degree: int) -> lt.Strategy:
         "backprop": ("backprop", None, {}),
         "checkpoint+mst": ("backprop", None, {"checkpoint": True, "mst": lt.MsT(loss_chunks=3)}),
         "fpdt+offload+mst": ("fpdt", {"chunk": 16, "offload": True, "prefetch": 2}, {"mst": True}),
+        "fpdt64+offload+mst": ("fpdt", {"chunk": 64, "offload": True, "prefetch": 2}, {"mst": True}),
         "seco+checkpoint": ("seco", {"chunk": 13}, {"checkpoint": True}),
     }
     engine, options, techniques = engines[name]
@@ -117,16 +118,51 @@ def failures(mode: str) -> None:
     lt.step(ours, batch)
 
 
+def measure(length: int, engine: str) -> dict:
+    """This rank's exact CPU peak over two training steps (AdamW), as the simulator counts it."""
+    from longtrain.memory import MemoryTracker
+    from longtrain.models.loading import build_from_config
+    from longtrain.models.presets import preset_config
+    from longtrain.optimizers import make_optimizer
+
+    torch.manual_seed(0)
+    model = lt.apply(build_from_config(preset_config("tiny-llama"), torch.float32), strategy(engine, dist.get_world_size()))
+    optimizer = make_optimizer("adamw", model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 320, (1, length), generator=torch.Generator().manual_seed(0))
+    with MemoryTracker(model, optimizer) as tracker:
+        for it in range(2):
+            if it == 1:
+                tracker.reset_peak()
+            lt.step(model, {"input_ids": ids}, num_label_tokens=length - 1)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        report = tracker.report()
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, report.peak_device_bytes)
+    return {"peaks": peaks}
+
+
 def main(out: str, cases: str) -> None:
     from longtrain.parallel.distributed import init_from_env
 
     init_from_env()  # gloo, with the collective timeout of LONGTRAIN_COLLECTIVE_TIMEOUT
+    if cases.startswith("measure:"):
+        _, length, engine = cases.split(":")
+        result = measure(int(length), engine)
+        if dist.get_rank() == 0:
+            with open(out, "w") as f:
+                json.dump(result, f)
+        dist.barrier()  # nobody tears down a connection a peer still uses
+        dist.destroy_process_group()
+        return
     if cases in ("die", "mismatch"):
         try:
             failures(cases)
-        except lt.LongtrainError as error:
+        except lt.LongtrainError as error:  # as the command line ends
+            from longtrain.parallel.distributed import exit_process
+
             print(f"longtrain: error: {error}", file=sys.stderr)
-            sys.exit(2)
+            exit_process(2)
         return
     results = {}
     for case in cases.split(";"):
@@ -135,6 +171,7 @@ def main(out: str, cases: str) -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f, indent=2)
+    dist.barrier()  # nobody tears down a connection a peer still uses
     dist.destroy_process_group()
 
 

@@ -41,6 +41,8 @@ def _add_train(sub) -> None:
     p.add_argument("--engine", default=d.engine, help="gradient engine with options: backprop; fpdt:chunk=8192:offload=true "
                    "(chunked attention, host offload); seco:chunk=4096; spaco:chunk=128:budget=8:cap=2; "
                    "adjoint:truncate=64 (SSM-ResNet models)")
+    p.add_argument("--sp", type=int, default=d.sp, help="Ulysses sequence parallelism: processes that share each sequence "
+                   "(under torchrun; a divisor of the process count, the rest is data parallel; parameters are sharded over all)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of all weights (needs peft)")
     p.add_argument("--lora-rank", type=int, default=d.lora_rank)
     p.add_argument("--dtype", default=d.dtype, help="float32, bfloat16, ... (default: bfloat16 on CUDA, float32 on CPU)")
@@ -90,6 +92,8 @@ def _add_simulate(sub) -> None:
     p.add_argument("--strategy", default="none", help="techniques: none, checkpoint, mst, a comma list with options, or a strategy .yaml/.json")
     p.add_argument("--engine", default=None, help="gradient engine with options: backprop, fpdt:chunk=8192:offload=true, seco:chunk=4096, spaco, adjoint:truncate=64")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"])
+    p.add_argument("--sp", type=int, default=1, help="Ulysses sequence parallelism over P ranks: simulate one rank's share "
+                   "(its tokens, its heads, 1/P of parameters, gradients and optimizer state)")
     p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_run_simulate)
@@ -104,7 +108,9 @@ def _run_simulate(args) -> int:
         raise LongtrainError(f"--batch-size must be positive, got {args.batch_size}")
     from .strategy import Strategy
 
-    strategy = Strategy.parse(args.strategy, engine=args.engine)
+    if args.sp <= 0:
+        raise LongtrainError(f"--sp must be a positive integer, got {args.sp}")
+    strategy = Strategy.parse(args.strategy, engine=args.engine, sequence_parallel=args.sp if args.sp > 1 else None)
     if args.grad_accum <= 0:
         raise LongtrainError(f"--grad-accum must be positive, got {args.grad_accum}")
     report = simulate(args.model, args.seq_len, batch_size=args.batch_size, strategy=strategy,
@@ -136,12 +142,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _leave_process_group(code: int) -> None:
+    """Under torchrun a failed rank leaves at once (see parallel.distributed.exit_process)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from .parallel.distributed import exit_process
+
+        exit_process(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
     except LongtrainError as exc:
         print(f"longtrain: error: {exc}", file=sys.stderr)
+        _leave_process_group(2)
         return 2
     except KeyboardInterrupt:
         print("longtrain: interrupted; the last complete checkpoint is kept (continue with --resume)", file=sys.stderr)

@@ -123,6 +123,25 @@ def _in_backward() -> bool:
     return current is not None and current() != -1
 
 
+_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+
+
+def _tracked_resize(storage, size):
+    out = _ORIGINAL_RESIZE(storage, size)
+    for tracker in list(_ACTIVE):
+        tracker._on_storage_resize(storage)
+    return out
+
+
+def _patch_storage_resize() -> None:
+    # Storage resizes bypass the dispatcher; FSDP2 frees its gathered parameters with one.
+    torch.UntypedStorage.resize_ = _tracked_resize
+
+
+def _unpatch_storage_resize() -> None:
+    torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE
+
+
 class MemoryTracker(TorchDispatchMode):
     """Track every live tensor storage while active (``with MemoryTracker(model, opt):``).
 
@@ -200,6 +219,8 @@ class MemoryTracker(TorchDispatchMode):
     # ---- context ---------------------------------------------------------------------
     def __enter__(self):
         super().__enter__()
+        if not _ACTIVE:
+            _patch_storage_resize()
         _ACTIVE.append(self)
         self._register_existing()
         self.reset_peak()
@@ -210,6 +231,8 @@ class MemoryTracker(TorchDispatchMode):
             handle.remove()
         self._handles.clear()
         _ACTIVE.remove(self)
+        if not _ACTIVE:
+            _unpatch_storage_resize()
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -231,33 +254,51 @@ class MemoryTracker(TorchDispatchMode):
         return "activations"
 
     def _record_for(self, tensor: torch.Tensor, category: str, origin: str) -> _Record | None:
+        if hasattr(tensor, "to_local"):  # a sharded (FSDP) tensor: this rank holds its shard
+            tensor = tensor.to_local()
         if tensor.is_meta:  # no storage (e.g. another rank's layers under layer groups)
             return None
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse, nested, ... : not tracked
             return None
-        key = id(storage)
         with self._lock:
-            record = self._live.get(key)
-            nbytes = storage.nbytes()
+            record = self._live.get(id(storage))
             if record is not None:
+                nbytes = storage.nbytes()
                 if nbytes != record.nbytes:  # resized in place (out= ops, resize_)
                     self._current[record.location] += nbytes - record.nbytes
                     record.nbytes = nbytes
                     self._update_peaks()
                 return record
-            if nbytes == 0:
-                return None
-            self._clock += 1
-            location = HOST if getattr(_HOST_ALLOCATION, "on", False) else DEVICE
-            record = _Record(nbytes, self._clock, category, location, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""), origin)
-            self._live[key] = record
-            self._records.append(record)
-            self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._on_free(key))
-            self._current[location] += nbytes
-            self._update_peaks()
-            return record
+            return self._new_record(storage, category, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""), origin)
+
+    def _new_record(self, storage, category: str, shape: tuple, dtype: str, origin: str) -> _Record | None:
+        key, nbytes = id(storage), storage.nbytes()
+        if nbytes == 0:
+            return None
+        self._clock += 1
+        location = HOST if getattr(_HOST_ALLOCATION, "on", False) else DEVICE
+        record = _Record(nbytes, self._clock, category, location, shape, dtype, origin)
+        self._live[key] = record
+        self._records.append(record)
+        self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._on_free(key))
+        self._current[location] += nbytes
+        self._update_peaks()
+        return record
+
+    def _on_storage_resize(self, storage) -> None:
+        """A storage resized outside any tensor op (FSDP frees and re-fills its gathered
+        parameters this way): the old size is freed, the new one allocated."""
+        with self._lock:
+            old = self._live.get(id(storage))
+            if old is not None and old.nbytes == storage.nbytes():
+                return
+            if old is not None:
+                self._on_free(id(storage))
+            category = old.category if old is not None else "parameters"
+            shape = old.shape if old is not None else (storage.nbytes(),)
+            self._new_record(storage, category, shape, old.dtype if old is not None else "uint8", "storage resize")
 
     def _on_free(self, key: int) -> None:
         with self._lock:

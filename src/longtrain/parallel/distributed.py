@@ -39,6 +39,20 @@ def init_from_env(device: torch.device | None = None, timeout_s: float | None = 
     return dist.get_rank(), dist.get_world_size()
 
 
+def exit_process(code: int) -> None:
+    """End this process with ``code`` after a failure. With a process group whose peers
+    may be gone, the normal interpreter exit can abort inside the communication
+    library's teardown ("terminate called without an active exception"): leave at once
+    (checkpoints are committed atomically; nothing is lost)."""
+    import sys
+
+    if dist.is_available() and dist.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def is_peer_failure(error: BaseException) -> bool:
     dist_error = getattr(dist, "DistError", None)
     if dist_error is not None and isinstance(error, dist_error):
@@ -60,3 +74,23 @@ def collective_failures(what: str):
             f"rank {dist.get_rank()} of {dist.get_world_size()}: {what} stopped because another process failed, hung "
             f"or lost its connection ({first[:160]}); see the first error of the run, fix it and resume"
         ) from None
+
+
+@contextlib.contextmanager
+def simulated_world(world_size: int, device_type: str = "cpu"):
+    """A stand-in process group of ``world_size`` ranks, this process being rank 0: no
+    processes, no communication (PyTorch's fake backend), so one rank's share of a
+    sharded model can be simulated on fake tensors. Enter it before any fake tensor mode."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .fsdp import forget_meshes, world_mesh
+
+    if dist.is_initialized():
+        raise LongtrainError("cannot simulate sequence parallelism inside a distributed run; simulate from one process")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        world_mesh(device_type)  # the mesh must exist before fake tensors do
+        yield
+    finally:
+        forget_meshes()
+        dist.destroy_process_group()

@@ -30,6 +30,11 @@ def _world_mesh(device_type: str, world_size: int, group_id: int):
     return init_device_mesh(device_type, (world_size,))
 
 
+def forget_meshes() -> None:
+    """Drop the cached meshes (their process group is going away)."""
+    _world_mesh.cache_clear()
+
+
 def world_mesh(device_type: str):
     """The 1-D mesh of every rank (created once; outside fake tensor mode, so the
     simulator calls it before it builds a model)."""
@@ -61,15 +66,24 @@ def shard_parameters(units: list, parts: list[nn.Module], device_type: str,
     mesh = world_mesh(device_type)
     for unit in units:
         sharded = fully_shard(unit, mesh=mesh, mp_policy=mp)
-        (sharded[0] if isinstance(sharded, list) else sharded).set_gradient_divide_factor(1.0)
+        _sum_gradients(sharded[0] if isinstance(sharded, list) else sharded)
     root = _Root(*parts)
     # A module may sit in two places (the head: in the model and in the loss head's unit);
     # what a unit already holds is not the root's.
     held = {p for p in root.parameters() if isinstance(p, DTensor)}
-    fully_shard(root, mesh=mesh, mp_policy=mp, ignored_params=held).set_gradient_divide_factor(1.0)
+    _sum_gradients(fully_shard(root, mesh=mesh, mp_policy=mp, ignored_params=held))
     with torch.no_grad():
         root()  # FSDP2 settles its root and the units under it on this first forward
     return root
+
+
+def _sum_gradients(module) -> None:
+    """Reduce gradients by summing (no division by the world size), with a plain SUM where
+    the backend has no pre-multiplied sum (gloo)."""
+    module.set_gradient_divide_factor(1.0)
+    force_sum = getattr(module, "set_force_sum_reduction_for_comms", None)
+    if force_sum is not None:
+        force_sum(True)
 
 
 def check_all_sharded(model: nn.Module) -> None:

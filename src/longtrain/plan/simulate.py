@@ -29,11 +29,13 @@ from ..memory.tracker import CATEGORIES, MemoryReport, MemoryTracker
 from ..memory.units import format_bytes
 from ..models.loading import build_from_config, default_dtype, load_config, parse_dtype
 from ..optimizers import make_optimizer
+from ..parallel.distributed import simulated_world
 from ..strategy import Strategy, apply, step
 
 ASSUMPTIONS = (
     "attention: fused flash kernel, whole-sequence or per chunk (saves output + log-sum-exp, no s×s scores); "
-    "optimizer: per-parameter step, state in parameter dtype; allocator fragmentation not modelled"
+    "optimizer: per-parameter step, state in parameter dtype; allocator fragmentation not modelled; "
+    "under --sp: one rank's share, FSDP2's all-gather buffer counted, its gathered parameter copy not"
 )
 
 
@@ -61,6 +63,10 @@ def run_training_steps(
     """
     strategy = Strategy.parse(strategy)
     with contextlib.ExitStack() as stack:
+        if strategy.sequence_parallel is not None:
+            if not fake:
+                raise LongtrainError("sequence parallelism is measured under torchrun, or simulated (fake=True)")
+            stack.enter_context(simulated_world(strategy.sequence_parallel.degree))
         if fake:
             stack.enter_context(FakeTensorMode())
         stack.enter_context(default_dtype(dtype))

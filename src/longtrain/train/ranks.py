@@ -1,11 +1,17 @@
 """What the trainer needs to run as one of several ``torchrun`` processes.
 
-Under ``torchrun --nproc-per-node R longtrain train --engine adjoint ...`` every rank
-builds the same model and reads the same batches (same seed); the model is then split
-into layer groups (:mod:`longtrain.parallel.layer_groups`) so each rank keeps its own
-layers' parameters, gradients and optimizer state. Rank 0 prints, logs and writes the
-final model; checkpoints hold one weights file and one state file per rank, written by
-their ranks and committed by rank 0 (see :func:`longtrain.train.checkpoint.save_checkpoint`).
+Two ways to split a run over R processes:
+
+- ``--engine adjoint`` (SSM-ResNet): every rank builds the same model and reads the same
+  batches; the model is split into layer groups (:mod:`longtrain.parallel.layer_groups`)
+  so each rank keeps its own layers' parameters, gradients and optimizer state;
+- ``--sp P`` (Ulysses sequence parallelism): each group of P ranks shares a sequence,
+  the R/P groups are data parallel (each reads its own samples), and parameters,
+  gradients and optimizer state are sharded over all R ranks (FSDP2).
+
+Rank 0 prints, logs and writes the final model; checkpoints hold one weights file and
+one state file per rank (its layers, or its shards), written by their ranks and
+committed by rank 0 (see :func:`longtrain.train.checkpoint.save_checkpoint`).
 """
 
 from __future__ import annotations
@@ -17,16 +23,34 @@ from ..errors import LongtrainError
 
 
 class Ranks:
-    """This process's place among the training processes (rank 0 of 1 when alone)."""
+    """This process's place among the training processes (rank 0 of 1 when alone);
+    ``sequence_parallel`` ranks share each sequence, the rest are data parallel."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1):
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, rank: int = 0, world_size: int = 1, sequence_parallel: int = 1):
+        self.rank, self.world_size, self.sequence_parallel = rank, world_size, sequence_parallel
 
     @classmethod
-    def from_env(cls, device: torch.device) -> "Ranks":
+    def from_env(cls, device: torch.device, sequence_parallel: int = 1) -> "Ranks":
         from ..parallel.distributed import init_from_env
 
-        return cls(*init_from_env(device))
+        return cls(*init_from_env(device), sequence_parallel=sequence_parallel)
+
+    @property
+    def data_parallel(self) -> int:
+        """Groups that read different samples."""
+        return self.world_size // self.sequence_parallel if self.sequence_parallel > 1 else 1
+
+    @property
+    def data_rank(self) -> int:
+        return self.rank // self.sequence_parallel if self.sequence_parallel > 1 else 0
+
+    def sum_over_data_parallel(self, count: int, device: torch.device) -> int:
+        """A count every data-parallel group has its own of, summed over the groups."""
+        if self.data_parallel == 1:
+            return count
+        total = torch.tensor(float(count), dtype=torch.float64, device=device)
+        dist.all_reduce(total)  # each rank of a sequence-parallel group adds its group's count
+        return int(round(float(total) / self.sequence_parallel))
 
     @property
     def distributed(self) -> bool:
@@ -64,7 +88,9 @@ class Ranks:
         grads = [p.grad for p in parameters if p.grad is not None]
         local = torch.zeros((), dtype=torch.float64)
         if grads:  # (a rank without gradients still joins the all-reduce)
-            norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64).to(grads[0].device) for g in grads])
+            # Under FSDP each rank holds disjoint shards: its own squares, summed over ranks.
+            shards = [_local(g) for g in grads]
+            norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64).to(shards[0].device) for g in shards])
             local = norms.square().sum()
         if self.distributed:
             local = local.cpu()
@@ -73,17 +99,40 @@ class Ranks:
         scale = min(1.0, max_norm / (total + 1e-6))
         if scale < 1.0:
             for g in grads:
-                g.mul_(scale)
+                _local(g).mul_(scale)
         return total
+
+    def full_state(self, model) -> dict[str, torch.Tensor] | None:
+        """Every parameter of ``model`` whole, on the CPU of rank 0 (None elsewhere):
+        gathered from layer groups, or from FSDP shards."""
+        from torch.distributed.tensor import DTensor
+
+        if not self.distributed:
+            return {n: p.detach().cpu() for n, p in model.named_parameters()}
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            state = {n: p.detach().full_tensor().cpu() for n, p in model.named_parameters()}  # collective: every rank
+            return state if self.main else None
+        shards = self.gather({n: p.detach().cpu() for n, p in model.named_parameters() if not p.is_meta})
+        return {n: t for shard in shards for n, t in shard.items()} if self.main else None
 
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
+            dist.barrier()  # nobody tears down a connection a peer still uses
             dist.destroy_process_group()
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def check_distributed_engine(ranks: Ranks, engine: str) -> None:
-    if ranks.distributed and engine != "adjoint":
+    if not ranks.distributed or engine == "adjoint":
+        return
+    if ranks.sequence_parallel == 1:
         raise LongtrainError(
-            f"{ranks.world_size} processes were launched, but only the adjoint engine splits a model over processes "
-            f"(layer groups); pass --engine adjoint with an SSM model, or launch one process for --engine {engine}"
+            f"{ranks.world_size} processes were launched; split the sequence over them with --sp {ranks.world_size} "
+            f"(or a divisor: the rest is data parallel), or use --engine adjoint (layer groups) with an SSM model"
         )
+    if ranks.world_size % ranks.sequence_parallel:
+        raise LongtrainError(f"--sp {ranks.sequence_parallel} must divide the number of processes ({ranks.world_size})")

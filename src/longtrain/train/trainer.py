@@ -71,6 +71,7 @@ class TrainConfig:
     eval_samples: int = 16
     task_loss: str = "all"  # pass-key task: loss on all text ("all") or on the needles and answer only ("task")
     packing: str = "concat"  # --data: "concat" (documents joined by EOS, attending across) or "documents" (attention and positions restart per document)
+    sp: int = 1  # Ulysses sequence parallelism: ranks that share each sequence (under torchrun; the rest is data parallel)
     resume: bool = False
     resume_from: str | None = None
     overwrite: bool = False
@@ -80,7 +81,7 @@ class TrainConfig:
 
     # Settings a resumed run must share with the checkpoint it resumes.
     IDENTITY = ("model", "data", "seq_len", "batch_size", "grad_accum", "seed", "lora", "lora_rank", "optimizer", "task_loss",
-                "packing")
+                "packing", "sp")
 
 
 class WarmupCosine:
@@ -97,7 +98,7 @@ class WarmupCosine:
 
 
 def _check(config: TrainConfig) -> None:
-    positive = ("seq_len", "batch_size", "grad_accum", "steps", "eval_samples", "lora_rank")
+    positive = ("seq_len", "batch_size", "grad_accum", "steps", "eval_samples", "lora_rank", "sp")
     for name in positive:
         value = getattr(config, name)
         if not isinstance(value, int) or value <= 0:
@@ -159,6 +160,37 @@ def build_model(config: TrainConfig, dtype: torch.dtype):
     return model, tokenizer
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (FSDP) tensor, or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _local_tensors(obj):
+    """``obj`` (an optimizer state dict) with every sharded tensor replaced by this rank's shard."""
+    if isinstance(obj, dict):
+        return {k: _local_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_local_tensors(v) for v in obj)
+    return _local(obj) if isinstance(obj, torch.Tensor) else obj
+
+
+def _as_parameters_shards(optimizer, state: dict) -> dict:
+    """The inverse of :func:`_local_tensors` for an optimizer's state: each parameter's
+    state tensors become shards laid out as the (sharded) parameter is."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, entry in state["state"].items():
+        param = params[int(index)]
+        if not isinstance(param, DTensor):
+            continue
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.shape == param.to_local().shape and value.dim() > 0:
+                entry[key] = DTensor.from_local(value.to(param.device), param.device_mesh, param.placements,
+                                                shape=param.shape, stride=param.stride())
+    return state
+
+
 def _trainable(model) -> dict[str, torch.nn.Parameter]:
     """Trainable parameters this process holds (under layer groups, its own layers')."""
     return {name: p for name, p in model.named_parameters() if p.requires_grad and not p.is_meta}
@@ -170,7 +202,8 @@ def _fingerprint(model) -> dict:
 
 
 def _strategy(config: TrainConfig) -> Strategy:
-    return Strategy.parse(config.strategy, engine=None if config.engine == "backprop" else config.engine)
+    return Strategy.parse(config.strategy, engine=None if config.engine == "backprop" else config.engine,
+                          sequence_parallel=config.sp if config.sp > 1 else None)
 
 
 class Trainer:
@@ -182,13 +215,13 @@ class Trainer:
         self.strategy = _strategy(config)
         self.out = Path(config.out)
         self.checkpoints = self.out / "checkpoints"
-        self.ranks = Ranks.from_env(self.device)
+        self.ranks = Ranks.from_env(self.device, config.sp)
         check_distributed_engine(self.ranks, self.strategy.engine)
 
         self.model, self.tokenizer = build_model(config, self.dtype)
-        apply(self.model, self.strategy)
         self.model.to(self.device).train()
-        if self.ranks.distributed:
+        apply(self.model, self.strategy)  # under --sp this shards the parameters over the ranks (FSDP2)
+        if self.ranks.distributed and self.strategy.engine == "adjoint":
             from ..parallel.layer_groups import shard_model
 
             shard_model(applied_context(self.model), self.ranks.rank, self.ranks.world_size)
@@ -239,13 +272,13 @@ class Trainer:
         trainable = _trainable(self.model)
         weights_file, state_file = self._files()
 
-        def weights(path):
-            save_file({n: p.detach().to("cpu").contiguous() for n, p in trainable.items()}, str(path))
+        def weights(path):  # this rank's parameters (its layers, or its shards)
+            save_file({n: _local(p).detach().to("cpu").contiguous() for n, p in trainable.items()}, str(path))
 
         def state(path):
             torch.save(
                 {
-                    "optimizer": self.optimizer.state_dict(),
+                    "optimizer": _local_tensors(self.optimizer.state_dict()),
                     "scheduler": self.scheduler.state_dict(),
                     "rng": {
                         "torch": torch.get_rng_state(),
@@ -293,8 +326,8 @@ class Trainer:
             raise LongtrainError(f"checkpoint {path} cannot be read ({exc}); delete it or pass --resume-from an earlier one") from None
         with torch.no_grad():
             for name, param in _trainable(self.model).items():
-                param.copy_(weights[name])
-        self.optimizer.load_state_dict(state["optimizer"])
+                _local(param).copy_(weights[name])
+        self.optimizer.load_state_dict(_as_parameters_shards(self.optimizer, state["optimizer"]))
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"] and torch.cuda.is_available():
@@ -319,25 +352,29 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------
     def _micro_batches(self) -> list[dict]:
+        """This rank's micro-batches: its data-parallel group's share of the step's samples
+        (every rank of a sequence-parallel group reads the same ones)."""
         c = self.config
         batches = []
+        own = self.samples_seen + self.ranks.data_rank * c.batch_size * c.grad_accum
         for micro in range(c.grad_accum):
-            first = self.samples_seen + micro * c.batch_size
+            first = own + micro * c.batch_size
             samples = [self.data.sample(first + i) for i in range(c.batch_size)]
             batch = collate(samples, self.tokenizer.pad_token_id)
             batches.append({k: v.to(self.device) for k, v in batch.items()})
         return batches
 
     def full_model(self):
-        """The whole model: this one, or under layer groups the ranks' parameters
-        gathered into a fresh copy on rank 0 (None on the other ranks)."""
+        """The whole model: this one, or under layer groups or sharded parameters the
+        ranks' parameters gathered into a fresh copy on rank 0 (None on the other ranks).
+        Every rank must call it (it gathers)."""
         if not self.ranks.distributed:
             return self.model
-        shards = self.ranks.gather({n: p.detach().cpu() for n, p in self.model.named_parameters() if not p.is_meta})
+        state = self.ranks.full_state(self.model)
         if not self.ranks.main:
             return None
         model, _ = build_model(self.config, self.dtype)
-        model.load_state_dict({n: t for shard in shards for n, t in shard.items()}, strict=True)
+        model.load_state_dict(state, strict=True)
         return model.to(self.device)
 
     def evaluate(self) -> dict | None:
@@ -356,7 +393,7 @@ class Trainer:
         log = MetricsLog(self.out / "metrics.jsonl", self.out / "tensorboard" if c.tensorboard else None) if self.ranks.main else None
         flops_per_sample = model_flops_per_sample(self.model, c.seq_len) if hasattr(self.model, "get_input_embeddings") else None
         peak_flops = device_peak_flops(self.device)
-        tokens_per_step = c.seq_len * c.batch_size * c.grad_accum
+        tokens_per_step = c.seq_len * c.batch_size * c.grad_accum * self.ranks.data_parallel  # every group's
         trainable = list(_trainable(self.model).values())
         peak_bytes, step_times = 0, []
         bar = tqdm(total=c.steps, initial=self.step_index, disable=not (c.progress and self.ranks.main), desc="train", unit="step", dynamic_ncols=True)
@@ -367,7 +404,7 @@ class Trainer:
                     meter.start_step()
                     t0 = time.perf_counter()
                     batches = self._micro_batches()
-                    n_label = sum(count_label_tokens(b["labels"]) for b in batches)
+                    n_label = self.ranks.sum_over_data_parallel(sum(count_label_tokens(b["labels"]) for b in batches), self.device)
                     loss = sum(float(strategy_step(self.model, b, self.strategy, num_label_tokens=n_label)) for b in batches)
                     grad_norm = self.ranks.clip_grad_norm(trainable, c.max_grad_norm)
                     lr = self.scheduler.get_last_lr()[0]
@@ -379,7 +416,7 @@ class Trainer:
                     seconds = time.perf_counter() - t0
                     peak = meter.end_step()
                     self.step_index += 1
-                    self.samples_seen += c.batch_size * c.grad_accum
+                    self.samples_seen += c.batch_size * c.grad_accum * self.ranks.data_parallel
                     step_times.append(seconds)
                     peak_bytes = max(peak_bytes, peak.peak_bytes)
                     record = {
@@ -387,7 +424,8 @@ class Trainer:
                         "tokens_per_s": tokens_per_step / seconds, "step_seconds": seconds, "peak_bytes": peak.peak_bytes,
                     }
                     if flops_per_sample and peak_flops:
-                        record["mfu"] = mfu(flops_per_sample * c.batch_size * c.grad_accum, seconds, peak_flops)
+                        per_rank = flops_per_sample * c.batch_size * c.grad_accum * self.ranks.data_parallel / self.ranks.world_size
+                        record["mfu"] = mfu(per_rank, seconds, peak_flops)
                     if log is not None:
                         log.write(record)
                     self.history.append(record)
@@ -470,7 +508,7 @@ def format_summary(summary: dict) -> str:
         ("wall time", f"{summary['seconds']:.0f} s for {summary['steps']} steps, strategy {summary['strategy']}"),
     ]
     if summary.get("processes", 1) > 1:
-        rows[3] = (rows[3][0], rows[3][1] + f", the largest of {summary['processes']} processes (layer groups)")
+        rows[3] = (rows[3][0], rows[3][1] + f", the largest of {summary['processes']} processes")
     if summary.get("host_pool_bytes"):
         rows.insert(4, ("host memory", f"{format_bytes(summary['host_pool_bytes'])} in the pinned pool of parked chunks"))
     width = max(len(k) for k, _ in rows)
