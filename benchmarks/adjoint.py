@@ -219,7 +219,7 @@ def ranks_worker(length: int = 8192) -> None:
     from longtrain.memory import MemoryTracker
     from longtrain.optimizers import make_optimizer
     from longtrain.parallel.distributed import init_from_env
-from longtrain.parallel.layer_groups import owned_parameters, shard_model
+    from longtrain.parallel.layer_groups import owned_parameters, shard_model
     from longtrain.strategy import applied_context
 
     rank, world = init_from_env()

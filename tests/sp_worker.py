@@ -55,6 +55,9 @@ def batches(kind: str, dp_rank: int, dp: int) -> list[dict]:
 
 
 def strategy(name: str, degree: int) -> lt.Strategy:
+    compute = None
+    if name.endswith("/bf16"):  # FSDP2 mixed precision: the float64 parameters compute in bfloat16
+        name, compute = name[:-len("/bf16")], "bfloat16"
     engines = {
         "backprop": ("backprop", None, {}),
         "checkpoint+mst": ("backprop", None, {"checkpoint": True, "mst": lt.MsT(loss_chunks=3)}),
@@ -63,7 +66,8 @@ def strategy(name: str, degree: int) -> lt.Strategy:
         "seco+checkpoint": ("seco", {"chunk": 13}, {"checkpoint": True}),
     }
     engine, options, techniques = engines[name]
-    return lt.Strategy(engine=engine, engine_options=options, sequence_parallel=degree, **techniques)
+    return lt.Strategy(engine=engine, engine_options=options, sequence_parallel={"degree": degree, "compute_dtype": compute},
+                       **techniques)
 
 
 def run_case(model_kind: str, batch_kind: str, engine: str, degree: int, lora: bool) -> dict:

@@ -9,6 +9,7 @@
 
 from .engines.fpdt import FPDT
 from .engines.seco import SeCOOptions, SpaCOOptions
+from .engines.sequence_parallel import Ulysses
 from .errors import LongtrainError
 from .models.adapters import supported_families
 from .strategy import Strategy, apply, step
@@ -31,5 +32,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'longtrain' has no attribute {name!r}")
 
 
-__all__ = ["FPDT", "LongtrainError", "MsT", "SeCOOptions", "SpaCOOptions", "Strategy", "apply", "simulate", "step",
-           "supported_families", "__version__"]
+__all__ = ["FPDT", "LongtrainError", "MsT", "SeCOOptions", "SpaCOOptions", "Strategy", "Ulysses", "apply", "simulate",
+           "step", "supported_families", "__version__"]

@@ -43,6 +43,8 @@ def _add_train(sub) -> None:
                    "adjoint:truncate=64 (SSM-ResNet models)")
     p.add_argument("--sp", type=int, default=d.sp, help="Ulysses sequence parallelism: processes that share each sequence "
                    "(under torchrun; a divisor of the process count, the rest is data parallel; parameters are sharded over all)")
+    p.add_argument("--master-weights", default=d.master_weights, help="with --sp: keep parameters and optimizer state in this "
+                   "dtype (e.g. float32) while layers compute in --dtype (FSDP2 mixed precision)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of all weights (needs peft)")
     p.add_argument("--lora-rank", type=int, default=d.lora_rank)
     p.add_argument("--dtype", default=d.dtype, help="float32, bfloat16, ... (default: bfloat16 on CUDA, float32 on CPU)")

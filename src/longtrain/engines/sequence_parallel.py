@@ -32,9 +32,10 @@ import torch.distributed as dist
 from .. import validate
 from ..errors import LongtrainError
 from ..models.attention import AttentionCall
+from ..parallel.distributed import sum_over_data_parallel
 from ..parallel.ulysses import Collectives, HeadLayout, SimulatedCollectives, ShardLayout, heads_to_sequence, sequence_to_heads
 
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 @dataclass
@@ -71,13 +72,12 @@ class UlyssesAttention(AttentionCall):
 class SequenceParallel:
     """This rank's place in its sequence-parallel group (see the module docstring)."""
 
-    def __init__(self, options: Ulysses, config, comm: Collectives, world_group=None):
+    def __init__(self, options: Ulysses, config, comm: Collectives):
         self.options = options
         self.degree, self.rank, self.comm = options.degree, comm.rank, comm
         heads = config.num_attention_heads
         self.heads = HeadLayout(heads, getattr(config, "num_key_value_heads", None) or heads, self.degree, self.rank)
         self.kv_index = self.heads.local_kv_index()
-        self.world_group = world_group
         self.simulated = isinstance(comm, SimulatedCollectives)
         self.fsdp_root = None  # the FSDP2 root over the model's units (parallel/fsdp.py)
 
@@ -104,10 +104,6 @@ class SequenceParallel:
                 mine = group
         return cls(options, config, Collectives(mine, options.degree, rank % options.degree))
 
-    @property
-    def data_parallel(self) -> int:
-        return 1 if self.simulated else dist.get_world_size() // self.degree
-
     def layout(self, length: int, chunk: int | None) -> ShardLayout:
         return ShardLayout(length, self.degree, chunk)
 
@@ -117,11 +113,9 @@ class SequenceParallel:
     def global_label_count(self, count: int, given: bool, device) -> int:
         """The loss normalizer: the caller's count (which must already cover every data-
         parallel group), or this group's count summed over the data-parallel groups."""
-        if given or self.data_parallel == 1:
+        if given or self.simulated:
             return count
-        total = torch.tensor(float(count), dtype=torch.float64, device=device)
-        dist.all_reduce(total)  # every rank of a group adds the same count
-        return int(round(float(total) / self.degree))
+        return sum_over_data_parallel(count, self.degree, device)
 
     def check_same_batch(self, batch) -> None:
         """Every rank of a group must read the same batch; a mismatch (shapes, or the

@@ -39,6 +39,16 @@ def init_from_env(device: torch.device | None = None, timeout_s: float | None = 
     return dist.get_rank(), dist.get_world_size()
 
 
+def sum_over_data_parallel(count: int, degree: int, device) -> int:
+    """A count each data-parallel group has its own of (its ``degree`` ranks hold the same
+    one), summed over the groups."""
+    if not dist.is_initialized() or dist.get_world_size() == degree:
+        return count
+    total = torch.tensor(float(count), dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return int(round(float(total) / degree))
+
+
 def exit_process(code: int) -> None:
     """End this process with ``code`` after a failure. With a process group whose peers
     may be gone, the normal interpreter exit can abort inside the communication

@@ -46,11 +46,9 @@ class Ranks:
 
     def sum_over_data_parallel(self, count: int, device: torch.device) -> int:
         """A count every data-parallel group has its own of, summed over the groups."""
-        if self.data_parallel == 1:
-            return count
-        total = torch.tensor(float(count), dtype=torch.float64, device=device)
-        dist.all_reduce(total)  # each rank of a sequence-parallel group adds its group's count
-        return int(round(float(total) / self.sequence_parallel))
+        from ..parallel.distributed import sum_over_data_parallel
+
+        return count if self.data_parallel == 1 else sum_over_data_parallel(count, self.sequence_parallel, device)
 
     @property
     def distributed(self) -> bool:

@@ -72,6 +72,7 @@ class TrainConfig:
     task_loss: str = "all"  # pass-key task: loss on all text ("all") or on the needles and answer only ("task")
     packing: str = "concat"  # --data: "concat" (documents joined by EOS, attending across) or "documents" (attention and positions restart per document)
     sp: int = 1  # Ulysses sequence parallelism: ranks that share each sequence (under torchrun; the rest is data parallel)
+    master_weights: str | None = None  # under --sp: keep parameters (and optimizer state) in this dtype, compute in --dtype
     resume: bool = False
     resume_from: str | None = None
     overwrite: bool = False
@@ -115,6 +116,8 @@ def _check(config: TrainConfig) -> None:
         raise LongtrainError(f"--task-loss must be 'task' or 'all', got {config.task_loss!r}")
     if config.packing not in ("concat", "documents"):
         raise LongtrainError(f"--packing must be 'concat' or 'documents', got {config.packing!r}")
+    if config.master_weights is not None and config.sp <= 1:
+        raise LongtrainError("--master-weights keeps sharded parameters in another dtype than the layers compute in: it needs --sp")
     if config.resume and config.overwrite:
         raise LongtrainError("--resume and --overwrite contradict each other; pick one")
 
@@ -201,9 +204,12 @@ def _fingerprint(model) -> dict:
     return {name: list(p.shape) for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _strategy(config: TrainConfig) -> Strategy:
+def _strategy(config: TrainConfig, compute_dtype: torch.dtype) -> Strategy:
+    sp = None
+    if config.sp > 1:
+        sp = {"degree": config.sp, "compute_dtype": str(compute_dtype).replace("torch.", "") if config.master_weights else None}
     return Strategy.parse(config.strategy, engine=None if config.engine == "backprop" else config.engine,
-                          sequence_parallel=config.sp if config.sp > 1 else None)
+                          sequence_parallel=sp)
 
 
 class Trainer:
@@ -211,8 +217,10 @@ class Trainer:
         _check(config)
         self.config = config
         self.device = _device(config.device)
-        self.dtype = parse_dtype(config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
-        self.strategy = _strategy(config)
+        compute = parse_dtype(config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
+        # The parameters' dtype: the compute dtype, or with --master-weights (FSDP2 mixed precision) their own.
+        self.dtype = parse_dtype(config.master_weights) if config.master_weights else compute
+        self.strategy = _strategy(config, compute)
         self.out = Path(config.out)
         self.checkpoints = self.out / "checkpoints"
         self.ranks = Ranks.from_env(self.device, config.sp)
