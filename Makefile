@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(VENV)/bin/longtrain train --out runs/demo --overwrite
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2
 
 clean:
 	rm -rf $(VENV) runs

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import threading
 
 import pytest
@@ -18,6 +19,11 @@ from longtrain.models.loading import build_from_config, default_dtype
 from longtrain.models.presets import preset_config
 
 ARCHITECTURES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2"]
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two workers on two cores: one thread each (the tiny models gain
+    # nothing from more, and two threads per worker oversubscribe the cores).
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -139,10 +145,16 @@ STRATEGIES = {
     "fpdt+offload+mst": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "offload": True, "prefetch": 2},
                                             mst=lt.MsT(loss_chunks=3)),
     "fpdt+offload,kv-kept": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "offload": True, "recompute_kv": False}),
+    # Attention outputs kept per chunk: the recomputation never attends again.
+    "fpdt+offload,output-kept+mst": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "offload": True,
+                                                                                       "keep_output": True},
+                                                        mst=lt.MsT(loss_chunks=3)),
     "seco": lambda: lt.Strategy(engine="seco", engine_options={"chunk": 23}),
     "seco+offload+checkpoint+mst": lambda: lt.Strategy(engine="seco", engine_options={"chunk": 40, "offload": True, "prefetch": 2},
                                                        checkpoint=True, mst=lt.MsT(loss_chunks=3)),
     "seco+checkpoint": lambda: lt.Strategy(engine="seco", engine_options={"chunk": 23}, checkpoint=True),
+    # Memo: 30% of the tokens swapped (layer 0 to host; the last layer keeps them on the device).
+    "memo+mst": lambda: lt.Strategy(memo=lt.Memo(alpha=0.3, keep_last=1), mst=lt.MsT(loss_chunks=3, mlp_chunk=37)),
     # SpaCO with a budget of at least the chunk count backpropagates every chunk: exact.
     "spaco(every chunk)": lambda: lt.Strategy(engine="spaco", engine_options={"chunk": 40, "budget": 8}),
 }

@@ -45,6 +45,12 @@ CUDA_STRATEGIES = {
     "seco+offload+checkpoint+mst": lambda: lt.Strategy(engine="seco", engine_options={"chunk": 300, "offload": True, "prefetch": 2},
                                                        checkpoint=True, mst=True),
     "spaco(every chunk)": lambda: lt.Strategy(engine="spaco", engine_options={"chunk": 256, "budget": 8}),
+    "fpdt+offload,output-kept": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 300, "offload": True,
+                                                                                   "keep_output": True}),
+    "memo(α=0)": lambda: lt.Strategy(memo=lt.Memo(alpha=0.0, keep_last=0)),
+    "memo(α=0.3)+mst": lambda: lt.Strategy(memo=lt.Memo(alpha=0.3, keep_last=1), mst=True),
+    "memo(α=1)": lambda: lt.Strategy(memo=lt.Memo(alpha=1.0, keep_last=0)),
+    "memo(auto)": lambda: lt.Strategy(memo=lt.Memo(host_memory="8GiB")),
 }
 PRESETS = ["tiny-llama", "tiny-gemma2"]
 

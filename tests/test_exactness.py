@@ -80,7 +80,8 @@ def test_accumulation_normalizes_by_the_whole_step(preset, strategy):
     assert max_rel_error(grads(ours), grads(stock)) <= TOL
 
 
-@pytest.mark.parametrize("strategy", ["checkpoint", "checkpoint+mst", "fpdt+offload+mst", "seco+offload+checkpoint+mst"])
+@pytest.mark.parametrize("strategy", ["checkpoint", "checkpoint+mst", "fpdt+offload+mst", "seco+offload+checkpoint+mst",
+                                      "memo+mst"])
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma2"])  # untied and tied heads
 def test_lora_equals_stock_lora(preset, strategy):
     stock, ours = stock_lora_and_ours(preset)

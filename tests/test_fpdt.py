@@ -203,3 +203,34 @@ def test_evaluation_outside_a_step_uses_plain_attention():
         got = ours(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     keep = batch["attention_mask"].bool()
     torch.testing.assert_close(got[keep], want[keep], rtol=0, atol=1e-10)
+
+
+def test_kept_attention_outputs_mean_attention_runs_forward_once():
+    """fpdt:keep_output parks each chunk's attention output and LSE: the backward's
+    recomputation hands them to attention's backward, so every attention block's forward
+    kernel runs once per step instead of twice — and the gradients stay exact
+    (tests/test_exactness.py runs 'fpdt+offload,output-kept+mst' on every family)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Kernels(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if "attention" in name:
+                self.calls[name] = self.calls.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    batch = {"input_ids": torch.randint(3, 300, (2, 160), generator=torch.Generator().manual_seed(0))}
+    counts = {}
+    for keep in (False, True):
+        model = build_from_config(preset_config("tiny-llama"))
+        lt.apply(model, lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "keep_output": keep}))
+        with Kernels() as kernels:
+            lt.step(model, batch)
+        counts[keep] = kernels.calls
+    forward, backward = "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"
+    assert counts[True][backward] == counts[False][backward] == counts[True][forward]
+    assert counts[False][forward] == 2 * counts[True][forward]

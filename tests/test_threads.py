@@ -13,7 +13,8 @@ import longtrain as lt
 from conftest import STRATEGIES, backward_on_another_thread, check_step, padded_batch, stock_and_ours
 
 THREADED = ["checkpoint", "checkpoint+mst", "fpdt", "fpdt+offload+mst", "fpdt+offload,kv-kept", "seco",
-            "seco+checkpoint", "seco+offload+checkpoint+mst", "spaco(every chunk)"]
+            "seco+checkpoint", "seco+offload+checkpoint+mst", "spaco(every chunk)",
+            "memo+mst", "fpdt+offload,output-kept+mst"]
 
 
 def test_the_helper_really_moves_backward_to_another_thread():

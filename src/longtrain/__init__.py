@@ -13,6 +13,7 @@ from .engines.sequence_parallel import Ulysses
 from .errors import LongtrainError
 from .models.adapters import supported_families
 from .strategy import Strategy, apply, step
+from .techniques.memo import Memo
 from .techniques.mst import MsT
 
 __version__ = "0.2.0"
@@ -32,5 +33,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'longtrain' has no attribute {name!r}")
 
 
-__all__ = ["FPDT", "LongtrainError", "MsT", "SeCOOptions", "SpaCOOptions", "Strategy", "Ulysses", "apply", "simulate",
+__all__ = ["FPDT", "LongtrainError", "Memo", "MsT", "SeCOOptions", "SpaCOOptions", "Strategy", "Ulysses", "apply", "simulate",
            "step", "supported_families", "__version__"]

@@ -97,6 +97,9 @@ def _add_simulate(sub) -> None:
     p.add_argument("--sp", type=int, default=1, help="Ulysses sequence parallelism over P ranks: simulate one rank's share "
                    "(its tokens, its heads, 1/P of parameters, gradients and optimizer state)")
     p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype (default %(default)s)")
+    p.add_argument("--fragmentation", action="store_true",
+                   help="also plan the step's device memory offline (CP-SAT; needs longtrain[plan]) and compare the "
+                        "planned peak with the allocated one and with an allocator that cannot see the future")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_run_simulate)
 
@@ -116,7 +119,8 @@ def _run_simulate(args) -> int:
     if args.grad_accum <= 0:
         raise LongtrainError(f"--grad-accum must be positive, got {args.grad_accum}")
     report = simulate(args.model, args.seq_len, batch_size=args.batch_size, strategy=strategy,
-                      optimizer=args.optimizer, dtype=args.dtype, grad_accum=args.grad_accum)
+                      optimizer=args.optimizer, dtype=args.dtype, grad_accum=args.grad_accum,
+                      fragmentation=args.fragmentation)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.table())
     return 0
 

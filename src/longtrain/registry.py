@@ -24,7 +24,8 @@ class Technique:
     ``install(context, options)`` patches the model's modules in place (the
     :class:`~longtrain.engines.base.EngineContext` gives the model's adapter and the
     whole strategy, for defaults that depend on the engine); ``order`` fixes the install
-    order when several techniques are combined (lower first). Techniques patch modules;
+    order when several techniques are combined (lower first); ``excludes`` maps the
+    techniques it cannot be combined with to the reason. Techniques patch modules;
     they never run a schedule.
     """
 
@@ -33,6 +34,7 @@ class Technique:
     install: Callable[[Any, Any], None]
     summary: str
     order: int = 100
+    excludes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -66,14 +68,16 @@ def _check_options_class(options: type) -> None:
         raise TypeError(f"{options!r} must be a dataclass")
 
 
-def register_technique(name: str, options: type, summary: str, order: int = 100):
-    """Decorator registering ``install(model, options)`` as technique ``name``."""
+def register_technique(name: str, options: type, summary: str, order: int = 100,
+                       excludes: dict[str, str] | None = None):
+    """Decorator registering ``install(model, options)`` as technique ``name`` (see
+    :class:`Technique` for ``order`` and ``excludes``)."""
     _check_options_class(options)
 
     def wrap(install):
         if name in _TECHNIQUES:
             raise ValueError(f"technique {name!r} is registered twice")
-        _TECHNIQUES[name] = Technique(name, options, install, summary, order)
+        _TECHNIQUES[name] = Technique(name, options, install, summary, order, dict(excludes or {}))
         return install
 
     return wrap

@@ -92,6 +92,10 @@ class Strategy:
                     f"it composes with {', '.join(spec.accepts) or 'no techniques'}")
                 raise LongtrainError(f"the {engine} engine does not combine with '{name}': {reason}")
             chosen[name] = _make_options("technique", name, tech.options, value)
+        for name in chosen:
+            for other, reason in registry.technique(name).excludes.items():
+                if other in chosen:
+                    raise LongtrainError(f"'{name}' does not combine with '{other}': {reason}")
         # Stored in install order so that equal strategies compare and print equally.
         order = registry.techniques()
         self.techniques = dict(sorted(chosen.items(), key=lambda kv: (order[kv[0]].order, kv[0])))
@@ -103,6 +107,8 @@ class Strategy:
             if not spec.sequence_parallel:
                 raise LongtrainError(f"the {engine} engine does not run under sequence parallelism; "
                                      "use backprop, fpdt, seco or spaco, or drop --sp")
+            if "memo" in self.techniques:
+                raise LongtrainError("memo does not run under sequence parallelism yet; drop memo or --sp")
 
     # ---- names -------------------------------------------------------------------
     @property

@@ -79,6 +79,7 @@ class EngineContext:
     parallel: Any = None  # how the model is split over processes (a LayerGroup under layer groups)
     sequence_parallel: Any = None  # the SequenceParallel group under Ulysses (engines/sequence_parallel.py)
     loss_head: LossHead | None = None  # built from the adapter's head on first use
+    notes: dict = field(default_factory=dict)  # settings techniques measured or chose (memo's alpha), for reports
 
     def __post_init__(self):
         if self.loss_head is None:

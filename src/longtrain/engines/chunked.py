@@ -23,6 +23,7 @@ layer recomputes with the same call, on whichever thread autograd runs the backw
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,8 @@ from ..errors import LongtrainError
 from ..memory.chunk_store import ChunkStore
 from ..memory.units import format_bytes
 from ..models.attention import AttentionCall
-from ..ops.chunked_attention import attend_chunk, chunk_bounds
+from ..ops.causal_attention import attention_from_output
+from ..ops.chunked_attention import attend_chunk, attend_chunk_backward, attend_chunk_forward, chunk_bounds
 from ..ops.masking import BlockPlanner
 from .base import EngineContext, HeadLoss
 from .batch import Shard
@@ -46,6 +48,7 @@ class ChunkSettings:
     host_budget: int | None  # bytes; None: unbounded
     offload_inputs: bool = False  # FPDT: park the layer inputs (and their gradients) too
     recompute_kv: bool = False  # FPDT: park one layer's K/V at a time; recompute them in backward
+    keep_output: bool = False  # FPDT: park each chunk's attention output and LSE; backward never re-runs attention
 
 
 _PARKED = object()  # marks a rotary table whose chunks live in the store
@@ -175,6 +178,15 @@ class ChunkedRun:
             bounds = self.planner.bounds
             first = next(j for j, (_, end) in enumerate(bounds) if bounds[index][0] - (end - 1) < window)
         history = _LayerHistory(self, layer, index, first)
+        if self.settings.keep_output and mode == "forward":  # (a no-grad pass) keep what the recompute would redo
+            out, lse = attend_chunk_forward(q, k, v, history, self.planner, index, window, scale, softcap)
+            self.store.put(("o", layer, index), out, offload=self.settings.offload_inputs)
+            self.store.put(("lse", layer, index), lse, offload=self.settings.offload_inputs)
+            return out
+        if self.settings.keep_output and mode == "recompute":
+            out, lse = self.store.pop(("o", layer, index)), self.store.pop(("lse", layer, index))
+            backward = functools.partial(_attend_chunk_backward, history, self.planner, index, window, scale, softcap)
+            return attention_from_output(q, k, v, out, lse, backward)
         return attend_chunk(q, k, v, history, planner=self.planner, index=index, window=window, scale=scale, softcap=softcap)
 
     def relay_factor(self, j: int) -> float | None:
@@ -186,6 +198,10 @@ class ChunkedRun:
     def discard_kv(self, layer: int, i: int) -> None:
         for kind in ("k", "v", "dk", "dv"):
             self.store.discard((kind, layer, i))
+
+
+def _attend_chunk_backward(history, planner, index, window, scale, softcap, grad_out, q, k, v, out, lse):
+    return attend_chunk_backward(grad_out, q, k, v, out, lse, history, planner, index, window, scale, softcap)
 
 
 def host_bytes_needed(context: EngineContext, shard: Shard, settings: ChunkSettings, dtype: torch.dtype) -> int:
@@ -207,6 +223,8 @@ def host_bytes_needed(context: EngineContext, shard: Shard, settings: ChunkSetti
     kv = 2 * batch * kv_length * kv_heads * head_dim * item
     inputs = n * batch * length * config.hidden_size * item + 2 * shard.position_ids.shape[0] * length * head_dim * item
     kv_layers = 1 if settings.recompute_kv else n
+    if settings.keep_output:  # every layer's attention output (and float32 LSE) per token
+        inputs += n * batch * length * heads * (head_dim * item + 4)
     return kv_layers * kv * settings.offload + inputs * settings.offload_inputs
 
 

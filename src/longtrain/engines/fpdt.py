@@ -21,7 +21,11 @@ exact. The first layer's backward runs on through the chunk's embeddings.
 Device memory holds one chunk's working set plus what the store keeps on the device
 (nothing with ``offload`` and ``offload_inputs``). Compute is that of layer
 checkpointing — one extra forward — plus, with ``recompute_kv``, each layer's attention
-projections once more. Parameter gradients accumulate in ``.grad`` through autograd.
+projections once more. With ``keep_output`` (Memo's idea, ../shared/papers/memo.txt §4)
+each chunk's attention output and LSE are parked too (beside its layer input), and the
+recomputation hands them to attention's backward instead of attending again: the
+extra forward is token-wise work only, and the earlier chunks' K/V are fetched once per
+chunk in backward instead of twice. Parameter gradients accumulate in ``.grad`` through autograd.
 """
 
 from __future__ import annotations
@@ -49,12 +53,14 @@ class FPDT:
     prefetch: int = 1  # chunks fetched ahead (1 = double buffering)
     host_memory: str | int | None = None  # host budget, e.g. "120GiB"; None: unbounded
     recompute_kv: bool = True  # keep one layer's K/V; recompute them (attention sub-block) in backward
+    keep_output: bool = False  # park each chunk's attention output + LSE (Memo's idea): backward never re-runs attention
 
     def __post_init__(self):
         validate.positive_int("fpdt", "chunk", self.chunk)
         validate.positive_int("fpdt", "prefetch", self.prefetch, minimum=0)
         validate.flag("fpdt", "offload", self.offload)
         validate.flag("fpdt", "recompute_kv", self.recompute_kv)
+        validate.flag("fpdt", "keep_output", self.keep_output)
         if self.offload_inputs is not None:
             validate.flag("fpdt", "offload_inputs", self.offload_inputs)
         if self.host_memory is not None:
@@ -65,7 +71,7 @@ class FPDT:
             chunk=self.chunk, offload=self.offload, prefetch=self.prefetch,
             host_budget=None if self.host_memory is None else parse_bytes(self.host_memory),
             offload_inputs=self.offload if self.offload_inputs is None else self.offload_inputs,
-            recompute_kv=self.recompute_kv,
+            recompute_kv=self.recompute_kv, keep_output=self.keep_output,
         )
 
 

@@ -164,6 +164,7 @@ class MemoryTracker(TorchDispatchMode):
         self._current = {DEVICE: 0, HOST: 0}
         self._peak = 0
         self._peak_t = 0
+        self._window_start = 0
         self._peak_host = 0
         self._in_optimizer_step = False
         self._handles: list = []
@@ -186,6 +187,30 @@ class MemoryTracker(TorchDispatchMode):
             self._peak = self._current[DEVICE]
             self._peak_host = self._current[HOST]
             self._peak_t = self._clock
+            self._window_start = self._clock
+
+    def trace(self):
+        """The device lifetimes of the storages allocated since the last :meth:`reset_peak`,
+        as :class:`~longtrain.memory.plan.Block` s for the memory planner (time in the
+        tracker's event clock; storages still alive end after the last event)."""
+        from .plan import Block
+
+        with self._lock:
+            end = self._clock + 1
+            blocks = []
+            for rec in self._records:
+                if rec.alloc_t <= self._window_start:
+                    continue  # allocated before the window (parameters, optimizer state): not the step's
+                start = None
+                for t, _category, location in rec.history:
+                    if location == DEVICE and start is None:
+                        start = t
+                    elif location != DEVICE and start is not None:
+                        blocks.append(Block(rec.nbytes, start, t, rec.origin))
+                        start = None
+                if start is not None:
+                    blocks.append(Block(rec.nbytes, start, rec.free_t or end, rec.origin))
+            return blocks
 
     def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
         """Record ``tensor``'s storage (if new); optionally set its category."""

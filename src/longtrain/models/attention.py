@@ -17,10 +17,13 @@ where logits are soft-capped), with flash-kernel memory on CPU too (:mod:`longtr
 
 from __future__ import annotations
 
+import functools
+
 from transformers import AttentionInterface
 
 from ..errors import LongtrainError
-from ..ops.causal_attention import MASKED_BLOCK, causal_attention, needs_blocks
+from ..ops.causal_attention import (MASKED_BLOCK, causal_attention, causal_attention_backward,
+                                   causal_attention_forward, needs_blocks)
 from ..ops.chunked_attention import chunk_bounds
 from ..ops.masking import BlockPlanner, SequenceMask
 from ..ops.sdpa import sdpa_gqa
@@ -39,21 +42,37 @@ class AttentionCall:
     def attend(self, module, q, k, v, *, scale: float | None, window: int | None, softcap: float | None):
         raise NotImplementedError
 
+    def attend_keeping_output(self, module, q, k, v, *, scale, window, softcap):
+        """``(out, lse, backward)``: the output and log-sum-exp computed once without
+        autograd, and ``backward(grad_out, q, k, v, out, lse) -> (dq, dk, dv)``. For
+        techniques that keep attention's output instead of recomputing it (Memo);
+        calls that cannot give it raise :class:`NotImplementedError`."""
+        raise NotImplementedError
+
 
 class WholeSequenceAttention(AttentionCall):
     """Causal attention over the whole sequence (the ``backprop`` engine's call)."""
 
     def __init__(self, mask: SequenceMask):
         self.mask = mask
-        self._planner: BlockPlanner | None = None  # block decisions, shared by every layer
+        self._block_planner: BlockPlanner | None = None  # block decisions, shared by every layer
+
+    def _planner(self, q, window, softcap) -> BlockPlanner | None:
+        if not needs_blocks(self.mask, window, softcap, q.shape[2]):
+            return None
+        if self._block_planner is None:
+            self._block_planner = BlockPlanner(self.mask, chunk_bounds(q.shape[2], MASKED_BLOCK))
+        return self._block_planner
 
     def attend(self, module, q, k, v, *, scale, window, softcap):
-        planner = None
-        if needs_blocks(self.mask, window, softcap, q.shape[2]):
-            if self._planner is None:
-                self._planner = BlockPlanner(self.mask, chunk_bounds(q.shape[2], MASKED_BLOCK))
-            planner = self._planner
-        return causal_attention(q, k, v, mask=self.mask, window=window, scale=scale, softcap=softcap, planner=planner)
+        return causal_attention(q, k, v, mask=self.mask, window=window, scale=scale, softcap=softcap,
+                                planner=self._planner(q, window, softcap))
+
+    def attend_keeping_output(self, module, q, k, v, *, scale, window, softcap):
+        settings = dict(mask=self.mask, window=window, scale=scale, softcap=softcap,
+                        planner=self._planner(q, window, softcap))
+        out, lse = causal_attention_forward(q, k, v, **settings)
+        return out, lse, functools.partial(causal_attention_backward, **settings)
 
 
 def longtrain_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,

@@ -7,9 +7,12 @@ document that are not padding, inside the window; a row with nothing to see give
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from .chunked_attention import chunked_attention
+from .attention_blocks import block_backward, block_forward
+from .chunked_attention import chunk_bounds, chunked_attention, chunked_backward, chunked_forward
 from .masking import BlockPlanner, SequenceMask
 from .sdpa import sdpa_gqa
 
@@ -41,3 +44,56 @@ def causal_attention(
         return sdpa_gqa(q, k, v, is_causal=q.shape[2] > 1, scale=scale)
     return chunked_attention(q, k, v, chunk=MASKED_BLOCK, window=window, mask=mask, scale=scale,
                              softcap=softcap, planner=planner)
+
+
+# ---- attention whose output is kept (Memo): forward once, backward from the kept output ----
+
+def _planner_for(q, mask, window, softcap, planner):
+    if not needs_blocks(mask, window, softcap, q.shape[2]):
+        return None
+    return planner if planner is not None else BlockPlanner(mask, chunk_bounds(q.shape[2], MASKED_BLOCK))
+
+
+def causal_attention_forward(q, k, v, *, mask=None, window=None, scale=None, softcap=None, planner=None):
+    """Output (B, H, S, D) and log-sum-exp (B, H, S) of :func:`causal_attention`,
+    computed without autograd (the LSE is what an exact backward needs later)."""
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    with torch.no_grad():
+        planner = _planner_for(q, mask, window, softcap, planner)
+        if planner is None:  # one causal block over the whole sequence: the fused kernel
+            return block_forward(q, k, v, scale=scale, causal=q.shape[2] > 1)
+        return chunked_forward(q, k, v, planner, window, scale, softcap)
+
+
+def causal_attention_backward(grad_out, q, k, v, out, lse, *, mask=None, window=None, scale=None, softcap=None,
+                              planner=None):
+    """(dq, dk, dv) of :func:`causal_attention` from its output and LSE."""
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    planner = _planner_for(q, mask, window, softcap, planner)
+    if planner is None:
+        return block_backward(grad_out.contiguous(), q, k, v, out, lse, scale=scale, causal=q.shape[2] > 1)
+    return chunked_backward(grad_out, q, k, v, out, lse, planner, window, scale, softcap)
+
+
+class _KnownOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, out, lse, backward):
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.attention_backward = backward
+        return out  # a view of the kept output: no copy
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.attention_backward is None:
+            raise RuntimeError("this attention output was a stand-in for recomputation and has no backward")
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.attention_backward(grad_out, q, k, v, out, lse)
+        return dq, dk, dv, None, None, None
+
+
+def attention_from_output(q, k, v, out, lse, backward: Callable | None):
+    """``out``, as the attention of q, k, v whose output and LSE it is: autograd sees an
+    attention node (saving q, k, v, out and LSE) whose backward is
+    ``backward(grad_out, q, k, v, out, lse) -> (dq, dk, dv)``. With ``backward=None`` it
+    is a stand-in that only replays the forward (a recomputation that never runs backward)."""
+    return _KnownOutput.apply(q, k, v, out, lse, backward)

@@ -68,19 +68,42 @@ def _visible_blocks(planner: BlockPlanner, window, device, keys_outer=False):
             yield qi, ki, causal, mask
 
 
+def chunked_forward(q, k, v, planner: BlockPlanner, window, scale, softcap) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output (B, H, S, D) and LSE (B, H, S) of chunked causal attention, without autograd."""
+    acc = lse_dtype(q.dtype)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:3], -math.inf, dtype=acc, device=q.device)
+    bounds = planner.bounds
+    for qi, ki, causal, mask in _visible_blocks(planner, window, q.device):
+        (qa, qb), (ka, kb) = bounds[qi], bounds[ki]
+        bo, bl = block_forward(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], scale=scale,
+                               causal=causal, mask=mask, softcap=softcap)
+        out[:, :, qa:qb], lse[:, :, qa:qb] = merge(out[:, :, qa:qb], lse[:, :, qa:qb], bo.to(acc), bl)
+    return out.to(q.dtype), lse
+
+
+def chunked_backward(grad_out, q, k, v, out, lse, planner: BlockPlanner, window, scale, softcap):
+    """(dq, dk, dv) of chunked causal attention from the global output and LSE."""
+    grad_out = grad_out.contiguous()
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    bounds = planner.bounds
+    # Outer loop over key/value chunks (their dK/dV finish there), inner over queries.
+    for qi, ki, causal, mask in _visible_blocks(planner, window, q.device, keys_outer=True):
+        (qa, qb), (ka, kb) = bounds[qi], bounds[ki]
+        bq, bk, bv = block_backward(
+            grad_out[:, :, qa:qb], q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb],
+            out[:, :, qa:qb], lse[:, :, qa:qb], scale=scale, causal=causal, mask=mask, softcap=softcap,
+        )
+        dq[:, :, qa:qb] += bq
+        dk[:, :, ka:kb] += bk
+        dv[:, :, ka:kb] += bv
+    return dq, dk, dv
+
+
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, planner, window, scale, softcap):
-        acc = lse_dtype(q.dtype)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
-        lse = torch.full(q.shape[:3], -math.inf, dtype=acc, device=q.device)
-        bounds = planner.bounds
-        for qi, ki, causal, mask in _visible_blocks(planner, window, q.device):
-            (qa, qb), (ka, kb) = bounds[qi], bounds[ki]
-            bo, bl = block_forward(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], scale=scale,
-                                   causal=causal, mask=mask, softcap=softcap)
-            out[:, :, qa:qb], lse[:, :, qa:qb] = merge(out[:, :, qa:qb], lse[:, :, qa:qb], bo.to(acc), bl)
-        out = out.to(q.dtype)
+        out, lse = chunked_forward(q, k, v, planner, window, scale, softcap)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.planner, ctx.window, ctx.scale, ctx.softcap = planner, window, scale, softcap
         return out
@@ -88,20 +111,7 @@ class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        planner, window, scale, softcap = ctx.planner, ctx.window, ctx.scale, ctx.softcap
-        grad_out = grad_out.contiguous()
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        bounds = planner.bounds
-        # Outer loop over key/value chunks (their dK/dV finish there), inner over queries.
-        for qi, ki, causal, mask in _visible_blocks(planner, window, q.device, keys_outer=True):
-            (qa, qb), (ka, kb) = bounds[qi], bounds[ki]
-            bq, bk, bv = block_backward(
-                grad_out[:, :, qa:qb], q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb],
-                out[:, :, qa:qb], lse[:, :, qa:qb], scale=scale, causal=causal, mask=mask, softcap=softcap,
-            )
-            dq[:, :, qa:qb] += bq
-            dk[:, :, ka:kb] += bk
-            dv[:, :, ka:kb] += bv
+        dq, dk, dv = chunked_backward(grad_out, q, k, v, out, lse, ctx.planner, ctx.window, ctx.scale, ctx.softcap)
         return dq, dk, dv, None, None, None, None
 
 
@@ -139,44 +149,54 @@ def chunked_attention(
     return _ChunkedAttention.apply(q, k, v, planner, window, scale, softcap)
 
 
+def attend_chunk_forward(q, k, v, history: KVHistory, planner: BlockPlanner, index: int, window, scale, softcap):
+    """Output and LSE of query chunk ``index`` over its own K/V and ``history``, without autograd."""
+    acc = lse_dtype(q.dtype)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:3], -math.inf, dtype=acc, device=q.device)
+    for j, k_past, v_past in history.blocks():
+        skip, causal, mask = planner.plan(index, j, window, q.device)
+        if not skip:
+            bo, bl = block_forward(q, k_past, v_past, scale=scale, causal=causal, mask=mask, softcap=softcap)
+            out, lse = merge(out, lse, bo.to(acc), bl)
+    _, causal, mask = planner.plan(index, index, window, q.device)
+    bo, bl = block_forward(q, k, v, scale=scale, causal=causal, mask=mask, softcap=softcap)
+    out, lse = merge(out, lse, bo.to(acc), bl)
+    return out.to(q.dtype), lse
+
+
+def attend_chunk_backward(grad_out, q, k, v, out, lse, history: KVHistory, planner: BlockPlanner, index: int, window,
+                          scale, softcap):
+    """(dq, dk, dv) of :func:`attend_chunk`: earlier chunks' K/V gradients go to
+    ``history``, and what later chunks sent to this chunk's K/V is added."""
+    grad_out = grad_out.contiguous()
+    _, causal, mask = planner.plan(index, index, window, q.device)
+    dq, dk, dv = block_backward(grad_out, q, k, v, out, lse, scale=scale, causal=causal, mask=mask, softcap=softcap)
+    for j, k_past, v_past in history.blocks(backward=True):
+        skip, causal, mask = planner.plan(index, j, window, q.device)
+        if skip:
+            continue
+        bq, bk, bv = block_backward(grad_out, q, k_past, v_past, out, lse, scale=scale, causal=causal, mask=mask, softcap=softcap)
+        dq = dq + bq
+        history.add_grad(j, bk, bv)
+    later = history.take_grad()  # what the later query chunks sent to this chunk's K/V
+    if later is not None:
+        dk, dv = dk + later[0], dv + later[1]
+    return dq, dk, dv
+
+
 class _AttendChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, history, planner, index, window, scale, softcap):
-        acc = lse_dtype(q.dtype)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
-        lse = torch.full(q.shape[:3], -math.inf, dtype=acc, device=q.device)
-        for j, k_past, v_past in history.blocks():
-            skip, causal, mask = planner.plan(index, j, window, q.device)
-            if not skip:
-                bo, bl = block_forward(q, k_past, v_past, scale=scale, causal=causal, mask=mask, softcap=softcap)
-                out, lse = merge(out, lse, bo.to(acc), bl)
-        _, causal, mask = planner.plan(index, index, window, q.device)
-        bo, bl = block_forward(q, k, v, scale=scale, causal=causal, mask=mask, softcap=softcap)
-        out, lse = merge(out, lse, bo.to(acc), bl)
-        out = out.to(q.dtype)
+        out, lse = attend_chunk_forward(q, k, v, history, planner, index, window, scale, softcap)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.history, ctx.planner, ctx.index = history, planner, index
-        ctx.window, ctx.scale, ctx.softcap, ctx.diag = window, scale, softcap, (causal, mask)
+        ctx.settings = (history, planner, index, window, scale, softcap)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        history, planner, index, window = ctx.history, ctx.planner, ctx.index, ctx.window
-        scale, softcap = ctx.scale, ctx.softcap
-        grad_out = grad_out.contiguous()
-        causal, mask = ctx.diag
-        dq, dk, dv = block_backward(grad_out, q, k, v, out, lse, scale=scale, causal=causal, mask=mask, softcap=softcap)
-        for j, k_past, v_past in history.blocks(backward=True):
-            skip, causal, mask = planner.plan(index, j, window, q.device)
-            if skip:
-                continue
-            bq, bk, bv = block_backward(grad_out, q, k_past, v_past, out, lse, scale=scale, causal=causal, mask=mask, softcap=softcap)
-            dq = dq + bq
-            history.add_grad(j, bk, bv)
-        later = history.take_grad()  # what the later query chunks sent to this chunk's K/V
-        if later is not None:
-            dk, dv = dk + later[0], dv + later[1]
+        dq, dk, dv = attend_chunk_backward(grad_out, q, k, v, out, lse, *ctx.settings)
         return dq, dk, dv, None, None, None, None, None, None
 
 

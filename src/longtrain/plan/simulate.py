@@ -16,8 +16,8 @@ parameter dtype; the CUDA caching allocator's fragmentation is not modelled.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass
-from typing import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -25,12 +25,13 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..errors import LongtrainError
+from ..memory.plan import fragmentation_report
 from ..memory.tracker import CATEGORIES, MemoryReport, MemoryTracker
 from ..memory.units import format_bytes
 from ..models.loading import build_from_config, default_dtype, load_config, parse_dtype
 from ..optimizers import make_optimizer
 from ..parallel.distributed import simulated_world
-from ..strategy import Strategy, apply, step
+from ..strategy import Strategy, applied_context, apply, step
 
 ASSUMPTIONS = (
     "attention: fused flash kernel, whole-sequence or per chunk (saves output + log-sum-exp, no s×s scores); "
@@ -51,11 +52,13 @@ def run_training_steps(
     fake: bool = True,
     seed: int = 0,
     grad_accum: int = 1,
+    trace: list | None = None,
 ) -> tuple[MemoryReport, int]:
     """Train ``iterations`` steps and report the last step's peak.
 
     ``grad_accum`` micro-batches per step: from the second on, the gradients of the
-    earlier ones are alive during the forward pass, as in real accumulation.
+    earlier ones are alive during the forward pass, as in real accumulation. ``trace``:
+    a list that receives the last step's device allocation trace (for the memory planner).
 
     ``build_model()`` must return a model (strategy not yet applied). With ``fake=True``
     everything runs on fake tensors; with ``fake=False`` it allocates for real, which
@@ -94,6 +97,8 @@ def run_training_steps(
                 else:
                     model.zero_grad(set_to_none=True)
             report = tracker.report()
+            if trace is not None:
+                trace.extend(tracker.trace())
     return report, n_params
 
 
@@ -108,6 +113,8 @@ class SimulationReport:
     parameters: int
     peak: MemoryReport
     assumptions: str = ASSUMPTIONS
+    fragmentation: Any = None  # a FragmentationReport when asked for
+    notes: dict = field(default_factory=dict)  # what techniques chose (memo's alpha)
 
     @property
     def device_peak_bytes(self) -> int:
@@ -117,6 +124,11 @@ class SimulationReport:
         data = asdict(self)
         data["peak"] = self.peak.to_dict()
         return data
+
+    def fragmentation_table(self) -> str:
+        rows = [("device memory of the last step", "")] + self.fragmentation.rows()
+        return format_table(rows) + (f"\n({self.fragmentation.blocks:,} tensors; offsets planned once for the "
+                                     "recorded step, as Memo's memory planner does)")
 
     def table(self) -> str:
         """Device and host bytes by category at the device peak, plus the largest tensors."""
@@ -134,6 +146,10 @@ class SimulationReport:
         for info in self.peak.largest:
             shape = "x".join(str(d) for d in info.shape)
             lines.append(f"  {format_bytes(info.nbytes):>12}  {info.category:<16} {info.location:<6} {info.dtype}[{shape}]  {info.origin}")
+        for key, value in self.notes.items():
+            lines.append(f"{key}: {value:.3g}" if isinstance(value, float) else f"{key}: {value}")
+        if self.fragmentation is not None:
+            lines += ["", self.fragmentation_table()]
         lines.append(f"assumes {self.assumptions}")
         return "\n".join(lines)
 
@@ -159,6 +175,7 @@ def simulate(
     lora_rank: int | None = None,
     iterations: int | None = None,
     grad_accum: int = 1,
+    fragmentation: bool = False,
 ) -> SimulationReport:
     """Simulated steady-state peak of one training step at full scale (no allocation).
 
@@ -166,6 +183,8 @@ def simulate(
     config is read) or a ``PretrainedConfig``. ``iterations``: steps simulated (default
     2, so optimizer state exists at the peak; 1 suffices with ``optimizer="none"``).
     ``grad_accum``: micro-batches per step (gradients alive during later forwards).
+    ``fragmentation``: also plan the last step's device memory offline
+    (:func:`longtrain.memory.plan.fragmentation_report`).
     """
     if lora_rank:
         # peft moves new adapter weights with torch.utils.swap_tensors, which fake tensors
@@ -177,12 +196,23 @@ def simulate(
     torch_dtype = parse_dtype(dtype)
     strategy = Strategy.parse(strategy)
 
+    trace = [] if fragmentation else None
+    built: list = []  # the model, for what its techniques noted (memo's alpha)
+
+    def build():
+        built.append(build_from_config(config, torch_dtype))
+        return built[-1]
+
     report, n_params = run_training_steps(
-        lambda: build_from_config(config, torch_dtype), seq_len=seq_len, batch_size=batch_size, strategy=strategy, optimizer=optimizer, dtype=torch_dtype,
-        iterations=iterations or (1 if optimizer == "none" else 2), grad_accum=grad_accum,
+        build, seq_len=seq_len, batch_size=batch_size, strategy=strategy, optimizer=optimizer, dtype=torch_dtype,
+        iterations=iterations or (1 if optimizer == "none" else 2), grad_accum=grad_accum, trace=trace,
     )
+    context = applied_context(built[0])
+    notes = dict(context.notes) if context is not None else {}
+    frag = fragmentation_report(trace) if fragmentation else None
     name = model if isinstance(model, str) else getattr(config, "name_or_path", "") or config.model_type
     return SimulationReport(
         model=name, seq_len=seq_len, batch_size=batch_size, strategy=strategy.to_dict(), optimizer=optimizer,
-        dtype=str(torch_dtype).replace("torch.", ""), parameters=n_params, peak=report,
+        dtype=str(torch_dtype).replace("torch.", ""), parameters=n_params, peak=report, fragmentation=frag,
+        notes=notes,
     )

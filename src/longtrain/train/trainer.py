@@ -496,6 +496,8 @@ class Trainer:
             "seconds": seconds,
             "device": str(self.device),
             "processes": self.ranks.world_size,
+            # What techniques measured or chose on this machine (memo's alpha and its inputs).
+            "strategy_notes": dict(applied_context(self.model).notes),
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
@@ -519,6 +521,11 @@ def format_summary(summary: dict) -> str:
         rows[3] = (rows[3][0], rows[3][1] + f", the largest of {summary['processes']} processes")
     if summary.get("host_pool_bytes"):
         rows.insert(4, ("host memory", f"{format_bytes(summary['host_pool_bytes'])} in the pinned pool of parked chunks"))
+    notes = summary.get("strategy_notes") or {}
+    if "memo_alpha" in notes:
+        how = ("measured: one layer {:.3g} s, host link {:.3g} GB/s".format(notes["memo_layer_seconds"], notes["memo_host_bandwidth"] / 1e9)
+               if notes.get("memo_measured") else "given" if "memo_layer_seconds" not in notes else "modelled")
+        rows.append(("memo alpha", f"{notes['memo_alpha']:.3f} of the other activations' tokens swapped ({how})"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
 

@@ -1,0 +1,318 @@
+"""``memo``: token-wise activation swapping and recomputation (Memo, ../shared/papers/memo.txt §4.1).
+
+Each decoder layer keeps its input and its attention output (and the attention's
+log-sum-exp) in host memory; of every other tensor it saves for backward, a fraction
+``alpha`` of the tokens goes to host memory too and the rest is recomputed in backward
+— by running the layer on those tokens alone with the kept attention output standing
+in for attention (:mod:`longtrain.memory.token_swap`). So attention runs once per layer
+forward whatever ``alpha`` is, and with ``alpha = 1`` no layer op runs twice. The last
+``keep_last`` layers keep what they save on the device: their backward starts at once.
+
+``alpha="auto"`` is Memo's rule (DESIGN.md): the largest α whose copies hide under one
+layer's forward and whose host bytes fit the host budget,
+
+    α = min( (B·T_layer − S_in − S_attn) / S_others,
+             (M_host / (n − keep_last) − S_in − S_attn) / S_others )  clipped to [0, 1],
+
+with the sizes S and one layer's forward time T_layer measured on the first layer of
+the first step (which runs with α = 0), and the host bandwidth B measured by one copy
+of that layer's input. Under the simulator (fake tensors) nothing can be timed: the
+layer time comes from its FLOPs at :data:`DEFAULT_FLOPS_PER_S` and the bandwidth is
+:data:`DEFAULT_HOST_BANDWIDTH`. The chosen α and what it came from are reported in the
+engine context's notes (the trainer's summary shows them).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .. import validate
+from ..errors import LongtrainError
+from ..memory.chunk_store import ChunkStore
+from ..memory.token_swap import LayerActivations, storage_id, token_axis
+from ..memory.units import format_bytes, parse_bytes
+from ..models.attention import AttentionCall
+from ..ops.causal_attention import attention_from_output
+from ..registry import register_technique
+
+# Used where nothing can be measured (the simulator): one H100's sustained bf16 matmul
+# rate in our runs (45% MFU) and a pinned PCIe Gen5 x16 copy.
+DEFAULT_FLOPS_PER_S = 4.0e14
+DEFAULT_HOST_BANDWIDTH = 2.5e10
+
+
+@dataclass
+class Memo:
+    """Knobs of Memo's token-wise swapping."""
+
+    alpha: float | str = "auto"  # fraction of tokens of the other saved tensors swapped to host; "auto": Memo's rule
+    host_memory: int | str | None = None  # host budget for the swapped activations; default 80% of physical memory
+    offload: bool = True  # swap to host memory (false: keep on the device, to test the schedule)
+    keep_last: int = 2  # the last layers keep what they save on the device
+
+    def __post_init__(self):
+        if self.alpha != "auto":
+            if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 <= self.alpha <= 1:
+                raise LongtrainError(f"memo alpha must be a number in [0, 1] or 'auto', got {self.alpha!r}")
+            self.alpha = float(self.alpha)
+        if self.host_memory is not None:
+            self.host_memory = parse_bytes(self.host_memory)
+            if self.host_memory <= 0:
+                raise LongtrainError(f"memo host_memory must be positive, got {self.host_memory!r}")
+        validate.flag("memo", "offload", self.offload)
+        validate.positive_int("memo", "keep_last", self.keep_last, minimum=0)
+
+
+def memo_alpha(*, input_bytes: float, attention_bytes: float, other_bytes: float, bandwidth: float,
+               layer_seconds: float, layers: int, host_budget: float, keep_last: int = 2) -> float:
+    """Memo's α (module docstring): the largest fraction of the other saved tensors'
+    tokens that can go to host memory without exposing copies or exceeding the budget."""
+    swapped_layers = max(1, layers - keep_last)
+    always = input_bytes + attention_bytes
+    if swapped_layers * always > host_budget:
+        raise LongtrainError(
+            f"memo keeps every layer's input and attention output in host memory: {swapped_layers} layers × "
+            f"{format_bytes(always)} = {format_bytes(swapped_layers * always)}, over the host budget of "
+            f"{format_bytes(host_budget)}; raise memo:host_memory, shorten the sequence, or use another strategy"
+        )
+    if other_bytes <= 0:
+        return 1.0
+    by_time = (bandwidth * layer_seconds - always) / other_bytes
+    by_host = (host_budget / swapped_layers - always) / other_bytes
+    return float(min(1.0, max(0.0, min(by_time, by_host))))
+
+
+def default_host_budget() -> int:
+    """80% of the machine's physical memory."""
+    return int(0.8 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+class _KeptOutputAttention(AttentionCall):
+    """The forward's attention: computed once, its output and LSE kept whole."""
+
+    def __init__(self, inner: AttentionCall, record: LayerActivations):
+        self.inner, self.record, self.mask = inner, record, inner.mask
+
+    def attend(self, module, q, k, v, *, scale, window, softcap):
+        try:
+            out, lse, backward = self.inner.attend_keeping_output(module, q, k, v, scale=scale, window=window,
+                                                                  softcap=softcap)
+        except NotImplementedError:
+            raise LongtrainError("memo needs attention over the whole sequence (the backprop engine)") from None
+        # Kept in the (B, S, H, D) layout the layer reads next, so that the output
+        # projection's saved input is a view of the kept tensor, not a second copy.
+        out, lse = out.transpose(1, 2).contiguous(), lse.contiguous()  # (kernels may return a strided LSE)
+        self.record.keep("attention_output", out, views=True)
+        self.record.keep("attention_lse", lse, views=True)
+        return attention_from_output(q, k, v, out.transpose(1, 2), lse, functools.partial(_contiguous_backward, backward))
+
+
+def _contiguous_backward(backward, grad_out, q, k, v, out, lse):
+    return backward(grad_out, q, k, v, out.contiguous(), lse)
+
+
+class _StandInAttention(AttentionCall):
+    """The recomputation's attention: the kept output of tokens ``[split, S)``."""
+
+    def __init__(self, record: LayerActivations, split: int, mask):
+        self.record, self.split, self.mask = record, split, mask
+
+    def attend(self, module, q, k, v, *, scale, window, softcap):
+        out = self.record.fetch("attention_output")[:, self.split:]
+        lse = self.record.fetch("attention_lse")[:, :, self.split:]
+        return attention_from_output(q, k, v, out.transpose(1, 2), lse, None)
+
+
+class MemoLayers:
+    """Memo's state for one model: the host store, α, and the chain of layer records."""
+
+    def __init__(self, context, options: Memo):
+        self.context, self.options = context, options
+        self.layers = len(context.adapter.layers)
+        self.alpha = None if options.alpha == "auto" else options.alpha
+        self.store: ChunkStore | None = None
+        self._below: tuple[int, weakref.ref] | None = None
+        if self.alpha is not None:
+            context.notes["memo_alpha"] = self.alpha
+
+    def _store(self, device: torch.device) -> ChunkStore:
+        if self.store is None or self.store.device != device:
+            self.store = ChunkStore(device, offload=self.options.offload, pool=self.context.pool)
+        return self.store
+
+    def forward(self, index: int, layer, layer_forward, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        call = kwargs.get("attention_mask")
+        if not isinstance(call, AttentionCall):
+            raise LongtrainError("memo runs layers through longtrain's engines (longtrain.step or longtrain train)")
+        batch, tokens = hidden.shape[:2]
+        measuring = self.alpha is None
+        alpha = 0.0 if measuring else self.alpha
+        split = min(tokens, max(0, round(alpha * tokens)))
+        offload = self.options.offload and index < self.layers - self.options.keep_last
+        record = LayerActivations(
+            self._store(hidden.device), batch=batch, tokens=tokens, split=split, offload=offload,
+            external=self._external(layer, kwargs.get("position_embeddings")), recompute=None,
+        )
+        # A weak reference: the record must die with the graph that holds it (its host buffers return then).
+        record.recompute = functools.partial(_recompute, layer_forward, args[1:], _without(kwargs, "hidden_states"),
+                                             split, hidden.requires_grad, _autocast_state(hidden.device),
+                                             weakref.ref(record))
+        record.input_storage = storage_id(hidden)
+        if split < tokens:  # the recomputation starts from the layer input's recomputed tokens
+            record.keep("input", hidden.detach()[:, split:].contiguous())
+        args, kwargs = _with_hidden(args, kwargs, hidden, _KeptOutputAttention(call, record))
+        started = self._clock(hidden) if measuring else None
+        with torch.autograd.graph.saved_tensors_hooks(record.pack, record.unpack):
+            out = layer_forward(*args, **kwargs)
+        record.finish_forward()
+        if measuring:
+            self._resolve_alpha(record, hidden, started, layer)
+        below = self._below
+        if below is not None and below[0] == index - 1:
+            record.previous = below[1]
+        self._below = (index, weakref.ref(record))
+        return out
+
+    # ---- measurement -------------------------------------------------------------------
+    def _clock(self, hidden: torch.Tensor):
+        if _is_fake(hidden):
+            return None
+        if hidden.device.type == "cuda":
+            torch.cuda.synchronize(hidden.device)
+        return time.perf_counter()
+
+    def _resolve_alpha(self, record: LayerActivations, hidden: torch.Tensor, started, layer) -> None:
+        tokens = hidden.shape[1]
+        fake = started is None
+        if fake:
+            layer_seconds = _layer_flops(self.context, layer, hidden) / DEFAULT_FLOPS_PER_S
+            bandwidth = DEFAULT_HOST_BANDWIDTH
+        else:
+            layer_seconds = self._clock(hidden) - started
+            bandwidth = _measure_bandwidth(hidden)
+        host_budget = self.options.host_memory or default_host_budget()
+        sizes = dict(input_bytes=hidden.nbytes, attention_bytes=record.saved_bytes["whole"],
+                     other_bytes=record.saved_bytes["split"])
+        self.alpha = memo_alpha(**sizes, bandwidth=bandwidth, layer_seconds=layer_seconds, layers=self.layers,
+                                host_budget=host_budget, keep_last=self.options.keep_last)
+        self.context.notes.update({
+            "memo_alpha": self.alpha, "memo_layer_seconds": layer_seconds, "memo_host_bandwidth": bandwidth,
+            "memo_measured": not fake, "memo_tokens": tokens, "memo_host_budget": host_budget, **{f"memo_{k}": v for k, v in sizes.items()},
+        })
+
+    def _external(self, layer, position_embeddings) -> set[int]:
+        tensors = list(layer.parameters()) + [t for t in _tensors(position_embeddings)]
+        return {storage_id(t) for t in tensors if not t.is_meta}
+
+
+def _recompute(layer_forward, rest_args, kwargs, split, requires_grad, autocast, record_ref, capture):
+    """Replay the layer on tokens ``[split, S)`` under ``capture`` (see token_swap)."""
+    record = record_ref()
+    hidden = record.fetch("input").detach().requires_grad_(requires_grad)
+    batch, tokens = record.batch, record.tokens
+    kwargs = dict(kwargs)
+    kwargs["attention_mask"] = _StandInAttention(record, split, kwargs["attention_mask"].mask)
+    if kwargs.get("position_embeddings") is not None:
+        kwargs["position_embeddings"] = tree_map(lambda t: _later_tokens(t, batch, tokens, split),
+                                                 kwargs["position_embeddings"])
+    device_type, dtype, enabled = autocast
+    with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled), \
+            torch.autograd.graph.saved_tensors_hooks(capture, _never_unpacked):
+        layer_forward(hidden, *rest_args, **kwargs)
+
+
+def _later_tokens(t, batch, tokens, split):
+    if not isinstance(t, torch.Tensor):
+        return t
+    where = token_axis(t.shape, batch, tokens)
+    if where is None:
+        return t
+    axis, flattened = where
+    if flattened:
+        return t.reshape(batch, tokens, *t.shape[1:])[:, split:].reshape(-1, *t.shape[1:])
+    return t.narrow(axis, split, tokens - split)
+
+
+def _never_unpacked(_):
+    raise RuntimeError("memo's recomputation graph is never differentiated")
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (tuple, list)):
+        for item in tree:
+            yield from _tensors(item)
+
+
+def _without(kwargs: dict, name: str) -> dict:
+    return {k: v for k, v in kwargs.items() if k != name}
+
+
+def _with_hidden(args, kwargs, hidden, call):
+    kwargs = dict(kwargs, attention_mask=call)
+    if args:
+        return (hidden,) + tuple(args[1:]), kwargs
+    kwargs["hidden_states"] = hidden
+    return (), kwargs
+
+
+def _autocast_state(device: torch.device):
+    kind = device.type if device.type in ("cuda", "cpu") else "cpu"
+    return kind, torch.get_autocast_dtype(kind), torch.is_autocast_enabled(kind)
+
+
+def _measure_bandwidth(hidden: torch.Tensor) -> float:
+    """Bytes/s of one device→host copy of ``hidden`` into page-locked memory."""
+    cuda = hidden.device.type == "cuda"
+    buffer = torch.empty(hidden.shape, dtype=hidden.dtype, device="cpu", pin_memory=cuda)
+    if cuda:
+        torch.cuda.synchronize(hidden.device)
+    started = time.perf_counter()
+    buffer.copy_(hidden.detach())
+    if cuda:
+        torch.cuda.synchronize(hidden.device)
+    return hidden.nbytes / max(time.perf_counter() - started, 1e-9)
+
+
+def _layer_flops(context, layer, hidden: torch.Tensor) -> float:
+    """Forward FLOPs of one layer over ``hidden``'s tokens: its matmuls and causal attention."""
+    from ..memory.flops import attention_width
+
+    batch, tokens = hidden.shape[:2]
+    matmul = sum(p.numel() for p in layer.parameters() if p.dim() >= 2)
+    return batch * (2.0 * tokens * matmul + 2.0 * attention_width(context.adapter.config) * tokens * tokens)
+
+
+def _memo_forward(memo: MemoLayers, index: int, layer, layer_forward, *args, **kwargs):
+    if not torch.is_grad_enabled():  # evaluation: nothing is saved
+        return layer_forward(*args, **kwargs)
+    return memo.forward(index, layer, layer_forward, args, kwargs)
+
+
+@register_technique("memo", Memo, "token-wise activation swapping to host + recomputation without attention (exact)",
+                    order=45, excludes={"checkpoint": "memo already recomputes what it does not swap; drop 'checkpoint'"})
+def install_memo(context, options: Memo) -> None:
+    adapter = context.adapter
+    if not adapter.has_attention:
+        raise LongtrainError("memo keeps attention outputs; this model has no attention (use the adjoint engine)")
+    if adapter.dropout() > 0:
+        raise LongtrainError("memo recomputes part of each layer and needs a model without dropout; "
+                             "set the dropout probabilities in the model config to 0")
+    memo = MemoLayers(context, options)
+    for index, layer in enumerate(adapter.layers):
+        layer.forward = functools.partial(_memo_forward, memo, index, layer, layer.forward)

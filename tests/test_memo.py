@@ -1,0 +1,161 @@
+"""Memo (token-wise swapping + recomputation without attention): float64 proofs against
+stock autograd for any α, the recomputation it promises (none at α = 1; attention once
+per layer forward at α = 0), its α rule, its memory, and its refusals."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import longtrain as lt
+from longtrain.memory.flops import count_flops
+from longtrain.memory.token_swap import token_axis
+from longtrain.models.loading import build_from_config
+from longtrain.models.presets import preset_config
+from longtrain.plan.simulate import run_training_steps
+from longtrain.techniques.memo import memo_alpha
+
+from conftest import BATCHES, check_step, packed_batch, padded_batch, stock_and_ours
+
+TOL = 1e-10
+
+
+def memo(alpha, **options):
+    # keep_last=0: every layer of the 2-layer test models swaps to host.
+    return lt.Strategy(memo=lt.Memo(alpha=alpha, keep_last=options.pop("keep_last", 0), **options))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2"])
+def test_memo_equals_stock_autograd(preset, batch, alpha):
+    stock, ours = stock_and_ours(preset)
+    check_step(stock, ours, memo(alpha), BATCHES[batch](stock.config.vocab_size), TOL)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-phi3", "tiny-granite", "tiny-cohere"])
+def test_memo_on_the_other_families(preset):
+    stock, ours = stock_and_ours(preset)
+    check_step(stock, ours, memo(0.3), packed_batch(stock.config.vocab_size), TOL)
+
+
+@pytest.mark.parametrize("strategy", [memo(0.45, keep_last=1), memo(0.0, offload=False), memo("auto"),
+                                      lt.Strategy(memo=lt.Memo(alpha=0.7, keep_last=0), mst=lt.MsT(mlp_chunk=29))])
+def test_memo_odd_lengths_and_options(strategy):
+    stock, ours = stock_and_ours("tiny-qwen2")
+    batch = {"input_ids": torch.randint(3, 320, (3, 131), generator=torch.Generator().manual_seed(4))}
+    check_step(stock, ours, strategy, batch, TOL)
+
+
+def test_memo_second_step_on_the_same_model():
+    stock, ours = stock_and_ours("tiny-llama")
+    batch = padded_batch(stock.config.vocab_size, lengths=(61, 50))
+    check_step(stock, ours, memo(0.5), batch, TOL)
+    stock.zero_grad(set_to_none=True)
+    ours.zero_grad(set_to_none=True)
+    check_step(stock, ours, memo(0.5), batch, TOL)
+
+
+class _AttentionCalls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if "attention" in name:
+            self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _flops_and_attention_calls(strategy, batch):
+    _, ours = stock_and_ours("tiny-llama")
+    lt.apply(ours, strategy)
+    with _AttentionCalls() as calls:
+        flops, _ = count_flops(lt.step, ours, batch)
+    return flops, calls.calls, ours.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("batch", [{"input_ids": torch.randint(3, 320, (2, 101))}, padded_batch(320, lengths=(100, 77))])
+def test_memo_recomputes_nothing_at_alpha_one_and_never_attention(batch):
+    backprop, _, _ = _flops_and_attention_calls(lt.Strategy(), batch)
+    checkpoint, _, _ = _flops_and_attention_calls(lt.Strategy(checkpoint=True), batch)
+    full, _, _ = _flops_and_attention_calls(memo(1.0), batch)
+    none, calls, layers = _flops_and_attention_calls(memo(0.0), batch)
+    assert full == backprop  # α = 1: no layer op runs twice
+    assert backprop < none < checkpoint  # α = 0: token-wise work recomputed, attention not
+    forward = [n for n in calls if "attention" in n and not n.endswith("backward")]
+    assert forward and all(calls[n] == layers for n in forward), calls
+
+
+def test_alpha_rule():
+    sizes = dict(input_bytes=10, attention_bytes=10, other_bytes=100, layers=10, keep_last=2)
+    # Copies: 20 + α·100 bytes must take ≤ one layer's time at 100 B/s -> α = 0.3.
+    assert memo_alpha(**sizes, bandwidth=100, layer_seconds=0.5, host_budget=10**9) == pytest.approx(0.3)
+    # Host: 8 swapped layers × (20 + α·100) ≤ 400 -> α = 0.3.
+    assert memo_alpha(**sizes, bandwidth=1e9, layer_seconds=1, host_budget=400) == pytest.approx(0.3)
+    assert memo_alpha(**sizes, bandwidth=1e9, layer_seconds=1, host_budget=10**9) == 1.0  # clipped
+    assert memo_alpha(**sizes, bandwidth=1, layer_seconds=1, host_budget=10**9) == 0.0  # clipped
+    with pytest.raises(lt.LongtrainError, match="input and attention output in host memory.*over the host budget"):
+        memo_alpha(**sizes, bandwidth=1e9, layer_seconds=1, host_budget=100)
+
+
+def test_auto_alpha_is_measured_and_reported():
+    _, ours = stock_and_ours("tiny-llama")
+    lt.apply(ours, memo("auto", host_memory="1GiB"))
+    lt.step(ours, padded_batch(320, lengths=(60, 41)))
+    notes = ours._longtrain.notes
+    assert 0.0 <= notes["memo_alpha"] <= 1.0 and notes["memo_measured"] and notes["memo_host_budget"] == 2**30
+    assert notes["memo_layer_seconds"] > 0 and notes["memo_host_bandwidth"] > 0 and notes["memo_other_bytes"] > 0
+
+
+def test_token_axis():
+    assert token_axis(torch.Size([2, 7, 5]), 2, 7) == (1, False)
+    assert token_axis(torch.Size([2, 4, 7, 5]), 2, 7) == (2, False)
+    assert token_axis(torch.Size([14, 5]), 2, 7) == (0, True)
+    assert token_axis(torch.Size([7, 5]), 1, 7) == (0, False)
+    assert token_axis(torch.Size([5, 3]), 2, 7) is None
+
+
+def _peak(strategy, fake, layers=4):
+    config = preset_config("demo", num_hidden_layers=layers)
+    report, _ = run_training_steps(lambda: build_from_config(config, torch.float32), seq_len=1024, strategy=strategy,
+                                   fake=fake, optimizer="none", iterations=1)
+    return report
+
+
+def test_memo_memory_measured_equals_simulated_and_moves_activations_to_host():
+    backprop = _peak(lt.Strategy(), fake=False)
+    for strategy in (memo(0.0), memo(0.5), lt.Strategy(memo=lt.Memo(alpha=1.0, keep_last=0), mst=True)):
+        measured, simulated = _peak(strategy, fake=False), _peak(strategy, fake=True)
+        assert measured.peak_device_bytes == simulated.peak_device_bytes
+        assert measured.peak_host_bytes == simulated.peak_host_bytes > 0
+        assert measured.peak_device_bytes < backprop.peak_device_bytes
+    # More tokens swapped, more host memory.
+    assert _peak(memo(0.0), True).peak_host_bytes < _peak(memo(0.5), True).peak_host_bytes
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: lt.Strategy(memo=True, checkpoint=True), "'memo' does not combine with 'checkpoint'"),
+    (lambda: lt.Strategy(engine="fpdt", memo=True), "fpdt engine does not combine with 'memo'"),
+    (lambda: lt.Strategy(memo=True, sequence_parallel=2), "memo does not run under sequence parallelism"),
+    (lambda: lt.Memo(alpha=1.5), "alpha must be a number in \\[0, 1\\] or 'auto'"),
+    (lambda: lt.Memo(alpha="half"), "alpha must be a number"),
+    (lambda: lt.Memo(offload="no"), "offload must be true or false"),
+    (lambda: lt.Memo(host_memory="lots"), "cannot read size 'lots'"),
+    (lambda: lt.Strategy.parse("memo:alpha=2"), "alpha must be a number"),
+])
+def test_memo_refusals(make, match):
+    with pytest.raises(lt.LongtrainError, match=match):
+        make()
+
+
+def test_memo_refuses_an_attention_free_model():
+    model = build_from_config(preset_config("tiny-ssm"))
+    with pytest.raises(lt.LongtrainError, match="no attention"):
+        lt.apply(model, lt.Strategy(memo=True))
+
+
+def test_memo_parses_from_the_command_line_spelling():
+    strategy = lt.Strategy.parse("memo:alpha=0.25:host_memory=64GiB,mst")
+    assert strategy.techniques["memo"].alpha == 0.25 and strategy.techniques["memo"].host_memory == 64 * 2**30
+    assert lt.Strategy.from_yaml(strategy.to_yaml()) == strategy
