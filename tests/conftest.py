@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 import longtrain as lt
@@ -276,3 +277,17 @@ def check_step(stock, ours, strategy, batch, tol: float = 1e-10, another_thread:
     error = max_rel_error(grads(ours), grads(stock))
     assert error <= tol, error
     return error
+
+
+class AttentionKernelCalls(TorchDispatchMode):
+    """Counts the attention kernels (forward and backward) a block of code runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if "attention" in name:
+            self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import longtrain as lt
-from conftest import check_step, padded_batch, stock_and_ours
+from conftest import AttentionKernelCalls, check_step, padded_batch, stock_and_ours
 from longtrain.memory.chunk_store import ChunkStore
 from longtrain.plan.simulate import run_training_steps
 from longtrain.memory.tracker import MemoryTracker
@@ -210,25 +210,12 @@ def test_kept_attention_outputs_mean_attention_runs_forward_once():
     recomputation hands them to attention's backward, so every attention block's forward
     kernel runs once per step instead of twice — and the gradients stay exact
     (tests/test_exactness.py runs 'fpdt+offload,output-kept+mst' on every family)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Kernels(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if "attention" in name:
-                self.calls[name] = self.calls.get(name, 0) + 1
-            return func(*args, **(kwargs or {}))
-
     batch = {"input_ids": torch.randint(3, 300, (2, 160), generator=torch.Generator().manual_seed(0))}
     counts = {}
     for keep in (False, True):
         model = build_from_config(preset_config("tiny-llama"))
         lt.apply(model, lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "keep_output": keep}))
-        with Kernels() as kernels:
+        with AttentionKernelCalls() as kernels:
             lt.step(model, batch)
         counts[keep] = kernels.calls
     forward, backward = "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"

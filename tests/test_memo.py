@@ -4,7 +4,6 @@ per layer forward at α = 0), its α rule, its memory, and its refusals."""
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import longtrain as lt
 from longtrain.memory.flops import count_flops
@@ -14,7 +13,7 @@ from longtrain.models.presets import preset_config
 from longtrain.plan.simulate import run_training_steps
 from longtrain.techniques.memo import memo_alpha
 
-from conftest import BATCHES, check_step, packed_batch, padded_batch, stock_and_ours
+from conftest import BATCHES, AttentionKernelCalls, check_step, packed_batch, padded_batch, stock_and_ours
 
 TOL = 1e-10
 
@@ -55,22 +54,10 @@ def test_memo_second_step_on_the_same_model():
     check_step(stock, ours, memo(0.5), batch, TOL)
 
 
-class _AttentionCalls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if "attention" in name:
-            self.calls[name] = self.calls.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 def _flops_and_attention_calls(strategy, batch):
     _, ours = stock_and_ours("tiny-llama")
     lt.apply(ours, strategy)
-    with _AttentionCalls() as calls:
+    with AttentionKernelCalls() as calls:
         flops, _ = count_flops(lt.step, ours, batch)
     return flops, calls.calls, ours.config.num_hidden_layers
 

@@ -1,4 +1,4 @@
-"""Command line: ``longtrain train | simulate | presets``.
+"""Command line: ``longtrain train | simulate | plan | presets``.
 
 User mistakes raise :class:`LongtrainError` and are printed as one line, exit code 2.
 """
@@ -37,7 +37,7 @@ def _add_train(sub) -> None:
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "sgd"])
-    p.add_argument("--strategy", default=d.strategy, help="techniques: none, checkpoint, mst, a comma list with options (checkpoint,mst:loss_chunks=8), or a strategy .yaml/.json")
+    p.add_argument("--strategy", default=d.strategy, help="techniques: none, checkpoint, mst, memo, a comma list with options (checkpoint,mst:loss_chunks=8), a strategy .yaml/.json, or auto (the planner picks the fastest that fits this machine)")
     p.add_argument("--engine", default=d.engine, help="gradient engine with options: backprop; fpdt:chunk=8192:offload=true "
                    "(chunked attention, host offload); seco:chunk=4096; spaco:chunk=128:budget=8:cap=2; "
                    "adjoint:truncate=64 (SSM-ResNet models)")
@@ -125,6 +125,47 @@ def _run_simulate(args) -> int:
     return 0
 
 
+def _bytes(text: str) -> int:
+    from .memory.units import parse_bytes
+
+    try:
+        value = parse_bytes(text)
+    except LongtrainError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a memory size must be positive, got {text!r}")
+    return value
+
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="which exact strategy trains a model at a length on a machine, fastest (no GPU needed)",
+                       description="Simulate each candidate strategy (checkpointing + MsT, Memo, FPDT with offload at a few "
+                                   "chunk sizes) on fake tensors, add the allocator's measured fragmentation margin, "
+                                   "predict step time from the H100 time model, and rank what fits.")
+    p.add_argument("--model", required=True, help="preset name or local model directory (only its config is read)")
+    p.add_argument("--seq-len", type=_tokens, required=True, help="tokens per sample: 300000, 512K, 1M")
+    p.add_argument("--device-memory", type=_bytes, required=True, help="memory of one GPU: 80GiB, 141GB")
+    p.add_argument("--host-memory", type=_bytes, required=True, help="host memory the run may use: 120GiB")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"])
+    p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype (default %(default)s)")
+    p.add_argument("--longest", action="store_true", help="also find the longest context each strategy reaches "
+                   "(a second simulation per strategy)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(run=_run_plan)
+
+
+def _run_plan(args) -> int:
+    from .plan.planner import plan
+
+    if args.seq_len < 2:
+        raise LongtrainError(f"--seq-len must be at least 2, got {args.seq_len}")
+    progress = None if args.json else (lambda line: print(f"  {line} ...", file=sys.stderr, flush=True))
+    result = plan(args.model, args.seq_len, device_memory=args.device_memory, host_memory=args.host_memory,
+                  optimizer=args.optimizer, dtype=args.dtype, longest=args.longest, progress=progress)
+    print(result.to_json() if args.json else result.table())
+    return 0 if result.best is not None else 1
+
+
 def _add_presets(sub) -> None:
     p = sub.add_parser("presets", help="list model presets")
     p.set_defaults(run=_run_presets)
@@ -144,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_simulate(sub)
+    _add_plan(sub)
     _add_presets(sub)
     return parser
 

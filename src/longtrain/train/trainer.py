@@ -204,7 +204,27 @@ def _fingerprint(model) -> dict:
     return {name: list(p.shape) for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _strategy(config: TrainConfig, compute_dtype: torch.dtype) -> Strategy:
+def _planned_strategy(config: TrainConfig, device: torch.device, compute_dtype: torch.dtype) -> Strategy:
+    """``--strategy auto``: the fastest strategy the planner finds fitting this machine."""
+    from ..plan.planner import plan
+
+    if config.engine != "backprop" or config.sp > 1 or config.lora:
+        raise LongtrainError("--strategy auto picks the engine itself and plans one process of full fine-tuning; "
+                             "drop --engine/--sp/--lora, or name a strategy")
+    host = int(0.8 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    device_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host
+    print(f"longtrain train: planning --strategy auto for {config.seq_len:,} tokens ...", flush=True)
+    result = plan(config.model, config.seq_len, device_memory=device_memory, host_memory=host,
+                  optimizer=config.optimizer, dtype=str(compute_dtype).replace("torch.", ""), batch=config.batch_size)
+    if result.best is None:
+        raise LongtrainError(f"--strategy auto: {result.verdict()}")
+    print(f"longtrain train: --strategy auto chose {result.verdict()}", flush=True)
+    return Strategy.from_dict(result.best.strategy)
+
+
+def _strategy(config: TrainConfig, compute_dtype: torch.dtype, device: torch.device | None = None) -> Strategy:
+    if config.strategy == "auto":
+        return _planned_strategy(config, device or torch.device("cpu"), compute_dtype)
     sp = None
     if config.sp > 1:
         sp = {"degree": config.sp, "compute_dtype": str(compute_dtype).replace("torch.", "") if config.master_weights else None}
@@ -220,7 +240,7 @@ class Trainer:
         compute = parse_dtype(config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
         # The parameters' dtype: the compute dtype, or with --master-weights (FSDP2 mixed precision) their own.
         self.dtype = parse_dtype(config.master_weights) if config.master_weights else compute
-        self.strategy = _strategy(config, compute)
+        self.strategy = _strategy(config, compute, self.device)
         self.out = Path(config.out)
         self.checkpoints = self.out / "checkpoints"
         self.ranks = Ranks.from_env(self.device, config.sp)

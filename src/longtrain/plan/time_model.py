@@ -1,0 +1,126 @@
+"""How long one training step takes, predicted from FLOPs and a few machine rates.
+
+A step is counted per kind of work, each at the rate it runs at on the machine:
+
+- **matmuls** (projections, MLP, head) at ``matmul`` FLOP/s — with what each strategy
+  recomputes: checkpointing a layer forward, MsT's tiled MLP its forward once more in
+  backward (and the MLP forward a third time under checkpointing), the chunked head its
+  logits, Memo the (1 − α) share of the token-wise forward;
+- **attention** at ``fused_attention`` FLOP/s over the whole sequence (one fused kernel)
+  or ``block_attention`` FLOP/s in chunks (FPDT's block kernels; ``chunkwise_attention`` for
+  SeCO/SpaCO, whose blocks each merge and accumulate a K/V gradient), with
+  its forward once more where a strategy recomputes it (checkpointing, FPDT without
+  ``keep_output``);
+- known slow spots, as measured on the H100 (../shared/gpu/h100-2026-11-22.md): MsT's tiled
+  MLP backward runs at ``tiled_mlp_efficiency`` of the matmul rate and the chunked head's
+  weight gradient at ``head_weight_grad`` FLOP/s; each (chunk, layer) pair of a chunked
+  engine costs ``per_chunk_layer`` seconds of host work;
+- host copies a layer's compute cannot hide (Memo), at ``host_bandwidth`` bytes/s.
+
+FLOPs follow the model-FLOPs convention (forward 2, backward 4 per matmul parameter and
+token; causal attention 2·w·s² forward, 4·w·s² backward per layer), so MFU = model FLOPs /
+predicted time / peak. :data:`H100` holds the rates measured on one H100 80 GB with bf16
+Llama-3-8B; ``longtrain calibrate`` (later) will measure them on the machine at hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..memory.flops import attention_width
+
+
+@dataclass(frozen=True)
+class MachineRates:
+    matmul: float = 6.5e14  # FLOP/s of bf16 GEMMs at long-context shapes
+    fused_attention: float = 5.0e14  # FLOP/s of cuDNN's fused causal attention, whole sequence
+    block_attention: float = 3.0e14  # FLOP/s of the FlashAttention-2 ATen block kernels (FPDT's layer-major blocks)
+    chunkwise_attention: float = 1.9e14  # FLOP/s of SeCO's chunk-major attention (a merge and a K/V gradient per block)
+    tiled_mlp_efficiency: float = 0.5  # share of the matmul rate MsT's tiled MLP backward reaches
+    head_weight_grad: float = 5.0e13  # FLOP/s of the chunked head's weight gradient (31 small addmm_)
+    per_chunk_layer: float = 4.0e-3  # seconds of host work per (chunk, layer) of a chunked engine
+    host_bandwidth: float = 2.5e10  # bytes/s, device <-> pinned host
+    peak: float = 9.89e14  # dense bf16 peak, for MFU
+
+
+H100 = MachineRates()
+
+
+@dataclass
+class StepTime:
+    seconds: float
+    model_flops: float
+    parts: dict  # seconds by kind of work
+
+    def mfu(self, peak: float) -> float:
+        return self.model_flops / (self.seconds * peak)
+
+
+def _shapes(config):
+    n, d = config.num_hidden_layers, config.hidden_size
+    width = attention_width(config)
+    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
+    kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+    attn = 2 * d * width + 2 * d * kv  # q, o and k, v projections
+    mlp = 3 * d * config.intermediate_size
+    return n, width, attn, mlp, config.vocab_size * d
+
+
+def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: dict | None = None,
+              batch: int = 1) -> StepTime:
+    """Predicted seconds of one forward + backward of ``batch`` sequences of ``tokens``
+    under ``strategy`` (a :class:`~longtrain.strategy.Strategy`); ``notes``: what the
+    simulator reported for it (Memo's α and sizes)."""
+    n, width, attn_params, mlp_params, head_params = _shapes(config)
+    s = tokens * batch
+    layer_fwd = 2.0 * s * (attn_params + mlp_params) * n
+    mlp_fwd = 2.0 * s * mlp_params * n
+    head_fwd = 2.0 * s * head_params
+    attention_fwd = 2.0 * width * tokens * tokens * n * batch
+    model_flops = 3 * (layer_fwd + head_fwd) + 3 * attention_fwd
+    engine = strategy.engine
+    techniques = strategy.techniques
+    mst = techniques.get("mst")
+    tiled, chunked_head = mst is not None and mst.mlp, mst is not None and mst.head
+    chunk = getattr(strategy.engine_options, "chunk", None)
+    chunked = engine in ("fpdt", "seco", "spaco")
+
+    matmul = 3 * (layer_fwd + head_fwd)
+    attention_passes = 3.0  # forward + backward, in forward units
+    if "checkpoint" in techniques or chunked:
+        matmul += layer_fwd
+        attention_passes += 1
+        if tiled:
+            matmul += mlp_fwd  # the MLP forward a third time: checkpoint replays it, the tiled backward again
+    if engine == "fpdt" and getattr(strategy.engine_options, "recompute_kv", False):
+        matmul += 2.0 * s * attn_params * n / 2  # q/k/v projections once more (about half the attention block)
+    if engine == "fpdt" and getattr(strategy.engine_options, "keep_output", False):
+        attention_passes -= 1  # the recomputation hands the kept output to attention's backward
+    memo = techniques.get("memo")
+    exposed = 0.0
+    if memo is not None:
+        alpha = (notes or {}).get("memo_alpha", memo.alpha if memo.alpha != "auto" else 0.0)
+        matmul += (1 - alpha) * (layer_fwd - (mlp_fwd if tiled else 0))
+        if tiled:
+            matmul += mlp_fwd
+        if notes and "memo_input_bytes" in notes:
+            moved = notes["memo_input_bytes"] + notes["memo_attention_bytes"] + alpha * notes["memo_other_bytes"]
+            layer_seconds = (layer_fwd / n + attention_fwd / n) / rates.matmul
+            exposed = n * max(0.0, moved / rates.host_bandwidth - layer_seconds)
+    elif tiled and "checkpoint" not in techniques and not chunked:
+        matmul += mlp_fwd
+    if chunked_head:
+        matmul += head_fwd  # logits again in backward
+    parts = {"matmul": matmul / rates.matmul}
+    if tiled:  # the tiled MLP's backward (2 forward units of work) at its measured efficiency
+        parts["tiled_mlp_slowdown"] = 2 * mlp_fwd / rates.matmul * (1 / rates.tiled_mlp_efficiency - 1)
+    if chunked_head:
+        parts["head_weight_grad"] = head_fwd * (1 / rates.head_weight_grad - 1 / rates.matmul)
+    rate = {"fpdt": rates.block_attention, "seco": rates.chunkwise_attention,
+            "spaco": rates.chunkwise_attention}.get(engine, rates.fused_attention)
+    parts["attention"] = attention_passes * attention_fwd / rate
+    if chunked and chunk:
+        parts["chunk_overhead"] = rates.per_chunk_layer * n * -(-tokens // chunk)
+    if exposed:
+        parts["exposed_copies"] = exposed
+    return StepTime(sum(parts.values()), model_flops, parts)

@@ -1,0 +1,93 @@
+"""The planner: its time model against the H100 measurements, FPDT's chunk-periodic
+extension against full simulations, the ranking and verdicts, and the command line."""
+
+import pytest
+
+import longtrain as lt
+from longtrain.cli import main
+from longtrain.models.presets import preset_config
+from longtrain.plan.planner import plan, simulate_step
+from longtrain.plan.simulate import simulate
+from longtrain.plan.time_model import step_time
+
+K = 1024
+GIB = 2**30
+
+# Every longtrain row of ../shared/gpu/h100-2026-11-22.md (Llama-3-8B, bf16, one H100):
+# (tokens, techniques, engine, measured seconds per step).
+H100_ROWS = [
+    (16 * K, "checkpoint,mst", None, 2.86), (32 * K, "checkpoint", None, 5.31), (32 * K, "checkpoint,mst", None, 6.83),
+    (64 * K, "checkpoint,mst", None, 18.28), (128 * K, "checkpoint,mst", None, 56.28),
+    (32 * K, "mst", "fpdt:chunk=8192", 9.71), (32 * K, "mst", "fpdt:chunk=8192:offload=true", 9.77),
+    (64 * K, "mst", "fpdt:chunk=16384:offload=true", 27.23), (128 * K, "mst", "fpdt:chunk=16384:offload=true", 90.52),
+    (256 * K, "mst", "fpdt:chunk=16384:offload=true", 318.6),
+    (32 * K, "checkpoint,mst", "seco:chunk=4096", 11.99), (32 * K, "checkpoint,mst", "seco:chunk=4096:offload=true", 12.00),
+    (64 * K, "checkpoint,mst", "seco:chunk=8192:offload=true", 34.18),
+]
+
+
+@pytest.mark.parametrize("tokens,techniques,engine,measured", H100_ROWS)
+def test_time_model_is_within_15_percent_of_every_h100_row(tokens, techniques, engine, measured):
+    predicted = step_time(preset_config("llama3-8b"), tokens, lt.Strategy.parse(techniques, engine=engine))
+    assert abs(predicted.seconds / measured - 1) <= 0.15, (predicted.seconds, measured, predicted.parts)
+
+
+def test_time_model_orders_what_each_strategy_recomputes():
+    config, n = preset_config("llama3-8b"), 64 * K
+    seconds = {name: step_time(config, n, lt.Strategy.parse(spec, engine=engine)).seconds for name, spec, engine in [
+        ("backprop", "none", None), ("checkpoint", "checkpoint", None),
+        ("fpdt", "mst", "fpdt:chunk=16384"), ("fpdt kept", "mst", "fpdt:chunk=16384:keep_output=true"),
+        ("memo α=1", "memo:alpha=1,mst", None), ("memo α=0", "memo:alpha=0,mst", None)]}
+    assert seconds["backprop"] < seconds["checkpoint"]
+    assert seconds["fpdt kept"] < seconds["fpdt"]  # attention's forward once
+    assert seconds["memo α=1"] < seconds["memo α=0"]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_fpdt_peaks_extended_from_four_chunks_equal_the_full_simulation(keep):
+    config = preset_config("llama3-8b", num_hidden_layers=2, hidden_size=256, intermediate_size=704, vocab_size=2048,
+                           num_attention_heads=4, num_key_value_heads=2)
+    strategy = lt.Strategy(engine="fpdt", engine_options={"chunk": 128, "offload": True, "keep_output": keep}, mst=True)
+    for tokens in (1024, 1300):
+        device, host, _ = simulate_step(config, tokens, strategy, "bfloat16")
+        full = simulate(config, tokens, strategy=strategy, optimizer="none")
+        slack = 0.01 + (-tokens % 128) / tokens  # a partial last chunk is counted whole
+        assert 0 <= device / full.device_peak_bytes - 1 < slack  # never below the full simulation
+        assert 0 <= host / full.peak.peak_host_bytes - 1 < slack
+
+
+def test_plan_ranks_what_fits_fastest_first_and_names_what_binds():
+    roomy = plan("tiny-llama", 2048, device_memory=GIB, host_memory=GIB)
+    assert roomy.best is not None and all(r.fits for r in roomy.rows)
+    assert [r.step_seconds for r in roomy.rows] == sorted(r.step_seconds for r in roomy.rows)
+    tight = plan("tiny-llama", 2048, device_memory=int(1.5 * roomy.rows[0].reserved_bytes) // 2, host_memory=GIB)
+    assert tight.best is None or tight.best.reserved_bytes <= tight.device_memory
+    for row in tight.rows:
+        assert row.fits or "device memory: needs" in row.binds
+    assert "fastest that fits" in roomy.table() and "tokens/s" in roomy.table()
+
+
+def test_plan_refuses_at_once_when_the_model_states_alone_do_not_fit():
+    with pytest.raises(lt.LongtrainError, match="model states alone.*exceed the device's 20.00 GiB"):
+        plan("llama3-8b", 4096, device_memory=20 * GIB, host_memory=GIB)
+
+
+def test_plan_command_line(capsys):
+    assert main(["plan", "--model", "tiny-llama", "--seq-len", "2K", "--device-memory", "1GiB", "--host-memory", "1GB"]) == 0
+    assert "fastest that fits" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "tiny-llama", "--seq-len", "2K", "--device-memory", "lots", "--host-memory", "1GB"])
+    assert exit_info.value.code == 2
+    assert "cannot read size 'lots'" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama3-8b", "--seq-len", "1M", "--device-memory", "20GiB", "--host-memory", "1GB"]) == 2
+
+
+def test_train_with_strategy_auto_uses_the_plans_winner(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--model", "tiny-llama", "--seq-len", "256", "--steps", "1", "--strategy", "auto",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "--strategy auto chose fastest that fits" in printed
+    assert main(["train", "--model", "tiny-llama", "--seq-len", "256", "--steps", "1", "--strategy", "auto",
+                 "--engine", "fpdt", "--out", str(tmp_path / "other")]) == 2
+    assert "--strategy auto picks the engine itself" in capsys.readouterr().err
