@@ -56,6 +56,15 @@ def token_axis(shape: torch.Size, batch: int, tokens: int) -> tuple[int, bool] |
     return None
 
 
+def narrow_tokens(t: torch.Tensor, axis: int, flattened: bool, batch: int, start: int, end: int | None = None):
+    """Tokens ``[start, end)`` of ``t`` along its token ``axis`` (see :func:`token_axis`);
+    a flattened (batch·tokens, ...) tensor comes back as (batch, tokens, ...)."""
+    if flattened:
+        t, axis = t.reshape(batch, -1, *t.shape[1:]), 1
+    end = t.shape[axis] if end is None else end
+    return t.narrow(axis, start, end - start)
+
+
 def storage_id(t: torch.Tensor) -> int:
     """Identity of ``t``'s storage, for real and fake tensors alike (PyTorch keeps one
     Python storage object per live storage; fake tensors have no data storage)."""
@@ -86,19 +95,18 @@ class _View:
 class LayerActivations:
     """The saved tensors of one call of one layer (see the module docstring).
 
-    ``split``: tokens ``[0, split)`` of split tensors are kept. ``recompute(capture)``
-    replays the layer on tokens ``[split, S)`` with autograd enabled under
+    ``split``: tokens ``[0, split)`` of split tensors are kept. ``recompute(capture)``,
+    an attribute the caller sets (it usually needs the record itself, weakly), replays the layer on tokens ``[split, S)`` with autograd enabled under
     ``torch.autograd.graph.saved_tensors_hooks(capture, ...)``; it is called at most once,
     on the first unpack. ``external``: storages kept by reference (parameters, tables
     shared between layers). ``offload``: whether kept tensors go to host memory.
     """
 
-    def __init__(self, store: ChunkStore, *, batch: int, tokens: int, split: int, offload: bool,
-                 external: set[int], recompute: Callable[[Callable], None] | None):
+    def __init__(self, store: ChunkStore, *, batch: int, tokens: int, split: int, offload: bool, external: set[int]):
         self.store, self.batch, self.tokens, self.split = store, batch, tokens, split
         self.offload = offload
         self.external = external
-        self.recompute = recompute  # may be set after construction
+        self.recompute: Callable[[Callable], None] | None = None
         self._prefix = next(_KEYS)
         self._slots = 0
         self._seen: dict[tuple, tuple] = {}  # geometry -> (packed, tensor): a tensor saved twice is kept once
@@ -159,7 +167,7 @@ class LayerActivations:
             key = None
             if self.split > 0:
                 key = self._key("split")
-                kept = t if self.split == self.tokens else self._tokens(t, axis, flattened, 0, self.split)
+                kept = t if self.split == self.tokens else narrow_tokens(t, axis, flattened, self.batch, 0, self.split)
                 if not self.offload and kept is not t:
                     kept = kept.contiguous()  # a view would keep the dropped tokens alive
                 self.store.put(key, kept, offload=self.offload)
@@ -197,7 +205,7 @@ class LayerActivations:
             if item.key is not None:
                 parts.append(self.store.pop(item.key))
             if item.slot in recomputed:
-                parts.append(self._tokens(recomputed[item.slot], item.axis, item.flattened, 0, None))
+                parts.append(narrow_tokens(recomputed[item.slot], item.axis, item.flattened, self.batch, 0))
             joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1 if item.flattened else item.axis)
             full[item.slot] = joined.reshape(item.shape) if item.flattened else joined
         self._full = full
@@ -237,13 +245,6 @@ class LayerActivations:
         key = (self._prefix, kind, len(self._keys))
         self._keys.append(key)
         return key
-
-    def _tokens(self, t: torch.Tensor, axis: int, flattened: bool, start: int, end: int | None) -> torch.Tensor:
-        if flattened:
-            t = t.reshape(self.batch, -1, *t.shape[1:])
-            axis = 1
-        end = t.shape[axis] if end is None else end
-        return t.narrow(axis, start, end - start)
 
     def _fetch_whole(self, key) -> torch.Tensor:
         if key not in self._whole_cache:

@@ -1,7 +1,8 @@
-"""Parse and print sizes: bytes ("80GiB") and token counts ("64K")."""
+"""Parse and print sizes: bytes ("80GiB") and token counts ("64K"); the machine's memory."""
 
 from __future__ import annotations
 
+import os
 import re
 
 from ..errors import LongtrainError
@@ -51,3 +52,8 @@ def format_bytes(n: float) -> str:
 
 def gib(n: float) -> float:
     return n / 2**30
+
+
+def physical_memory() -> int:
+    """Bytes of physical memory of this machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -25,19 +25,18 @@ engine context's notes (the trainer's summary shows them).
 from __future__ import annotations
 
 import functools
-import os
 import time
 import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import validate
 from ..errors import LongtrainError
 from ..memory.chunk_store import ChunkStore
-from ..memory.token_swap import LayerActivations, storage_id, token_axis
-from ..memory.units import format_bytes, parse_bytes
+from ..memory.token_swap import LayerActivations, narrow_tokens, storage_id, token_axis
+from ..memory.units import format_bytes, parse_bytes, physical_memory
 from ..models.attention import AttentionCall
 from ..ops.causal_attention import attention_from_output
 from ..registry import register_technique
@@ -92,7 +91,7 @@ def memo_alpha(*, input_bytes: float, attention_bytes: float, other_bytes: float
 
 def default_host_budget() -> int:
     """80% of the machine's physical memory."""
-    return int(0.8 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return int(0.8 * physical_memory())
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -166,7 +165,7 @@ class MemoLayers:
         offload = self.options.offload and index < self.layers - self.options.keep_last
         record = LayerActivations(
             self._store(hidden.device), batch=batch, tokens=tokens, split=split, offload=offload,
-            external=self._external(layer, kwargs.get("position_embeddings")), recompute=None,
+            external=self._external(layer, kwargs.get("position_embeddings")),
         )
         # A weak reference: the record must die with the graph that holds it (its host buffers return then).
         record.recompute = functools.partial(_recompute, layer_forward, args[1:], _without(kwargs, "hidden_states"),
@@ -216,8 +215,8 @@ class MemoLayers:
         })
 
     def _external(self, layer, position_embeddings) -> set[int]:
-        tensors = list(layer.parameters()) + [t for t in _tensors(position_embeddings)]
-        return {storage_id(t) for t in tensors if not t.is_meta}
+        tables = [t for t in tree_flatten(position_embeddings)[0] if isinstance(t, torch.Tensor)]
+        return {storage_id(t) for t in list(layer.parameters()) + tables if not t.is_meta}
 
 
 def _recompute(layer_forward, rest_args, kwargs, split, requires_grad, autocast, record_ref, capture):
@@ -242,22 +241,12 @@ def _later_tokens(t, batch, tokens, split):
     where = token_axis(t.shape, batch, tokens)
     if where is None:
         return t
-    axis, flattened = where
-    if flattened:
-        return t.reshape(batch, tokens, *t.shape[1:])[:, split:].reshape(-1, *t.shape[1:])
-    return t.narrow(axis, split, tokens - split)
+    later = narrow_tokens(t, *where, batch, split)
+    return later.reshape(-1, *t.shape[1:]) if where[1] else later
 
 
 def _never_unpacked(_):
     raise RuntimeError("memo's recomputation graph is never differentiated")
-
-
-def _tensors(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, (tuple, list)):
-        for item in tree:
-            yield from _tensors(item)
 
 
 def _without(kwargs: dict, name: str) -> dict:

@@ -27,7 +27,7 @@ from ..engines.batch import count_label_tokens
 from ..errors import LongtrainError
 from ..memory.flops import device_peak_flops, mfu, model_flops_per_sample
 from ..memory.measure import StepMemoryMeter
-from ..memory.units import format_bytes
+from ..memory.units import format_bytes, physical_memory
 from ..models.loading import add_lora, build_from_config, is_model_dir, load_config, load_pretrained, parse_dtype
 from ..optimizers import OPTIMIZERS, make_optimizer
 from ..strategy import Strategy, applied_context, apply, pinned_host_bytes, step as strategy_step
@@ -211,7 +211,7 @@ def _planned_strategy(config: TrainConfig, device: torch.device, compute_dtype: 
     if config.engine != "backprop" or config.sp > 1 or config.lora:
         raise LongtrainError("--strategy auto picks the engine itself and plans one process of full fine-tuning; "
                              "drop --engine/--sp/--lora, or name a strategy")
-    host = int(0.8 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    host = int(0.8 * physical_memory())
     device_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host
     print(f"longtrain train: planning --strategy auto for {config.seq_len:,} tokens ...", flush=True)
     result = plan(config.model, config.seq_len, device_memory=device_memory, host_memory=host,
