@@ -2,6 +2,9 @@
 # first use. On a machine without CUDA the CPU build of torch is installed first
 # (`pip install torch==2.13.0` resolves to a local CPU wheel here), so nothing pulls a
 # multi-GB CUDA build; a machine that already has torch (e.g. a GPU box) keeps its own.
+# Each `make demo` trains a fresh run in runs/demo-DATE-TIME, so an earlier demo run is
+# never replaced; continue an interrupted one with
+# `.venv/bin/longtrain train --out runs/demo-DATE-TIME --resume`.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -15,13 +18,15 @@ $(STAMP): pyproject.toml
 	@if ! $(PY) -c "import torch" 2>/dev/null; then \
 	  if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q "torch>=2.6"; \
 	  else $(PY) -m pip install -q "torch==2.13.0"; fi; fi
-	$(PY) -m pip install -q -e ".[test,lora]"
+	$(PY) -m pip install -q -e ".[test,lora,plot]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
+DEMO_OUT ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
+
 demo: $(STAMP)
-	$(VENV)/bin/longtrain train --out runs/demo --overwrite
+	$(VENV)/bin/longtrain train --out $(DEMO_OUT)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2

@@ -2,7 +2,7 @@
 
 One GPU, bf16 weights and gradients, batch 1, random token ids, forward + backward per
 step, no optimizer step (gradients freed between steps) — the method of
-../shared/gpu/h100-2026-11-22.md. Peers, side by side in one run:
+../shared/gpu/h100-2026-11-22.md. Cases, side by side in one run:
 
 - ``hf``: stock Hugging Face, SDPA attention, non-reentrant gradient checkpointing,
   the loss from ``labels``;
@@ -10,16 +10,34 @@ step, no optimizer step (gradients freed between steps) — the method of
   (checkpointed layer inputs in pinned host memory);
 - ``hf+liger`` / ``hf+liger+offload``: the same plus Liger's kernels (rope, swiglu,
   rms_norm, fused linear cross-entropy), where ``liger-kernel`` is installed (the
-  optional ``bench`` extra); skipped with a note otherwise.
+  optional ``bench`` extra); skipped with a note otherwise;
+- ``lt:...``: longtrain's strategies (backprop with checkpoint + MsT, FPDT with and
+  without offload and kept attention outputs, SeCO).
 
-Per case: a warm-up step, then the median of ``--repeats`` steps timed with CUDA events;
-tokens/s; MFU = (6·s·P + 6·n·h·s²) / time / peak (dense bf16: 989 TFLOP/s on H100/H200);
-the allocator's peak allocated and reserved bytes; longtrain's pinned host bytes. A case
-that runs out of memory is reported as such. Writes docs/gpu_peers.json, .md and a
+Lengths run from short to long; a case that runs out of memory (or time) at one length
+is not tried at the longer ones, so one sweep gives the longest length each case fits
+(16K to 512K). Each case runs in its own process by default (``--isolate``): Liger
+patches Hugging Face's Llama classes process-wide, the allocator's fragmentation and the
+host's resident memory would otherwise carry over, and the allocator setting can differ
+per case. ``--append`` merges with the JSON already in the output folder, so a sweep can
+be split into several commands (one per length group, each within 10 minutes) that build
+one report.
+
+Per case: ``--warmup`` steps (default 1; 0 from 128K on, where a step takes a minute),
+then the median of ``--repeats`` steps (default 2; 1 from 128K on) timed with CUDA events; tokens/s; MFU =
+(6·s·P + 6·n·h·s²) / time / peak (dense bf16: 989 TFLOP/s on H100/H200); the allocator's
+peak allocated and reserved bytes of the timed steps and their ratio; the process's peak
+resident host memory during the timed steps (sampled every 10 ms); longtrain's pinned
+pool; the allocator setting; for longtrain, the attention kernel its blocks ran
+(``--attention-kernel`` forces one). ``--expandable-segments longtrain`` (the default)
+runs longtrain's cases with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which
+keeps the reserved peak near the allocated one where host offload fragments the cache;
+peers keep PyTorch's default unless ``all``. Writes docs/gpu_peers.json, .md and a
 tokens/s-vs-length PNG.
 
-    python benchmarks/gpu_peers.py                        # Llama-3-8B at 16K and 32K
-    python benchmarks/gpu_peers.py --lengths 64K,128K --cases lt:fpdt+offload+mst,hf+offload
+    python benchmarks/gpu_peers.py                        # Llama-3-8B at 16K and 32K, every case
+    python benchmarks/gpu_peers.py --lengths 64K --append
+    python benchmarks/gpu_peers.py --lengths 128K,256K,512K --append --cases hf+liger+offload,lt:fpdt+offload+keep+mst
     python benchmarks/gpu_peers.py --smoke                # tiny model on the CPU: checks the script
 """
 
@@ -28,8 +46,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
+import os
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +71,8 @@ from longtrain.models.presets import preset_config  # noqa: E402
 from longtrain.strategy import pinned_host_bytes  # noqa: E402
 
 GIB = 2**30
+ROW_TAG = "GPU_PEERS_ROW "  # how an isolated case hands its row to the parent
+LONG = 131072  # from here on a step takes about a minute: no warm-up step by default
 
 
 @dataclass(frozen=True)
@@ -83,7 +107,7 @@ def _hf_peer(liger: bool, offload: bool):
         model.train()
 
         def step(ids):
-            saving = torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else contextlib.nullcontext()
+            saving = torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda") if offload else contextlib.nullcontext()
             with saving:
                 loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
@@ -97,15 +121,20 @@ def _fpdt_chunk(length: int) -> int:
     return max(1, min(16384 if length > 32768 else 8192, length // 4))
 
 
+def _fpdt(length: int, **options):
+    return lt.Strategy(engine="fpdt", engine_options={"chunk": _fpdt_chunk(length), **options}, mst=True)
+
+
 CASES = [
     Case("hf", "peer", _hf_peer(liger=False, offload=False)),
     Case("hf+offload", "peer", _hf_peer(liger=False, offload=True)),
     Case("hf+liger", "peer", _hf_peer(liger=True, offload=False)),
     Case("hf+liger+offload", "peer", _hf_peer(liger=True, offload=True)),
     Case("lt:checkpoint+mst", "longtrain", lambda n: lt.Strategy(checkpoint=True, mst=True)),
-    Case("lt:fpdt+mst", "longtrain", lambda n: lt.Strategy(engine="fpdt", engine_options={"chunk": _fpdt_chunk(n)}, mst=True)),
-    Case("lt:fpdt+offload+mst", "longtrain",
-         lambda n: lt.Strategy(engine="fpdt", engine_options={"chunk": _fpdt_chunk(n), "offload": True}, mst=True)),
+    Case("lt:fpdt+mst", "longtrain", lambda n: _fpdt(n)),
+    Case("lt:fpdt+keep+mst", "longtrain", lambda n: _fpdt(n, keep_output=True)),
+    Case("lt:fpdt+offload+mst", "longtrain", lambda n: _fpdt(n, offload=True)),
+    Case("lt:fpdt+offload+keep+mst", "longtrain", lambda n: _fpdt(n, offload=True, keep_output=True)),
     Case("lt:seco+checkpoint+mst", "longtrain",
          lambda n: lt.Strategy(engine="seco", engine_options={"chunk": _fpdt_chunk(n) // 2, "offload": True},
                                checkpoint=True, mst=True)),
@@ -139,15 +168,78 @@ class _Timer:
         return time.perf_counter() - t0
 
 
-def run_case(case: Case, config, length: int, device: torch.device, dtype, repeats: int) -> dict:
-    row = {"tokens": length, "case": case.name, "status": "ok", "step_s": None, "tokens_per_s": None, "mfu_pct": None,
-           "alloc_gib": None, "reserved_gib": None, "host_pinned_gib": None}
+class _HostPeak:
+    """Peak resident memory of this process while the block runs, sampled every 10 ms
+    from /proc (where there is no /proc: the process's lifetime peak from getrusage)."""
+
+    def __enter__(self):
+        self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self._rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @staticmethod
+    def _rss() -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            import resource
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _empty_row(case: Case, length: int) -> dict:
+    return {"tokens": length, "case": case.name, "status": "ok", "step_s": None, "tokens_per_s": None, "mfu_pct": None,
+            "alloc_gib": None, "reserved_gib": None, "reserved_over_alloc": None, "host_peak_gib": None,
+            "host_pinned_gib": None, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") or "default",
+            "attention_kernel": None}
+
+
+def _kernel_of(config, device, dtype) -> str:
+    from longtrain.ops.attention_blocks import attention_kernel
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return attention_kernel(device, dtype, head_dim)
+
+
+def _profile_step(one_step, device: torch.device, path: Path) -> None:
+    """One more step under torch.profiler: its operators by self device time and by self
+    host time (where a step's time goes — the first GPU run found the host busier than
+    the GPU in chunked attention)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        one_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    table = prof.key_averages()
+    sections = [("self CPU", "self_cpu_time_total")] + ([("self device", "self_device_time_total")] if device.type == "cuda" else [])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(f"# by {title}\n" + table.table(sort_by=key, row_limit=40) for title, key in sections) + "\n")
+
+
+def run_case(case: Case, config, length: int, device: torch.device, dtype, repeats: int, warmup: int,
+             profile_dir: Path | None = None) -> dict:
+    row = _empty_row(case, length)
     model = None
     try:
         if case.kind == "peer":
             model, step = case.make(config, device, dtype)
         else:
             model, step = _build_longtrain(config, device, dtype, case.make(length))
+            row["attention_kernel"] = _kernel_of(config, device, dtype)
         ids = torch.randint(0, config.vocab_size, (1, length), device=device)
         timer = _Timer(device)
 
@@ -155,20 +247,25 @@ def run_case(case: Case, config, length: int, device: torch.device, dtype, repea
             step(ids)
             model.zero_grad(set_to_none=True)
 
-        timer.time(one_step)  # warm-up: kernels, the pinned pool, the allocator's segments
+        for _ in range(warmup):  # kernels and their plans, the pinned pool, the allocator's segments
+            timer.time(one_step)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        times = [timer.time(one_step) for _ in range(repeats)]
+        with _HostPeak() as host:
+            times = [timer.time(one_step) for _ in range(repeats)]
         seconds = statistics.median(times)
-        row.update(step_s=seconds, tokens_per_s=length / seconds)
+        row.update(step_s=seconds, tokens_per_s=length / seconds, host_peak_gib=host.peak / GIB)
         peak = device_peak_flops(device)
         if peak:
             row["mfu_pct"] = 100 * model_flops_per_sample(model, length) / seconds / peak
         if device.type == "cuda":
             row["alloc_gib"] = torch.cuda.max_memory_allocated(device) / GIB
             row["reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+            row["reserved_over_alloc"] = row["reserved_gib"] / row["alloc_gib"]
         if case.kind == "longtrain":
             row["host_pinned_gib"] = pinned_host_bytes(model) / GIB
+        if profile_dir is not None:
+            _profile_step(one_step, device, Path(profile_dir) / f"{case.name.replace(':', '_')}_{length}.txt")
     except torch.OutOfMemoryError:
         row["status"] = "out of memory"
     finally:
@@ -176,6 +273,40 @@ def run_case(case: Case, config, length: int, device: torch.device, dtype, repea
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    return row
+
+
+def _case_env(case: Case, args) -> dict:
+    """Environment of an isolated case: the allocator setting and the attention kernel."""
+    env = dict(os.environ)
+    expandable = args.expandable_segments == "all" or (args.expandable_segments == "longtrain" and case.kind == "longtrain")
+    if expandable:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(
+            filter(None, [os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "expandable_segments:True"]))
+    if args.attention_kernel and case.kind == "longtrain":
+        env["LONGTRAIN_ATTENTION_KERNEL"] = args.attention_kernel
+    return env
+
+
+def run_isolated(case: Case, length: int, args, timeout: float) -> dict:
+    """The case in a fresh process (see the module docstring); its row, or one that says why not."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--case-only", case.name, "--lengths", str(length),
+           "--model", args.model, "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
+    if args.smoke:
+        cmd.append("--smoke")
+    if args.profile:
+        cmd += ["--profile", str(args.profile)]
+    row = _empty_row(case, length)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 1), env=_case_env(case, args))
+    except subprocess.TimeoutExpired:
+        row["status"] = f"timed out ({timeout:.0f} s)"
+        return row
+    for line in proc.stdout.splitlines():
+        if line.startswith(ROW_TAG):
+            return json.loads(line[len(ROW_TAG):])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()
+    row["status"] = "failed: " + (tail[-1][:160] if tail else f"exit code {proc.returncode}")
     return row
 
 
@@ -189,71 +320,160 @@ def _add_ratios(rows: list[dict]) -> None:
                 r["vs_best_peer"] = r["tokens_per_s"] / best if best and r["tokens_per_s"] else None
 
 
+def longest_fit(rows: list[dict]) -> dict[str, dict]:
+    """Per case: the longest length that ran, and the shortest that did not (None: none failed)."""
+    summary: dict[str, dict] = {}
+    for r in sorted(rows, key=lambda r: r["tokens"]):
+        entry = summary.setdefault(r["case"], {"longest_ok": None, "first_failure": None})
+        if r["status"] == "ok":
+            entry["longest_ok"] = r["tokens"]
+        elif entry["first_failure"] is None:
+            entry["first_failure"] = r["tokens"]
+    return summary
+
+
+def _settings(args):
+    if args.smoke:
+        lengths = [parse_tokens(x) for x in args.lengths.split(",")] if args.lengths else [128, 256]
+        return torch.device("cpu"), torch.float32, "tiny-llama", lengths
+    return torch.device("cuda"), torch.bfloat16, args.model, [parse_tokens(x) for x in (args.lengths or "16K,32K").split(",")]
+
+
+def _config(model_name: str, lengths: list[int]):
+    config = preset_config(model_name)
+    config.max_position_embeddings = max(config.max_position_embeddings, max(lengths))
+    config.use_cache = False
+    return config
+
+
+def _one_case(args) -> int:
+    """``--case-only``: run one case at one length in this process and print its row."""
+    device, dtype, model_name, lengths = _settings(args)
+    row = run_case(BY_NAME[args.case_only], _config(model_name, lengths), lengths[0], device, dtype, args.repeats,
+                   args.warmup, args.profile)
+    print(ROW_TAG + json.dumps(row), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama3-8b", help="preset (default %(default)s)")
-    parser.add_argument("--lengths", default="16K,32K", help="comma list of sequence lengths (default %(default)s)")
+    parser.add_argument("--lengths", default=None, help="comma list of sequence lengths, short to long (default 16K,32K)")
     parser.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma list of cases (default: all)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed steps per case after the warm-up (default %(default)s)")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="start no new case after this many seconds (default %(default)s)")
-    parser.add_argument("--smoke", action="store_true", help="tiny-llama at 256/512 tokens on the CPU, written to a temporary folder")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed steps per case (default 2; 1 from 128K on)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 1; 0 from 128K on)")
+    parser.add_argument("--budget-s", type=float, default=540.0,
+                        help="start no new case after this many seconds (default %(default)s)")
+    parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                        help="each case in its own process (default: on a GPU yes, with --smoke no)")
+    parser.add_argument("--expandable-segments", choices=("off", "longtrain", "all"), default="longtrain",
+                        help="cases run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, with --isolate "
+                             "(default %(default)s)")
+    parser.add_argument("--attention-kernel", choices=("cudnn", "flash", "math"), default=None,
+                        help="force longtrain's attention kernel (default: the fastest the device has)")
+    parser.add_argument("--append", action="store_true",
+                        help="merge with the gpu_peers.json already in the output folder; cases that failed at a "
+                             "shorter length there are not tried again")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="profile one more step per case: operator tables by self host and device time in DIR")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny-llama at 128/256 tokens on the CPU, one step per case, written to a temporary folder")
     parser.add_argument("--out", default=None, help="folder for the JSON/markdown/PNG (default docs/, or a temporary one with --smoke)")
+    parser.add_argument("--case-only", default=None, help=argparse.SUPPRESS)  # internal: one case, one length, one process
     args = parser.parse_args(argv)
 
-    if args.smoke:
-        device, dtype, model_name, lengths = torch.device("cpu"), torch.float32, "tiny-llama", [256, 512]
-        out = Path(args.out) if args.out else Path(__import__("tempfile").mkdtemp(prefix="gpu_peers_smoke_"))
+    if not args.smoke and not torch.cuda.is_available():
+        print("gpu_peers: no CUDA device here; run it on a GPU machine, or pass --smoke to exercise the script on the CPU")
+        return 0
+    device, dtype, model_name, lengths = _settings(args)
+    short = args.smoke or max(lengths) >= LONG  # smoke: the plumbing, not the numbers; long: a minute a step
+    args.repeats = args.repeats if args.repeats is not None else (1 if short else 2)
+    args.warmup = args.warmup if args.warmup is not None else (0 if short else 1)
+    if args.case_only:
+        return _one_case(args)
+    isolate = args.isolate if args.isolate is not None else not args.smoke
+    if args.out:
+        out = Path(args.out)
     else:
-        if not torch.cuda.is_available():
-            print("gpu_peers: no CUDA device here; run it on a GPU machine, or pass --smoke to exercise the script on the CPU")
-            return 0
-        device, dtype, model_name = torch.device("cuda"), torch.bfloat16, args.model
-        lengths = [parse_tokens(x) for x in args.lengths.split(",")]
-        out = Path(args.out) if args.out else DOCS
+        out = Path(__import__("tempfile").mkdtemp(prefix="gpu_peers_smoke_")) if args.smoke else DOCS
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         print(f"gpu_peers: unknown case {unknown[0]!r}; cases: {', '.join(BY_NAME)}", file=sys.stderr)
         return 2
-    config = preset_config(model_name)
-    config.max_position_embeddings = max(config.max_position_embeddings, max(lengths))
-    config.use_cache = False
-    skipped, rows, start = [], [], time.perf_counter()
+    config = _config(model_name, lengths)
+    rows, skipped = [], []
+    if args.append and (out / "gpu_peers.json").exists():
+        previous = json.loads((out / "gpu_peers.json").read_text())
+        rows = [r for r in previous["rows"] if r["tokens"] not in lengths or r["case"] not in names]
+        skipped = [s for s in previous["meta"].get("skipped", []) if not any(f" at {n:,} tokens" in s for n in lengths)]
     if _liger() is None and any("liger" in n for n in names):
-        skipped.append("hf+liger cases (liger-kernel is not installed: pip install liger-kernel)")
+        note = "hf+liger cases (liger-kernel is not installed: pip install liger-kernel)"
+        skipped += [note] if note not in skipped else []
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    start = time.perf_counter()
     for length in lengths:
         for name in names:
+            case = BY_NAME[name]
             if "liger" in name and _liger() is None:
                 continue
-            if time.perf_counter() - start > args.budget_s:
+            failed_before = [r for r in rows if r["case"] == name and r["tokens"] < length and r["status"] != "ok"]
+            if failed_before:
+                skipped.append(f"{name} at {length:,} tokens ({failed_before[0]['status']} at {failed_before[0]['tokens']:,})")
+                continue
+            left = args.budget_s - (time.perf_counter() - start)
+            if left <= 0:
                 skipped.append(f"{name} at {length:,} tokens (time budget of {args.budget_s:.0f} s spent)")
                 continue
-            row = run_case(BY_NAME[name], config, length, device, dtype, args.repeats)
-            rows.append(row)
-            print(f"  {length:>8,} {name:<24} {row['status']:<14} "
+            if isolate:
+                row = run_isolated(case, length, args, timeout=left + 60)
+            else:
+                row = run_case(case, config, length, device, dtype, args.repeats, args.warmup, args.profile)
+            rows = [r for r in rows if (r["tokens"], r["case"]) != (length, name)] + [row]
+            print(f"  {length:>8,} {name:<26} {row['status']:<14} "
                   + (f"{row['step_s']:.3f} s  {row['tokens_per_s']:,.0f} tok/s" if row["step_s"] else ""), flush=True)
             # Written after every case, so a run stopped at its time limit keeps what it measured.
-            _report(rows, skipped, out, model_name, dtype, device_name, args.repeats, argv)
-    _report(rows, skipped, out, model_name, dtype, device_name, args.repeats, argv)
+            _report(rows, skipped, out, model_name, dtype, device_name, args, argv)
+    _report(rows, skipped, out, model_name, dtype, device_name, args, argv)
     _plot(rows, out / "gpu_peers.png")
     print(f"gpu_peers: wrote {out}/gpu_peers.json, .md, .png")
     return 0
 
 
-def _report(rows, skipped, out, model_name, dtype, device_name, repeats, argv) -> None:
+def _report(rows, skipped, out, model_name, dtype, device_name, args, argv) -> None:
+    rows.sort(key=lambda r: (r["tokens"], list(BY_NAME).index(r["case"]) if r["case"] in BY_NAME else 99))
     _add_ratios(rows)
+    fits = longest_fit(rows)
+    fit_lines = "; ".join(f"{case} {_tokens(entry['longest_ok'])}"
+                          + (f" (not {_tokens(entry['first_failure'])})" if entry["first_failure"] else "")
+                          for case, entry in fits.items())
     notes = f"""
 {model_name}, {str(dtype).replace('torch.', '')}, batch 1, forward + backward, no optimizer step, on {device_name}.
-Median of {repeats} steps after a warm-up ({'CUDA events' if device_name != 'cpu' else 'wall clock'}); MFU against
-dense bf16 peak; allocator peaks of the timed steps. `× best peer`: tokens/s over the fastest peer at that length.
+Median of the timed steps ({'CUDA events' if device_name != 'cpu' else 'wall clock'}) after warm-up steps (none from
+128K tokens on, where one step is timed); MFU against dense bf16 peak; allocator peaks of the timed steps and their ratio
+(OOM follows *reserved*); host peak: the case process's resident memory during the timed steps. `× best peer`:
+tokens/s over the fastest peer at that length. alloc conf: PYTORCH_CUDA_ALLOC_CONF of the case. kernel: the attention
+kernel of longtrain's blocks.
+
+Longest length each case ran: {fit_lines or 'nothing ran'}.
+
 Not run: {'; '.join(skipped) or 'nothing'}."""
     columns = [("tokens", "tokens"), ("case", "case"), ("status", "status"), ("step_s", "step s"),
                ("tokens_per_s", "tokens/s"), ("vs_best_peer", "× best peer"), ("mfu_pct", "MFU %"),
-               ("alloc_gib", "alloc GiB"), ("reserved_gib", "reserved GiB"), ("host_pinned_gib", "pinned host GiB")]
+               ("alloc_gib", "alloc GiB"), ("reserved_gib", "reserved GiB"), ("reserved_over_alloc", "reserved/alloc"),
+               ("host_peak_gib", "host peak GiB"), ("host_pinned_gib", "pinned GiB"), ("alloc_conf", "alloc conf"),
+               ("attention_kernel", "kernel")]
+    for r in rows:  # rows appended from an earlier version of this script may lack a column
+        for key, _ in columns:
+            r.setdefault(key, None)
     command = "python benchmarks/gpu_peers.py " + " ".join(argv if argv is not None else sys.argv[1:])
     write_report("gpu_peers", "longtrain vs Hugging Face (+ Liger, + offload) on one GPU", columns, rows, notes, command.strip(),
-                 out_dir=out, meta={"device": device_name, "skipped": skipped}, quiet=True)
+                 out_dir=out, meta={"device": device_name, "skipped": skipped, "longest_fit": fits}, quiet=True)
+
+
+def _tokens(n: int | None) -> str:
+    return "none" if n is None else f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
 
 
 def _plot(rows: list[dict], path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import tempfile
 import threading
 
 import pytest
@@ -20,6 +21,9 @@ from longtrain.models.loading import build_from_config, default_dtype
 from longtrain.models.presets import preset_config
 
 ARCHITECTURES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2"]
+
+# `longtrain calibrate` stores rates per machine; tests never read or write the user's.
+os.environ["LONGTRAIN_CACHE"] = tempfile.mkdtemp(prefix="longtrain-test-cache-")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs two workers on two cores: one thread each (the tiny models gain
@@ -150,6 +154,8 @@ STRATEGIES = {
     "fpdt+offload,output-kept+mst": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "offload": True,
                                                                                        "keep_output": True},
                                                         mst=lt.MsT(loss_chunks=3)),
+    # Segments of two layers: only layer 0's input (its embeddings) parked; backward recomputes layer 1's.
+    "fpdt+segment+offload": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "offload": True, "segment": 2}),
     "seco": lambda: lt.Strategy(engine="seco", engine_options={"chunk": 23}),
     "seco+offload+checkpoint+mst": lambda: lt.Strategy(engine="seco", engine_options={"chunk": 40, "offload": True, "prefetch": 2},
                                                        checkpoint=True, mst=lt.MsT(loss_chunks=3)),

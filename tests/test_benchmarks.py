@@ -22,3 +22,30 @@ def test_gpu_suite_smoke_runs_end_to_end_on_the_cpu():
     assert {"hf", "hf+offload", "lt:checkpoint+mst", "lt:fpdt+offload+mst", "lt:seco+checkpoint+mst"} <= cases
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows)
     assert "Not run:" in (folder / "gpu_suite.md").read_text()
+
+
+def test_gpu_peers_isolates_cases_and_stops_a_case_at_its_first_failure(tmp_path):
+    """--isolate runs each case in its own process (longtrain's with expandable segments,
+    its attention kernel recorded); --append merges with an earlier run, and a case that
+    failed at a shorter length there is not tried again: the report names the longest
+    length each case ran."""
+    def row(tokens, case, status):
+        return {"tokens": tokens, "case": case, "status": status, "step_s": None, "tokens_per_s": None, "mfu_pct": None,
+                "alloc_gib": None, "reserved_gib": None, "reserved_over_alloc": None, "host_peak_gib": None,
+                "host_pinned_gib": None, "alloc_conf": "default", "attention_kernel": None}
+
+    earlier = {"meta": {"skipped": []}, "rows": [row(128, "lt:checkpoint+mst", "out of memory")]}
+    (tmp_path / "gpu_peers.json").write_text(json.dumps(earlier))
+    cases = "hf,lt:checkpoint+mst,lt:fpdt+offload+keep+mst"
+    result = subprocess.run([sys.executable, "benchmarks/gpu_peers.py", "--smoke", "--isolate", "--append", "--cases", cases,
+                             "--lengths", "256", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_peers.json").read_text())
+    got = {(r["tokens"], r["case"]): r for r in report["rows"]}
+    assert set(got) == {(128, "lt:checkpoint+mst"), (256, "hf"), (256, "lt:fpdt+offload+keep+mst")}
+    assert got[(256, "hf")]["status"] == "ok" and got[(256, "hf")]["host_peak_gib"] > 0
+    fpdt = got[(256, "lt:fpdt+offload+keep+mst")]
+    assert fpdt["status"] == "ok" and "expandable_segments:True" in fpdt["alloc_conf"] and fpdt["attention_kernel"] == "flash"
+    assert report["meta"]["longest_fit"]["lt:checkpoint+mst"] == {"longest_ok": None, "first_failure": 128}
+    assert any("lt:checkpoint+mst at 256 tokens (out of memory at 128)" in s for s in report["meta"]["skipped"])
+    assert "Longest length each case ran:" in (tmp_path / "gpu_peers.md").read_text()

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from longtrain.errors import LongtrainError
 from longtrain.ops.causal_attention import causal_attention
 from longtrain.ops.chunked_attention import chunked_attention
 from longtrain.ops.masking import SequenceMask
@@ -99,11 +100,12 @@ def test_soft_capped_attention_matches_explicit_scores_in_float64(n_chunks):
 @pytest.mark.parametrize("variant", ["causal", "window", "packed", "left-padded+packed"])
 def test_whole_sequence_attention_takes_the_fused_kernel_only_when_nothing_but_causality_masks(variant, monkeypatch):
     """causal_attention (what the backprop engine runs) equals the reference for every
-    mask, and calls the fused SDPA path exactly when the mask is plain causal."""
+    mask, and calls the fused kernel path exactly when the mask is plain causal."""
     import longtrain.ops.causal_attention as whole
 
     calls = []
-    monkeypatch.setattr(whole, "sdpa_gqa", lambda *a, **k: calls.append(1) or _sdpa(*a, **k))
+    fused = whole._FusedCausal.apply
+    monkeypatch.setattr(whole._FusedCausal, "apply", lambda *a: calls.append(1) or fused(*a))
     s = 70
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, h, s, 8, dtype=torch.float64, generator=g, requires_grad=True) for h in (4, 2, 2))
@@ -122,12 +124,6 @@ def test_whole_sequence_attention_takes_the_fused_kernel_only_when_nothing_but_c
     got, expected = torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)
     assert max(rel(a, b) for a, b in zip(got, expected)) <= TOL
     assert bool(calls) == (variant == "causal")
-
-
-def _sdpa(*args, **kwargs):
-    from longtrain.ops.sdpa import sdpa_gqa
-
-    return sdpa_gqa(*args, **kwargs)
 
 
 def test_block_planner_skips_earlier_documents_and_masks_only_where_it_must():
@@ -150,7 +146,7 @@ def test_block_planner_skips_earlier_documents_and_masks_only_where_it_must():
     assert planner.plan(3, 0, 50, cpu)[0]  # wholly outside a 50-token window
 
 
-def test_cuda_kernel_argument_conventions_on_fake_cuda_tensors():
+def test_cuda_kernel_argument_conventions_on_fake_cuda_tensors(monkeypatch):
     """The CUDA branch of the block kernels, run on fake CUDA tensors (no GPU needed):
     the ATen schemas accept the arguments, and the non-packed flash backward passes
     undefined cum_seq_q/k — a defined tensor, even an empty one, means variable-length
@@ -168,6 +164,7 @@ def test_cuda_kernel_argument_conventions_on_fake_cuda_tensors():
                 calls.append((func.__name__, args))
             return func(*args, **(kwargs or {}))
 
+    _pretend_gpu(monkeypatch, capability=(8, 0))  # Ampere: FlashAttention-2, no cuDNN attention
     with FakeTensorMode(), Record():
         q = torch.empty(1, 4, 64, 32, dtype=torch.bfloat16, device="cuda")
         k = torch.empty(1, 2, 64, 32, dtype=torch.bfloat16, device="cuda")
@@ -180,3 +177,157 @@ def test_cuda_kernel_argument_conventions_on_fake_cuda_tensors():
     for args in backward:
         assert args[6] is None and args[7] is None  # cum_seq_q, cum_seq_k undefined
         assert args[5].dtype == torch.float32  # the log-sum-exp the kernel expects
+
+
+# ---- which fused kernel a block runs (issue 13): chosen once per device, dtype, head dimension ----
+
+def _pretend_gpu(monkeypatch, capability=(9, 0), cudnn=90500):
+    """A CUDA device of ``capability`` with cuDNN ``cudnn`` as far as the kernel choice can
+    tell (no GPU needed), and an empty choice cache."""
+    import longtrain.ops.attention_blocks as blocks
+
+    monkeypatch.setattr(blocks, "_chosen", {})
+    monkeypatch.setattr(blocks, "_failed", set())
+    monkeypatch.setattr(blocks, "_requested_kernel", None)
+    monkeypatch.delenv(blocks.KERNEL_ENV, raising=False)
+    asked = []
+    monkeypatch.setattr(blocks, "_device_capability", lambda device: asked.append(device) or capability)
+    monkeypatch.setattr(blocks, "_cudnn_version", lambda: cudnn)
+    return asked
+
+
+@pytest.mark.parametrize("capability,cudnn,dtype,head_dim,expected", [
+    ((9, 0), 90500, torch.bfloat16, 128, "cudnn"),  # Hopper: cuDNN for half precision
+    ((9, 0), 90500, torch.float16, 64, "cudnn"),
+    ((10, 0), 90800, torch.bfloat16, 128, "cudnn"),  # Blackwell too
+    ((9, 0), 90500, torch.bfloat16, 256, "flash"),  # head dim > 128: FA2 takes up to 256
+    ((9, 0), 8906, torch.bfloat16, 128, "flash"),  # cuDNN 8: no
+    ((8, 0), 90500, torch.bfloat16, 128, "flash"),  # Ampere: FA2
+    ((7, 5), 90500, torch.bfloat16, 64, "math"),  # Turing: neither
+    ((9, 0), 90500, torch.float32, 128, "math"),  # float32/float64 on CUDA: explicit scores
+    ((9, 0), 90500, torch.float64, 128, "math"),
+    ((9, 0), 90500, torch.bfloat16, 100, "math"),  # head dim not a multiple of 8
+])
+def test_kernel_choice_per_device_dtype_and_head_dim(monkeypatch, capability, cudnn, dtype, head_dim, expected):
+    from longtrain.ops.attention_blocks import attention_kernel
+
+    asked = _pretend_gpu(monkeypatch, capability, cudnn)
+    cuda = torch.device("cuda", 0)
+    assert attention_kernel(cuda, dtype, head_dim) == expected
+    for _ in range(3):  # cached: the device is asked once
+        attention_kernel(cuda, dtype, head_dim)
+    assert len(asked) <= 2  # cudnn and flash each asked at most once, on the first choice
+
+
+def test_cpu_blocks_run_the_cpu_flash_kernel_for_every_dtype(monkeypatch):
+    from longtrain.ops.attention_blocks import attention_kernel
+
+    _pretend_gpu(monkeypatch)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        assert attention_kernel(torch.device("cpu"), dtype, 64) == "flash"
+
+
+def test_kernel_override_by_environment_and_function(monkeypatch):
+    import longtrain.ops.attention_blocks as blocks
+
+    _pretend_gpu(monkeypatch, capability=(9, 0))
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setenv(blocks.KERNEL_ENV, "flash")
+    assert blocks.attention_kernel(cuda, torch.bfloat16, 128) == "flash"
+    monkeypatch.setenv(blocks.KERNEL_ENV, "math")
+    assert blocks.attention_kernel(cuda, torch.bfloat16, 128) == "math"
+    assert blocks.attention_kernel(torch.device("cpu"), torch.float64, 8) == "math"
+    monkeypatch.setenv(blocks.KERNEL_ENV, "auto")
+    assert blocks.attention_kernel(cuda, torch.bfloat16, 128) == "cudnn"
+    blocks.set_attention_kernel("flash")  # the function wins over the environment
+    try:
+        assert blocks.attention_kernel(cuda, torch.bfloat16, 128) == "flash"
+    finally:
+        blocks.set_attention_kernel(None)
+    monkeypatch.setenv(blocks.KERNEL_ENV, "cudnn")  # asked where it cannot run: a warning, then the best there is
+    with pytest.warns(UserWarning, match="cannot run float32 blocks"):
+        assert blocks.attention_kernel(cuda, torch.float32, 128) == "math"
+    monkeypatch.setenv(blocks.KERNEL_ENV, "triton")
+    with pytest.raises(LongtrainError, match="LONGTRAIN_ATTENTION_KERNEL: the attention kernel must be one of auto, cudnn, flash, math"):
+        blocks.attention_kernel(cuda, torch.bfloat16, 128)
+
+
+def _recorded_attention_calls(fn):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "attention" in func.__name__:
+                calls.append((func.__name__, args, kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        result = fn()
+    return calls, result
+
+
+def test_cudnn_kernel_argument_conventions_on_fake_cuda_tensors(monkeypatch):
+    """The cuDNN branch on fake CUDA tensors (its ATen schema, no GPU): grouped K/V go in
+    as they are and dK/dV come back grouped; the LSE comes back (B, H, S) in float32 and
+    goes to the backward in the forward's own shape, contiguous; max_q/max_k are the
+    block's lengths (the kernel reads them as its sequence lengths); no bias, no packing,
+    unread philox seed/offset; every tensor contiguous (cuDNN caches plans by q/k/v
+    layout only)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from longtrain.ops.attention_blocks import _cudnn_lse_is_4d, block_backward, block_forward
+
+    _pretend_gpu(monkeypatch, capability=(9, 0))
+    lse_4d = _cudnn_lse_is_4d()  # read from the op's meta kernel once (not recorded below)
+    with FakeTensorMode():
+        # (fake CUDA tensors on a CPU-only build cannot be copied: contiguous inputs here)
+        q = torch.empty(1, 4, 48, 64, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(1, 2, 80, 64, dtype=torch.bfloat16, device="cuda")
+
+        def run():
+            out, lse = block_forward(q, k, k, scale=0.125, causal=False)
+            grads = block_backward(out, q, k, k, out, lse, scale=0.125, causal=False)
+            return out, lse, grads
+
+        calls, (out, lse, (dq, dk, dv)) = _recorded_attention_calls(run)
+    names = [name for name, _, _ in calls]
+    assert names == ["_scaled_dot_product_cudnn_attention.default", "_scaled_dot_product_cudnn_attention_backward.default"]
+    _, fargs, fkw = calls[0]
+    assert fargs[1].shape[1] == 2 and fargs[3] is None and fargs[4] is True  # grouped K/V, no bias, LSE wanted
+    assert all(t.is_contiguous() for t in fargs[:3]) and fkw["scale"] == 0.125
+    assert lse.shape == (1, 4, 48) and lse.dtype == torch.float32 and out.shape == q.shape
+    _, bargs, bkw = calls[1]
+    grad_out, bq, bk, bv, bout, blse, seed, offset, bias, cum_q, cum_k, max_q, max_k, dropout, causal = bargs
+    assert blse.shape == ((1, 4, 48, 1) if lse_4d else (1, 4, 48)) and blse.is_contiguous()
+    assert blse.dtype == torch.float32 and seed.dtype == offset.dtype == torch.int64
+    assert bias is None and cum_q is None and cum_k is None and (max_q, max_k) == (48, 80)
+    assert dropout == 0.0 and causal is False and bkw["scale"] == 0.125
+    assert all(t.is_contiguous() for t in (grad_out, bq, bk, bv, bout))
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape  # grouped: no expand, no reduce
+
+
+def test_a_kernel_that_fails_at_run_time_hands_over_to_the_next(monkeypatch):
+    """A cuDNN refusal (a shape its library does not take) drops cuDNN for that device,
+    dtype and head dimension with a warning; FlashAttention-2 does the block and the
+    ones after it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import longtrain.ops.attention_blocks as blocks
+
+    _pretend_gpu(monkeypatch, capability=(9, 0))
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cuDNN Frontend error: No valid execution plans built.")
+
+    monkeypatch.setattr(blocks, "_cudnn_forward", refuse)
+    with FakeTensorMode():
+        q = torch.empty(1, 4, 64, 64, dtype=torch.bfloat16, device="cuda")
+        with pytest.warns(UserWarning, match="'cudnn' failed .* using 'flash' from now on"):
+            calls, _ = _recorded_attention_calls(lambda: blocks.block_forward(q, q, q, scale=0.125, causal=True))
+        assert [name for name, _, _ in calls] == ["_scaled_dot_product_flash_attention.default"]
+        assert blocks.attention_kernel(q.device, torch.bfloat16, 64) == "flash"
+        with pytest.raises(torch.OutOfMemoryError):  # running out of memory is not a refusal
+            monkeypatch.setattr(blocks, "_flash_forward", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("oom")))
+            blocks.block_forward(q, q, q, scale=0.125, causal=True)

@@ -192,3 +192,119 @@ def test_adjoint_on_cuda_equals_float64_autograd():
         expected = grads(reference_model)
         worst = max(float((got[k].double().cpu() - expected[k]).norm() / expected[k].norm()) for k in expected)
         assert worst <= FP32_TOL, worst
+
+
+# ---- issue 13: every attention kernel the device has, and the head's float32 accumulation ----
+
+def _kernel_available(kernel: str, head_dim: int = 128) -> bool:
+    from longtrain.ops.attention_blocks import _supports
+
+    return _supports(kernel, torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, head_dim)
+
+
+@pytest.fixture
+def forced_kernel():
+    from longtrain.ops.attention_blocks import set_attention_kernel
+
+    yield set_attention_kernel
+    set_attention_kernel(None)
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "flash", "math"])
+def test_each_attention_kernel_gives_exact_blocks_in_bfloat16(kernel, forced_kernel):
+    """A query chunk split over an earlier key chunk (full block) and its own (causal
+    block), grouped K/V heads, merged by LSE and differentiated block by block from the
+    global output and LSE: bf16 within bf16 error of a float64 reference, on each kernel
+    (the kernel that ran is checked by name)."""
+    if not _kernel_available(kernel):
+        pytest.skip(f"{kernel} attention is not available on this device")
+    from conftest import AttentionKernelCalls
+
+    from longtrain.ops.attention_blocks import block_backward, block_forward, merge_
+
+    forced_kernel(kernel)
+    torch.manual_seed(0)
+    c, d = 1024, 128
+    q = torch.randn(1, 8, c, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 2 * c, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn_like(q)
+    scale = d ** -0.5
+    with AttentionKernelCalls() as calls:
+        out0, lse0 = block_forward(q, k[:, :, :c], v[:, :, :c], scale=scale, causal=False)
+        out1, lse1 = block_forward(q, k[:, :, c:], v[:, :, c:], scale=scale, causal=True)
+        out, lse = out0.float(), lse0.clone()
+        merge_(out, lse, out1, lse1)
+        out = out.to(torch.bfloat16)
+        g0 = block_backward(dout, q, k[:, :, :c], v[:, :, :c], out, lse, scale=scale, causal=False)
+        g1 = block_backward(dout, q, k[:, :, c:], v[:, :, c:], out, lse, scale=scale, causal=True)
+    expected_name = {"cudnn": "cudnn_attention", "flash": "flash_attention", "math": None}[kernel]
+    if expected_name:
+        assert any(expected_name in name for name in calls.calls), calls.calls
+    else:
+        assert not calls.calls, calls.calls
+    # float64 reference: the same query rows at positions c..2c-1 over keys 0..2c-1
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    pos_q, pos_k = torch.arange(c, 2 * c, device="cuda"), torch.arange(2 * c, device="cuda")
+    mask = pos_k[None, :] <= pos_q[:, None]
+    ref = F.scaled_dot_product_attention(q64, k64.repeat_interleave(4, 1), v64.repeat_interleave(4, 1), attn_mask=mask,
+                                         scale=scale)
+    ref.backward(dout.double())
+    dq = g0[0].double() + g1[0].double()
+    dk = torch.cat([g0[1], g1[1]], dim=2).double()
+    dv = torch.cat([g0[2], g1[2]], dim=2).double()
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    assert rel(out.double(), ref.detach()) < 1e-2
+    for got, want in ((dq, q64.grad), (dk, k64.grad), (dv, v64.grad)):
+        assert rel(got, want) < 2e-2
+
+
+def test_auto_kernel_on_this_device_is_the_fastest_it_has():
+    from longtrain.ops.attention_blocks import attention_kernel
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    major, _ = torch.cuda.get_device_capability(device)
+    chosen = attention_kernel(device, torch.bfloat16, 128)
+    if _kernel_available("cudnn"):
+        assert chosen == "cudnn" and major >= 9
+    elif _kernel_available("flash"):
+        assert chosen == "flash"
+    assert attention_kernel(device, torch.float32, 128) == "math"
+
+
+def test_bf16_head_weight_gradient_accumulates_in_float32_on_cuda():
+    """The chunked head's weight gradient: one bf16 GEMM per chunk accumulating into a
+    float32 buffer (addmm with out_dtype), not a fallback; close to float64."""
+    import warnings
+
+    from longtrain.ops import chunked_loss
+    from longtrain.ops.chunked_loss import chunked_causal_lm_loss
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 4096, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (0.05 * torch.randn(2048, 256, device="cuda")).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, 2048, (1, 4096), device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fallback warns
+        chunked_causal_lm_loss(x, w, labels, chunks=8).backward()
+    assert not chunked_loss._dtype_addmm_fails
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    chunked_causal_lm_loss(x64, w64, labels, chunks=8).backward()
+    assert float((w.grad.double() - w64.grad).norm() / w64.grad.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+@pytest.mark.parametrize("strategy", ["checkpoint+mst", "fpdt+offload,output-kept"])
+def test_bfloat16_strategies_on_each_kernel(kernel, strategy, forced_kernel):
+    """Whole steps on each fused kernel (auto picks one; this forces the other too)."""
+    if not _kernel_available(kernel, head_dim=64):
+        pytest.skip(f"{kernel} attention is not available on this device")
+    forced_kernel(kernel)
+    _, ref_loss, ref_grads = reference("tiny-llama")
+    model = _ours_on_cuda("tiny-llama", torch.bfloat16, CUDA_STRATEGIES[strategy]())
+    bound = BF16_FACTOR * stock_bf16_error("tiny-llama")
+    for loss, got in _two_steps(model, _batch("cuda")):
+        assert abs(loss - ref_loss) <= 2e-2 * abs(ref_loss)
+        assert _global_error(got, ref_grads) <= bound

@@ -221,3 +221,65 @@ def test_kept_attention_outputs_mean_attention_runs_forward_once():
     forward, backward = "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"
     assert counts[True][backward] == counts[False][backward] == counts[True][forward]
     assert counts[False][forward] == 2 * counts[True][forward]
+
+
+@pytest.mark.parametrize("layers,segment", [(5, 2), (5, 3), (6, 2)])
+def test_segments_park_fewer_inputs_and_stay_exact(layers, segment):
+    """``segment=k`` parks every k-th layer's input (segments that do not divide the layer
+    count included) and recomputes the rest in backward: stock gradients in float64, and
+    the host holds the parked inputs of the segment starts only."""
+    config = preset_config("tiny-llama")
+    config.num_hidden_layers = layers
+    stock, ours = stock_and_ours(config)
+    strategy = lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "offload": True, "segment": segment})
+    check_step(stock, ours, strategy, padded_batch(config.vocab_size, lengths=(101, 77)), another_thread=True)
+
+    def host_peak(options):
+        report, _ = run_training_steps(lambda: build_from_config(config, torch.float32), seq_len=160,
+                                       strategy=lt.Strategy(engine="fpdt", engine_options=options), optimizer="none",
+                                       iterations=1)
+        return report.peak_host_bytes
+
+    every = host_peak({"chunk": 40, "offload": True})
+    fewer = host_peak({"chunk": 40, "offload": True, "segment": segment})
+    input_bytes = 160 * config.hidden_size * 4
+    # Parked: the segment starts but layer 0 (embeddings are recomputed), and in backward one segment's inner inputs.
+    parked = -(-layers // segment) - 1 + segment - 1
+    assert fewer <= every - (layers - 1 - parked) * input_bytes < every
+
+
+def test_segment_refuses_options_that_park_per_layer():
+    with pytest.raises(lt.LongtrainError, match="segment"):
+        lt.FPDT(chunk=64, segment=2, keep_output=True)
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Ops that read a device value back to the host (a synchronization on a GPU):
+    scalar reads (``.item()``, ``bool()``, ``int()`` of a tensor) and data-dependent shapes."""
+
+    NAMES = ("_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "unique", "_unique2")
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ in self.NAMES
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("keep_output", [False, True])
+def test_the_chunk_loop_never_reads_the_device(keep_output):
+    """Host reads happen once per step (the label count, the mask summary), never per
+    chunk or layer: 4× the chunks, the same count."""
+    config = preset_config("tiny-llama")
+    counts = []
+    for chunk in (48, 12):
+        model = lt.apply(build_from_config(config, torch.float32).train(),
+                         lt.Strategy(engine="fpdt", engine_options={"chunk": chunk, "offload": True,
+                                                                    "keep_output": keep_output}, mst=True))
+        batch = padded_batch(config.vocab_size, lengths=(96, 80))
+        with _HostReads() as reads:
+            lt.step(model, batch)
+        counts.append(reads.count)
+    assert counts[0] == counts[1] <= 3, counts

@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -219,3 +220,114 @@ def test_tiled_mlp_recomputes_under_the_forward_autocast_state():
     out.backward(torch.randn_like(out))  # outside autocast, as training loops do
     assert out.dtype == torch.bfloat16
     assert n_forward == 4 and len(seen) == 8 and all(seen)
+
+
+# ---- speed (issue 13): FLOPs and GEMMs counted on the CPU ----------------------------------------
+
+class _MatmulFlops(TorchDispatchMode):
+    """FLOPs of every op PyTorch has a formula for, and each matmul's operand dtypes.
+    (FlopCounterMode's module tracking cannot follow modules called inside an autograd
+    Function's forward, which the tiled MLP does.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.flops, self.matmuls = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils.flop_counter import flop_registry
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func.overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=out)
+        if func.overloadpacket.__name__ in ("mm", "addmm", "addmm_", "bmm"):
+            self.matmuls.append((func.overloadpacket.__name__, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)),
+                                 tuple(out.shape)))
+        return out
+
+
+def test_tiled_mlp_backward_is_one_recomputed_forward_plus_the_backward():
+    """FLOPs: the tiled MLP's forward equals the plain MLP's (F); its backward is F (the
+    recomputation) + 2F (the backward proper), whatever the chunk count."""
+    mlp = _mlps()["gated"]
+    params = list(mlp.parameters())
+    x = torch.randn(2, 300, 24, dtype=torch.float64, requires_grad=True)
+    with _MatmulFlops() as plain_fwd:
+        out = mlp(x)
+    with _MatmulFlops() as plain_bwd:
+        out.backward(torch.ones_like(out))
+    assert plain_bwd.flops == 2 * plain_fwd.flops
+    for chunk in (64, 100, 7):
+        with _MatmulFlops() as fwd:
+            out = tiled_mlp(mlp, x, params, chunk_tokens=chunk)
+        with _MatmulFlops() as bwd:
+            out.backward(torch.ones_like(out))
+        assert fwd.flops == plain_fwd.flops
+        assert bwd.flops == 3 * plain_fwd.flops, (chunk, bwd.flops / plain_fwd.flops)
+
+
+def _mlp_passes(preset: str, strategy, length: int = 256) -> list[float]:
+    """Per layer: tokens through the MLP's last projection in one step, over the length."""
+    from longtrain.models.presets import preset_config
+    from longtrain.strategy import applied_context
+
+    config = preset_config(preset)
+    config.use_cache = False
+    torch.manual_seed(0)
+    model = lt.apply(build_from_config(config, torch.float32).train(), strategy)
+    adapter = applied_context(model).adapter
+    tokens = [0] * len(adapter.layers)
+    for i, layer in enumerate(adapter.layers):
+        last = adapter.mlp(layer).down_proj
+
+        def count(module, args, i=i):  # a pre-hook: counts the projection even when a recomputation stops inside it
+            tokens[i] += args[0].numel() // args[0].shape[-1]
+
+        last.register_forward_pre_hook(count)
+    lt.step(model, {"input_ids": torch.randint(0, config.vocab_size, (1, length))})
+    return [t / length for t in tokens]
+
+
+def test_checkpointed_tiled_mlp_runs_no_third_forward():
+    """checkpoint + mst on Llama: the layer's recomputation stops at the tiled MLP's saved
+    input (nothing after the MLP saves a tensor), so the MLP runs forward twice per step —
+    once in the forward, once in its own backward — not three times. Gemma-2's
+    post-feed-forward norm saves the MLP's output, which the recomputation must produce:
+    three there (documented in docs/speed.md)."""
+    mst = lt.MsT(mlp_chunk=64)
+    assert _mlp_passes("tiny-llama", lt.Strategy(checkpoint=True, mst=mst)) == [2.0, 2.0]
+    assert _mlp_passes("tiny-llama", lt.Strategy(mst=mst)) == [2.0, 2.0]
+    assert _mlp_passes("tiny-gemma2", lt.Strategy(checkpoint=True, mst=mst)) == [3.0, 3.0]
+
+
+def test_head_weight_gradient_is_one_input_dtype_gemm_per_chunk():
+    """A bf16 head's backward runs, per chunk, three bf16 GEMMs (logits again, the input's
+    gradient, the weight's gradient into the float32 buffer) and no float32 GEMM (the
+    first GPU run found the weight gradient as float32 addmm_ calls at ~50 TFLOP/s).
+    Counted by dispatch and by torch.profiler; float64 stays one addmm_ per chunk."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n, d, vocab, chunks = 1024, 32, 512, 8
+    x = torch.randn(1, n, d, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(vocab, d, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, n))
+    loss = chunked_causal_lm_loss(x, weight, labels, chunks=chunks)
+    with _MatmulFlops() as counted:
+        loss.backward()
+    assert weight.grad.dtype == torch.bfloat16
+    assert len(counted.matmuls) == 3 * chunks
+    assert all(dtypes[-2:] == (torch.bfloat16, torch.bfloat16) for _, dtypes, _ in counted.matmuls), counted.matmuls
+    assert sum(shape == (vocab, d) for _, _, shape in counted.matmuls) == chunks  # the weight gradient
+    x.grad = weight.grad = None
+    loss = chunked_causal_lm_loss(x, weight, labels, chunks=chunks)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss.backward()
+    names = [e.name for e in prof.events() if e.name in ("aten::mm", "aten::addmm", "aten::addmm_")]
+    assert len(names) == 3 * chunks
+    # float64: the weight gradient accumulates in place, one addmm_ per chunk
+    x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    loss = chunked_causal_lm_loss(x64, w64, labels, chunks=chunks)
+    with _MatmulFlops() as counted:
+        loss.backward()
+    assert [name for name, _, _ in counted.matmuls].count("addmm_") == chunks

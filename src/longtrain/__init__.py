@@ -7,30 +7,65 @@
     lt.Strategy(engine="fpdt", engine_options=lt.FPDT(chunk=4096, offload=True), mst=True)
 """
 
-from .engines.fpdt import FPDT
-from .engines.seco import SeCOOptions, SpaCOOptions
-from .engines.sequence_parallel import Ulysses
+from __future__ import annotations
+
+import importlib
+
 from .errors import LongtrainError
-from .models.adapters import supported_families
-from .strategy import Strategy, apply, step
-from .techniques.memo import Memo
-from .techniques.mst import MsT
 
 __version__ = "0.2.0"
 
+# The public names and the modules that define them. They are imported on first use
+# (PEP 562), so `import longtrain` — and every command line start, `--help` included —
+# does not pay for torch and transformers until something needs them.
+_LAZY = {
+    "FPDT": "engines.fpdt",
+    "SeCOOptions": "engines.seco",
+    "SpaCOOptions": "engines.seco",
+    "Ulysses": "engines.sequence_parallel",
+    "supported_families": "models.adapters",
+    "Strategy": "strategy",
+    "apply": "strategy",
+    "step": "strategy",
+    "Memo": "techniques.memo",
+    "MsT": "techniques.mst",
+}
 
-def simulate(*args, **kwargs):
-    """See :func:`longtrain.plan.simulate.simulate`."""
+
+def simulate(model, seq_len, *args, **kwargs):
+    """See :func:`longtrain.plan.simulate.simulate`; ``seq_len`` may also be written
+    like the command line's ``--seq-len`` (``"4K"``, ``"1M"``)."""
+    from .memory.units import parse_tokens
     from .plan.simulate import simulate as _simulate
 
-    return _simulate(*args, **kwargs)
+    if isinstance(seq_len, str):
+        seq_len = parse_tokens(seq_len)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+        raise LongtrainError(f"simulate's seq_len must be an integer of at least 2 or a count like '64K', got {seq_len!r}")
+    return _simulate(model, seq_len, *args, **kwargs)
 
 
 def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
     if name == "ChunkedAttention":  # renamed when chunked attention became an engine
         raise LongtrainError("longtrain.ChunkedAttention is now longtrain.FPDT, the options of the 'fpdt' engine: "
                              "Strategy(engine='fpdt', engine_options=FPDT(chunk=8192, offload=True))")
+    try:  # a submodule not imported yet (lt.registry, lt.plan, ...)
+        module = importlib.import_module(f"{__name__}.{name}")
+        if name == "registry":  # its tables fill as the built-in engines and techniques are imported
+            importlib.import_module(f"{__name__}.strategy")
+        return module
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
     raise AttributeError(f"module 'longtrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = ["FPDT", "LongtrainError", "Memo", "MsT", "SeCOOptions", "SpaCOOptions", "Strategy", "Ulysses", "apply", "simulate",

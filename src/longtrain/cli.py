@@ -1,19 +1,48 @@
 """Command line: ``longtrain train | simulate | plan | presets``.
 
-User mistakes raise :class:`LongtrainError` and are printed as one line, exit code 2.
+User mistakes raise :class:`LongtrainError` and are printed as one line, exit code 2;
+so are usage errors. Unexpected errors keep their traceback.
+
+Nothing heavy is imported at module level: torch and transformers load inside the
+command that needs them, so ``--help`` and ``presets`` start at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import warnings
 
 from .errors import LongtrainError
-from .memory.units import parse_tokens
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in its help, except where there is none to show: no
+    value (None) or a switch."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.nargs == 0 or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors in one line (it prints the whole usage first), exit
+    code 2, and defaults shown; subcommands inherit both."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
 def _tokens(text: str) -> int:
+    from .memory.units import parse_tokens
+
     try:
         return parse_tokens(text)
     except LongtrainError as exc:
@@ -21,58 +50,61 @@ def _tokens(text: str) -> int:
 
 
 def _add_train(sub) -> None:
-    from .train.trainer import TrainConfig
+    from .train.config import TrainConfig
 
     d = TrainConfig()
     p = sub.add_parser("train", help="fine-tune a causal LM (default: the built-in pass-key demo)",
                        description="Train a causal LM on long sequences. With no arguments, trains the embedded demo: "
                                    "a small Llama at 8K tokens on the built-in pass-key retrieval task.")
     p.add_argument("--model", default=d.model, help="preset name (see `longtrain presets`) or local Hugging Face model directory")
-    p.add_argument("--data", default=d.data, help="text/.jsonl file or directory (default: built-in pass-key task)")
-    p.add_argument("--seq-len", type=_tokens, default=d.seq_len, help="tokens per sample, e.g. 8192, 64K (default %(default)s)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--tokenizer", default=d.tokenizer, help="auto: a model directory's own tokenizer (presets: bytes); "
+                   "bytes: the byte tokenizer; or a tokenizer directory")
+    p.add_argument("--data", default=d.data, help="text/.jsonl file or directory; a tenth of its windows, up to "
+                   "--eval-samples, is held out for the held-out loss (not given: the built-in pass-key task)")
+    p.add_argument("--seq-len", type=_tokens, default=d.seq_len, help="tokens per sample, e.g. 8192, 64K")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per micro-batch")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "sgd"])
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps in all; resuming with more continues the run")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (linear warm-up, then cosine to 10%% at --steps)")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="steps of linear warm-up")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="decoupled weight decay (0 or more)")
+    p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "sgd"], help="AdamW (betas 0.9, 0.95) or SGD with momentum 0.9")
     p.add_argument("--strategy", default=d.strategy, help="techniques: none, checkpoint, mst, memo, a comma list with options (checkpoint,mst:loss_chunks=8), a strategy .yaml/.json, or auto (the planner picks the fastest that fits this machine)")
     p.add_argument("--engine", default=d.engine, help="gradient engine with options: backprop; fpdt:chunk=8192:offload=true "
                    "(chunked attention, host offload); seco:chunk=4096; spaco:chunk=128:budget=8:cap=2; "
-                   "adjoint:truncate=64 (SSM-ResNet models)")
+                   "adjoint:truncate=64 (SSM-ResNet models); booleans take true/false/yes/no/1/0")
     p.add_argument("--sp", type=int, default=d.sp, help="Ulysses sequence parallelism: processes that share each sequence "
                    "(under torchrun; a divisor of the process count, the rest is data parallel; parameters are sharded over all)")
     p.add_argument("--master-weights", default=d.master_weights, help="with --sp: keep parameters and optimizer state in this "
                    "dtype (e.g. float32) while layers compute in --dtype (FSDP2 mixed precision)")
-    p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of all weights (needs peft)")
-    p.add_argument("--lora-rank", type=int, default=d.lora_rank)
-    p.add_argument("--dtype", default=d.dtype, help="float32, bfloat16, ... (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--optimizer-offload", action="store_true", help="keep AdamW's state and fp32 master weights in host "
+                   "memory, update them on the CPU, stream gradients there during backward (full fine-tuning of 8B on one GPU)")
+    p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of all weights (needs peft); final/ holds "
+                   "the merged model, final/adapter the adapter for peft")
+    p.add_argument("--lora-rank", type=int, default=d.lora_rank, help="rank of the LoRA adapters")
+    p.add_argument("--dtype", default=d.dtype, help="float32, bfloat16, float16 (not given: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:1, ...")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--out", default=d.out, help="run directory for checkpoints, metrics and the final model (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of a preset's weights, the data order and the task")
+    p.add_argument("--out", default=d.out, help="run directory for checkpoints, metrics (metrics.jsonl, metrics.png) and the final model")
     p.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (and at the end)")
-    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
-    p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate the task every N steps (0: only at the end)")
-    p.add_argument("--eval-samples", type=int, default=d.eval_samples)
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="checkpoints kept (the newest; at least 1)")
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate (pass-key accuracy or held-out loss) every N steps; 0: only at the end")
+    p.add_argument("--eval-samples", type=int, default=d.eval_samples, help="samples per evaluation (with --data: the most windows held out)")
     p.add_argument("--task-loss", default=d.task_loss, choices=["task", "all"], help="pass-key task: loss on needle+answer, or on all text")
     p.add_argument("--packing", default=d.packing, choices=["concat", "documents"],
                    help="--data: join documents with EOS and attend across them (concat), or restart positions and attention at each document (documents)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
-    p.add_argument("--resume-from", default=None, help="continue from this checkpoint directory")
-    p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint (from step 0 "
+                   "if it has none); a changed --steps, --lr, --warmup-steps or --weight-decay applies from there on")
+    p.add_argument("--resume-from", default=None, help="continue from this checkpoint directory, or a run directory's latest")
+    p.add_argument("--overwrite", action="store_true", help="replace a run already in --out (its checkpoints, metrics and final model)")
     p.add_argument("--extend-context", action="store_true", help="allow --seq-len beyond a pretrained model's max_position_embeddings")
-    p.add_argument("--tensorboard", action="store_true", help="also log to --out/tensorboard")
+    p.add_argument("--tensorboard", action="store_true", help="also log to --out/tensorboard (needs longtrain[tensorboard])")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(run=_run_train)
 
 
 def _run_train(args) -> int:
-    from transformers.utils import logging as hf_logging
-
     from .train.trainer import Trainer, config_from_dict, format_summary
-
-    hf_logging.disable_progress_bar()  # transformers' own bars ("Writing model shards") would interleave with ours
 
     config = config_from_dict(vars(args))
     trainer = Trainer(config)
@@ -85,22 +117,34 @@ def _run_train(args) -> int:
 
 def _add_simulate(sub) -> None:
     p = sub.add_parser("simulate", help="simulate the peak memory of a training step at full scale (no GPU needed)",
-                       description="Run forward + backward + optimizer step twice on fake tensors and report the "
-                                   "steady-state device and host peaks by category.")
+                       description="Run forward + backward + optimizer step on fake tensors and report the "
+                                   "steady-state device and host peaks by category: simulated at a few layers (and, in "
+                                   "chunked engines, a few chunks) and extrapolated along the model's repeating pattern, "
+                                   "or with --exact the whole model at the whole length.")
     p.add_argument("--model", required=True, help="preset name or local model directory (only its config is read)")
     p.add_argument("--seq-len", type=_tokens, required=True, help="tokens per sample, e.g. 65536 or 64K")
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=1, help="samples per micro-batch")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (their gradients are alive in later forwards)")
     p.add_argument("--strategy", default="none", help="techniques: none, checkpoint, mst, a comma list with options, or a strategy .yaml/.json")
     p.add_argument("--engine", default=None, help="gradient engine with options: backprop, fpdt:chunk=8192:offload=true, seco:chunk=4096, spaco, adjoint:truncate=64")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw-offload", "sgd", "none"],
+                   help="adamw-offload: AdamW's state and fp32 master weights in host memory (train's --optimizer-offload)")
     p.add_argument("--sp", type=int, default=1, help="Ulysses sequence parallelism over P ranks: simulate one rank's share "
                    "(its tokens, its heads, 1/P of parameters, gradients and optimizer state)")
     p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype (default %(default)s)")
+    p.add_argument("--lora", action="store_true", help="simulate LoRA training (as train --lora: adapters on every linear "
+                   "layer but the head; frozen base weights without gradients or optimizer state)")
+    p.add_argument("--lora-rank", type=int, default=8, help="rank of the LoRA adapters with --lora")
+    p.add_argument("--device-memory", type=_bytes, default=None, help="say whether the step fits a device of this much "
+                   "memory (80GiB, 80GB; exit code 1 when it does not)")
+    p.add_argument("--host-memory", type=_bytes, default=None, help="say whether its host-memory peak fits this much (120GiB)")
+    p.add_argument("--exact", action="store_true", help="simulate every layer at the whole length instead of extrapolating "
+                   "from a few layers and chunks (equal figures; minutes to hours at long context instead of seconds)")
     p.add_argument("--fragmentation", action="store_true",
                    help="also plan the step's device memory offline (CP-SAT; needs longtrain[plan]) and compare the "
-                        "planned peak with the allocated one and with an allocator that cannot see the future")
+                        "planned peak with the allocated one and with an allocator that cannot see the future (implies --exact)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress on stderr")
     p.set_defaults(run=_run_simulate)
 
 
@@ -118,11 +162,63 @@ def _run_simulate(args) -> int:
     strategy = Strategy.parse(args.strategy, engine=args.engine, sequence_parallel=args.sp if args.sp > 1 else None)
     if args.grad_accum <= 0:
         raise LongtrainError(f"--grad-accum must be positive, got {args.grad_accum}")
-    report = simulate(args.model, args.seq_len, batch_size=args.batch_size, strategy=strategy,
-                      optimizer=args.optimizer, dtype=args.dtype, grad_accum=args.grad_accum,
-                      fragmentation=args.fragmentation)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.table())
-    return 0
+    if args.lora_rank <= 0:
+        raise LongtrainError(f"--lora-rank must be positive, got {args.lora_rank}")
+    with _SimulationProgress(args.progress) as progress:
+        report = simulate(args.model, args.seq_len, batch_size=args.batch_size, strategy=strategy,
+                          optimizer=args.optimizer, dtype=args.dtype, grad_accum=args.grad_accum,
+                          lora_rank=args.lora_rank if args.lora else None, fragmentation=args.fragmentation,
+                          exact=args.exact, progress=progress)
+    fits = None
+    if args.device_memory is not None or args.host_memory is not None:
+        fits, verdict = report.verdict(args.device_memory, args.host_memory)
+    if args.json:
+        data = report.to_dict()
+        if fits is not None:
+            data["verdict"] = {"fits": fits, "line": verdict, "device_memory": args.device_memory,
+                               "host_memory": args.host_memory}
+        print(json.dumps(data, indent=2))
+    else:
+        print(report.table())
+        if fits is not None:
+            print(verdict + " (allocated peaks; the allocator's fragmentation comes on top: longtrain plan adds it)")
+    return 0 if fits is not False else 1
+
+
+class _SimulationProgress:
+    """Where a simulation reports its phases: on a terminal, one live line on stderr (tqdm,
+    its clock ticking); otherwise one line per phase on stderr; nothing when disabled."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled, self.bar, self._stop = enabled, None, None
+
+    def __enter__(self):
+        if self.enabled and sys.stderr.isatty():
+            import threading
+
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=None, file=sys.stderr, bar_format="simulate: {desc} [{elapsed}]", dynamic_ncols=True,
+                            leave=False)
+            self._stop = threading.Event()
+            threading.Thread(target=self._tick, daemon=True).start()
+        return self
+
+    def _tick(self) -> None:
+        while not self._stop.wait(1.0):
+            self.bar.refresh()
+
+    def __call__(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description_str(line)
+        elif self.enabled:
+            print(f"longtrain simulate: {line}", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self._stop.set()
+            self.bar.close()
+        return False
 
 
 def _bytes(text: str) -> int:
@@ -146,10 +242,21 @@ def _add_plan(sub) -> None:
     p.add_argument("--seq-len", type=_tokens, required=True, help="tokens per sample: 300000, 512K, 1M")
     p.add_argument("--device-memory", type=_bytes, required=True, help="memory of one GPU: 80GiB, 141GB")
     p.add_argument("--host-memory", type=_bytes, required=True, help="host memory the run may use: 120GiB")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"], help="the optimizer whose state the plan counts")
     p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype (default %(default)s)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs the sequence is split over (Ulysses sequence parallelism, "
+                   "FSDP2-sharded states; default %(default)s)")
+    p.add_argument("--lora", action="store_true", help="plan LoRA training (adapters on the attention projections)")
+    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank with --lora (default %(default)s)")
     p.add_argument("--longest", action="store_true", help="also find the longest context each strategy reaches "
                    "(a second simulation per strategy)")
+    p.add_argument("--optimizer-offload", action=argparse.BooleanOptionalAction, default=None,
+                   help="AdamW's state and fp32 master weights in host memory (--optimizer-offload), on the device "
+                   "(--no-optimizer-offload); default: both weighed")
+    p.add_argument("--exhaustive", action="store_true", help="simulate every candidate, not only those predicted faster "
+                   "than the fastest that fits")
+    p.add_argument("--rates", default="h100", help="the time model's rates: h100 (built in, default), or a device name "
+                   "or JSON file written by `longtrain calibrate`")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_run_plan)
 
@@ -160,10 +267,44 @@ def _run_plan(args) -> int:
     if args.seq_len < 2:
         raise LongtrainError(f"--seq-len must be at least 2, got {args.seq_len}")
     progress = None if args.json else (lambda line: print(f"  {line} ...", file=sys.stderr, flush=True))
+    for flag, value in (("--gpus", args.gpus), ("--lora-rank", args.lora_rank)):
+        if value < 1:
+            raise LongtrainError(f"{flag} must be a positive count, got {value}")
+    from .plan.calibrate import load
+
+    rates = load(args.rates)
     result = plan(args.model, args.seq_len, device_memory=args.device_memory, host_memory=args.host_memory,
-                  optimizer=args.optimizer, dtype=args.dtype, longest=args.longest, progress=progress)
+                  optimizer=args.optimizer, dtype=args.dtype, longest=args.longest, progress=progress, gpus=args.gpus,
+                  lora_rank=args.lora_rank if args.lora else None, exhaustive=args.exhaustive,
+                  optimizer_offload=args.optimizer_offload, rates=rates, rates_name=args.rates)
     print(result.to_json() if args.json else result.table())
     return 0 if result.best is not None else 1
+
+
+def _add_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure the planner's rates (matmul, attention, copies, CPU AdamW) on this machine",
+                       description="Time a GEMM, causal attention, pinned host copies and the CPU's fused AdamW (seconds), "
+                                   "and store the rates under the device's name for `longtrain plan --rates NAME`.")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--quick", action="store_true", help="smaller shapes (a smoke test; rates less exact)")
+    p.set_defaults(run=_run_calibrate)
+
+
+def _run_calibrate(args) -> int:
+    import torch
+
+    from .plan.calibrate import device_name, measure, save
+
+    name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cuda", "cpu") or (name == "cuda" and not torch.cuda.is_available()):
+        raise LongtrainError(f"--device must be cuda (on a machine with a GPU) or cpu, got {args.device!r}")
+    device = torch.device(name)
+    rates, kept = measure(device, quick=args.quick, say=lambda line: print(f"  timing {line} ...", file=sys.stderr, flush=True))
+    path = save(rates, device_name(device))
+    for field, value in rates.__dict__.items():
+        print(f"{field:<22} {value:.3g}" + ("   (H100 default: not measurable here)" if field in kept else ""))
+    print(f"stored in {path}; plan with it: longtrain plan ... --rates {device_name(device)}")
+    return 0
 
 
 def _add_presets(sub) -> None:
@@ -172,26 +313,45 @@ def _add_presets(sub) -> None:
 
 
 def _run_presets(args) -> int:
-    from .models.presets import preset_config, preset_names
+    from .models.presets import preset_fields, preset_names
 
     for name in preset_names():
-        c = preset_config(name)
-        print(f"{name:<14} {c.model_type:<10} layers {c.num_hidden_layers:>3}  hidden {c.hidden_size:>5}  vocab {c.vocab_size:>6}")
+        model_type, f = preset_fields(name)  # the table itself: no config objects, no transformers
+        print(f"{name:<14} {model_type:<10} layers {f['num_hidden_layers']:>3}  hidden {f['hidden_size']:>5}  vocab {f['vocab_size']:>6}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="longtrain", description="Long-context training with bounded memory and exact gradients.")
+    parser = _Parser(prog="longtrain", description="Long-context training with bounded memory and exact gradients.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_simulate(sub)
     _add_plan(sub)
+    _add_calibrate(sub)
     _add_presets(sub)
     return parser
 
 
+def _quiet_third_party() -> None:
+    """Keep the command's output longtrain's own: transformers' and the Hub's progress
+    bars ("Loading checkpoint shards", "Writing model shards") and their advisory log
+    lines and warnings would interleave with the progress bar and the summary. Set
+    through the environment, read when they are imported; a user's own settings win."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # its fork warning
+    warnings.filterwarnings("ignore", module=r"(transformers|peft|huggingface_hub|accelerate)(\.|$)")
+    if "transformers" in sys.modules:  # imported already (main() called in-process): the environment is read
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+
+
 def _leave_process_group(code: int) -> None:
     """Under torchrun a failed rank leaves at once (see parallel.distributed.exit_process)."""
+    if "torch.distributed" not in sys.modules:  # nothing to leave, and no reason to import torch to say so
+        return
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -202,14 +362,19 @@ def _leave_process_group(code: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _quiet_third_party()
     try:
         return args.run(args)
     except LongtrainError as exc:
         print(f"longtrain: error: {exc}", file=sys.stderr)
         _leave_process_group(2)
         return 2
+    except BrokenPipeError:  # output piped into `head` and the like: its reader is gone, nothing to report
+        sys.stdout = open(os.devnull, "w")
+        return 0
     except KeyboardInterrupt:
-        print("longtrain: interrupted; the last complete checkpoint is kept (continue with --resume)", file=sys.stderr)
+        print("longtrain: interrupted; to continue, run the same command with --resume (from the last checkpoint, "
+              "or from step 0 if none was written)", file=sys.stderr)
         return 130
 
 

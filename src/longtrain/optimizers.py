@@ -7,12 +7,15 @@ import torch
 
 from .errors import LongtrainError
 
-OPTIMIZERS = ("adamw", "sgd", "none")
+OPTIMIZERS = ("adamw", "adamw-offload", "sgd", "none")
 
 
-def make_optimizer(name: str, params, lr: float = 1e-4, weight_decay: float = 0.0):
+def make_optimizer(name: str, params, lr: float = 1e-4, weight_decay: float = 0.0, model=None):
     """``adamw`` (fused on CUDA, per-parameter elsewhere: no whole-model temporaries),
-    ``sgd`` (momentum 0.9) or ``none`` (returns ``None``)."""
+    ``adamw-offload`` (state and fp32 master weights in host memory, gradients streamed
+    there during backward: :class:`~longtrain.optimizer_offload.HostAdamW`; ``model``, the
+    parameters' model, tells it the layers' backward order), ``sgd`` (momentum 0.9) or
+    ``none`` (returns ``None``)."""
     # Meta parameters belong to another rank (layer groups): no state here.
     params = [p for p in params if p.requires_grad and not p.is_meta]
     if name == "none":
@@ -25,6 +28,11 @@ def make_optimizer(name: str, params, lr: float = 1e-4, weight_decay: float = 0.
         # whole optimizer state, which neither the fused CUDA kernel nor this path needs.
         extra = {"fused": True} if on_cuda else {"foreach": False}
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), **extra)
+    if name == "adamw-offload":
+        from .optimizer_offload import HostAdamW, parameter_groups
+
+        groups = parameter_groups(model, params) if model is not None else None
+        return HostAdamW(params, groups, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay, foreach=False)
     raise LongtrainError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")

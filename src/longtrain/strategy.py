@@ -17,14 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
 import yaml
+from torch._subclasses.fake_tensor import is_fake
 
 from . import engines as _builtin_engines, registry, techniques as _builtin_techniques  # noqa: F401  (registers the built-ins)
+from . import validate
 from .engines.base import EngineContext
 from .engines.sequence_parallel import Ulysses, distribute
 from .errors import LongtrainError
 from .models.adapters import adapter_for
 from .models.attention import use_longtrain_attention
+from .ops.loss import IGNORE_INDEX
 from .parallel.distributed import collective_failures
 
 
@@ -36,13 +40,14 @@ def _make_options(kind: str, name: str, options_cls: type, value: Any) -> Any:
         return value
     if isinstance(value, Mapping):
         known = {f.name for f in dataclasses.fields(options_cls)}
-        unknown = sorted(set(value) - known)
+        unknown = sorted(set(value) - known, key=str)  # keys from a file may be of any type
         if unknown:
             raise LongtrainError(
                 f"{kind} {name!r} has no option {unknown[0]!r}; its options are: "
                 f"{', '.join(sorted(known)) or 'none'}"
             )
-        return options_cls(**value)
+        # Text (command-line items, quoted YAML) is read by each option's declared type.
+        return options_cls(**validate.coerce(name, options_cls, dict(value)))
     raise LongtrainError(
         f"{kind} {name!r} takes True, a mapping of options or {options_cls.__name__}(...), "
         f"not {value!r}"
@@ -136,7 +141,7 @@ class Strategy:
     def from_dict(cls, data: Mapping) -> "Strategy":
         if not isinstance(data, Mapping):
             raise LongtrainError(f"a strategy must be a mapping with 'engine' and 'techniques', got {type(data).__name__}")
-        unknown = sorted(set(data) - {"engine", "techniques", "sequence_parallel"})
+        unknown = sorted(set(data) - {"engine", "techniques", "sequence_parallel"}, key=str)
         if unknown:
             raise LongtrainError(f"unknown strategy field {unknown[0]!r}; fields: engine, techniques, sequence_parallel")
         engine = data.get("engine", "backprop")
@@ -190,8 +195,12 @@ class Strategy:
             raise LongtrainError(f"a strategy is a Strategy, a comma list such as 'checkpoint,mst' or a file path, got {spec!r}")
         if engine is None and not engine_options:
             return strat
+        if engine_options is not None and not isinstance(engine_options, Mapping):
+            raise LongtrainError(f"engine_options must be a mapping of option names to values, got {engine_options!r}")
         if engine is None:
             name, options = strat.engine, dataclasses.asdict(strat.engine_options)
+        elif not isinstance(engine, str):
+            raise LongtrainError(f"an engine is a name with options such as 'fpdt:chunk=8192', got {engine!r}")
         else:
             name, options = _parse_item(engine)
             options = {} if options is True else options
@@ -201,32 +210,39 @@ class Strategy:
     def _parse_spec(cls, spec: str) -> "Strategy":
         if spec.endswith((".yaml", ".yml", ".json")):
             try:
-                text = Path(spec).read_text()
-            except OSError as exc:
-                raise LongtrainError(f"cannot read strategy file {spec}: {exc.strerror}") from None
+                text = Path(spec).read_text(encoding="utf-8")
+            except (OSError, ValueError) as exc:  # ValueError: a NUL in the path, or not UTF-8
+                reason = exc.strerror if isinstance(exc, OSError) else "not a readable UTF-8 file name or text"
+                raise LongtrainError(f"cannot read strategy file {spec!r}: {reason}; pass the path of a .yaml or .json "
+                                     "file written by Strategy.to_yaml() or to_json()") from None
             try:
                 return cls.from_json(text) if spec.endswith(".json") else cls.from_yaml(text)
-            except (json.JSONDecodeError, yaml.YAMLError) as exc:
-                raise LongtrainError(f"strategy file {spec} is not valid: {exc}") from None
+            except (json.JSONDecodeError, yaml.YAMLError, RecursionError) as exc:
+                reason = " ".join(str(exc).split())  # the parsers' messages span lines
+                raise LongtrainError(f"strategy file {spec} is not valid {'JSON' if spec.endswith('.json') else 'YAML'}: "
+                                     f"{reason}") from None
         items = [] if spec == "none" else [n.strip() for n in spec.split(",") if n.strip()]
-        return cls("backprop", None, **dict(_parse_item(item) for item in items))
+        techniques: dict[str, Any] = {}
+        for name, options in map(_parse_item, items):
+            if name in techniques:
+                raise LongtrainError(f"strategy {spec!r} names {name!r} twice; name each technique once, with all its options")
+            techniques[name] = options
+        return cls("backprop", None, **techniques)
 
 
 def _parse_item(item: str) -> tuple[str, Any]:
     """``"mst"`` -> ("mst", True); ``"fpdt:chunk=8192:offload=true"`` -> ("fpdt",
-    {"chunk": 8192, "offload": True}) (values read as YAML scalars)."""
+    {"chunk": "8192", "offload": "true"}): values stay text, read later by the type
+    each option declares (:func:`longtrain.validate.coerce`)."""
     name, *pairs = item.split(":")
     if not pairs:
         return name.strip(), True
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not key:
+        if not sep or not key.strip():
             raise LongtrainError(f"cannot read {pair!r} in strategy item {item!r}; write options as name:key=value:key=value")
-        try:
-            options[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError:
-            raise LongtrainError(f"cannot read the value {value!r} of {key.strip()!r} in strategy item {item!r}") from None
+        options[key.strip()] = value.strip()
     return name.strip(), options
 
 
@@ -302,6 +318,34 @@ def engine_context(model, strategy: "Strategy | str") -> EngineContext:
     return context
 
 
+def _check_vocabulary(context: EngineContext, batch) -> None:
+    """Token ids and labels must index the model's vocabulary (labels may also be -100):
+    an id outside it would fail deep in an embedding or loss kernel (an IndexError on
+    CPU, a device-side assert on CUDA). One reduction, read once per micro-batch; fake
+    tensors (simulation) hold no values to check."""
+    vocab = getattr(context.adapter.config, "vocab_size", None)
+    if not isinstance(batch, Mapping) or vocab is None:
+        return  # the engine's batch check names what is wrong with the mapping
+
+    def checkable(t) -> bool:
+        return isinstance(t, torch.Tensor) and t.numel() > 0 and not t.dtype.is_floating_point and not is_fake(t)
+
+    ids, labels = batch.get("input_ids"), batch.get("labels")
+    outside = {}
+    if checkable(ids):
+        outside["input_ids"] = ((ids < 0) | (ids >= vocab)).any()
+    if checkable(labels):
+        outside["labels"] = (((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= vocab)).any()
+    if not outside:
+        return
+    flags = list(outside.values())
+    for name, out_of_range in zip(outside, torch.stack([f.to(flags[0].device) for f in flags]).tolist()):
+        if out_of_range:
+            allowed = f"0..{vocab - 1}" + (f" or {IGNORE_INDEX}" if name == "labels" else "")
+            raise LongtrainError(f"{name} hold ids outside the model's vocabulary of {vocab} (allowed: {allowed}); "
+                                 "tokenize with the model's own tokenizer")
+
+
 def step(model, batch: Mapping, strategy: Strategy | None = None, num_label_tokens: int | None = None):
     """Run forward + backward for one micro-batch with the applied strategy's engine.
 
@@ -332,6 +376,7 @@ def step(model, batch: Mapping, strategy: Strategy | None = None, num_label_toke
             f"this model has strategy {context.strategy.name!r} applied, not {Strategy.parse(strategy).name!r}; "
             "build a fresh model to step with another strategy"
         )
+    _check_vocabulary(context, batch)
     engine = registry.engine(context.strategy.engine)
     sp = context.sequence_parallel
     if sp is None:

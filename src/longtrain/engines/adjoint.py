@@ -64,12 +64,12 @@ class AdjointOptions:
     recompute: bool = True  # keep only each layer's input; recompute A, c, h layer by layer in the backward
 
     def __post_init__(self):
-        if self.truncate is not None and (not isinstance(self.truncate, int) or self.truncate <= 0):
+        if self.truncate is not None and (isinstance(self.truncate, bool) or not isinstance(self.truncate, int) or self.truncate <= 0):
             raise LongtrainError(f"adjoint truncate must be a positive integer (T̄ states), got {self.truncate!r}")
-        if self.block is not None and (not isinstance(self.block, int) or self.block <= 0):
+        if self.block is not None and (isinstance(self.block, bool) or not isinstance(self.block, int) or self.block <= 0):
             raise LongtrainError(f"adjoint block must be a positive integer (tokens), got {self.block!r}")
         if self.vjp_memory is not None:
-            parse_bytes(self.vjp_memory)
+            validate.byte_size("adjoint", "vjp_memory", self.vjp_memory)
         validate.flag("adjoint", "recompute", self.recompute)
 
 

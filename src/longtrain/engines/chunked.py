@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import LongtrainError
 from ..memory.chunk_store import ChunkStore
+from ..memory.tracker import mark_repeat
 from ..memory.units import format_bytes
 from ..models.attention import AttentionCall
 from ..ops.causal_attention import attention_from_output
@@ -49,6 +50,7 @@ class ChunkSettings:
     offload_inputs: bool = False  # FPDT: park the layer inputs (and their gradients) too
     recompute_kv: bool = False  # FPDT: park one layer's K/V at a time; recompute them in backward
     keep_output: bool = False  # FPDT: park each chunk's attention output and LSE; backward never re-runs attention
+    segment: int = 1  # FPDT: layers per checkpoint segment (only every segment-th layer's input is parked)
 
 
 _PARKED = object()  # marks a rotary table whose chunks live in the store
@@ -79,6 +81,7 @@ class _LayerHistory:
         for n in range(min(ahead, len(indices))):
             self._prefetch(indices[n], kinds)
         for n, j in enumerate(indices):
+            mark_repeat("attention block")  # (for the simulator: this loop's length grows with the sequence)
             if n + ahead < len(indices):
                 self._prefetch(indices[n + ahead], kinds)
             yield j, store.get(("k", self.layer, j)), store.get(("v", self.layer, j))
@@ -125,6 +128,7 @@ class ChunkedRun:
 
     # ---- pieces of the forward -----------------------------------------------------------
     def call(self, index: int, mode: str):
+        mark_repeat("chunk")
         return self.context.attention(ChunkAttention(self, index, mode))
 
     def input_ids(self, i: int) -> torch.Tensor:
@@ -162,6 +166,7 @@ class ChunkedRun:
         return self.adapter.run_layer(self.layers[index], hidden, self.position_embeddings(i), self.call(i, mode))
 
     def chunk_loss(self, hidden: torch.Tensor, i: int) -> torch.Tensor:
+        mark_repeat("head chunk")
         a, b = self.bounds[i]
         return self.head_loss(hidden, self.shard.targets[:, a:b], self.shard.num_label_tokens)
 
@@ -221,7 +226,9 @@ def host_bytes_needed(context: EngineContext, shard: Shard, settings: ChunkSetti
         kv_heads = len(sp.kv_index) if sp.kv_index is not None else len(sp.heads.kv_heads_of(sp.rank))
         kv_length = shard.rotary_positions.shape[1]
     kv = 2 * batch * kv_length * kv_heads * head_dim * item
-    inputs = n * batch * length * config.hidden_size * item + 2 * shard.position_ids.shape[0] * length * head_dim * item
+    # With segments: the parked segment inputs, plus one segment's inner inputs in backward.
+    parked_layers = n if settings.segment <= 1 else -(-n // settings.segment) + settings.segment - 1
+    inputs = parked_layers * batch * length * config.hidden_size * item + 2 * shard.position_ids.shape[0] * length * head_dim * item
     kv_layers = 1 if settings.recompute_kv else n
     if settings.keep_output:  # every layer's attention output (and float32 LSE) per token
         inputs += n * batch * length * heads * (head_dim * item + 4)

@@ -25,7 +25,13 @@ projections once more. With ``keep_output`` (Memo's idea, ../shared/papers/memo.
 each chunk's attention output and LSE are parked too (beside its layer input), and the
 recomputation hands them to attention's backward instead of attending again: the
 extra forward is token-wise work only, and the earlier chunks' K/V are fetched once per
-chunk in backward instead of twice. Parameter gradients accumulate in ``.grad`` through autograd.
+chunk in backward instead of twice. At long lengths, where attention dominates, that is
+about a fifth of the attention time (forward, recomputed forward and backward ≈ 1 + 1 +
+2.5 become 1 + 2.5). It stays off by default because it parks about as much again as the
+layer inputs (Llama-3-8B: 8 KiB + 128 B per token and layer in bf16), which could
+exceed the host silently; ``longtrain plan`` / ``--strategy auto`` weigh the
+``keep_output`` candidates and choose them where memory allows (docs/speed.md).
+Parameter gradients accumulate in ``.grad`` through autograd.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import validate
+from ..errors import LongtrainError
 from ..memory.units import parse_bytes
 from ..parallel.fsdp import gathered
 from ..registry import register_engine
@@ -54,6 +61,7 @@ class FPDT:
     host_memory: str | int | None = None  # host budget, e.g. "120GiB"; None: unbounded
     recompute_kv: bool = True  # keep one layer's K/V; recompute them (attention sub-block) in backward
     keep_output: bool = False  # park each chunk's attention output + LSE (Memo's idea): backward never re-runs attention
+    segment: int = 1  # park every segment-th layer's input only; backward recomputes the layers between (one more forward)
 
     def __post_init__(self):
         validate.positive_int("fpdt", "chunk", self.chunk)
@@ -61,17 +69,21 @@ class FPDT:
         validate.flag("fpdt", "offload", self.offload)
         validate.flag("fpdt", "recompute_kv", self.recompute_kv)
         validate.flag("fpdt", "keep_output", self.keep_output)
+        validate.positive_int("fpdt", "segment", self.segment)
+        if self.segment > 1 and (self.keep_output or not self.recompute_kv):
+            raise LongtrainError("fpdt: segment > 1 parks fewer layer inputs; keep_output and recompute_kv=false park "
+                                 "something per layer again — use segment alone (or segment=1 with them)")
         if self.offload_inputs is not None:
             validate.flag("fpdt", "offload_inputs", self.offload_inputs)
         if self.host_memory is not None:
-            parse_bytes(self.host_memory)  # a clear error now rather than at the first step
+            validate.byte_size("fpdt", "host_memory", self.host_memory)  # a clear error now rather than at the first step
 
     def settings(self) -> ChunkSettings:
         return ChunkSettings(
             chunk=self.chunk, offload=self.offload, prefetch=self.prefetch,
             host_budget=None if self.host_memory is None else parse_bytes(self.host_memory),
             offload_inputs=self.offload if self.offload_inputs is None else self.offload_inputs,
-            recompute_kv=self.recompute_kv, keep_output=self.keep_output,
+            recompute_kv=self.recompute_kv, keep_output=self.keep_output, segment=self.segment,
         )
 
 
@@ -90,6 +102,9 @@ def forward_layer_major(run: ChunkedRun) -> torch.Tensor:
         if run.settings.recompute_kv:
             for i in chunks:
                 run.discard_kv(layer, i)
+        if layer % run.settings.segment:  # inside a segment: backward recomputes this input
+            for i in chunks:
+                store.pop(("x", layer, i))
     total = None
     for i in chunks:
         loss = run.chunk_loss(adapter.final_norm(store.get(("x", len(run.layers), i))), i)
@@ -113,7 +128,10 @@ def backward_layer_major(run: ChunkedRun, grad_loss: torch.Tensor) -> None:
         store.put(("dy", i), y.grad, offload=parked)
     # Layers from the top; in each, chunks from the last. The first layer's backward goes
     # on through the embeddings of its chunk, in the same pass.
+    segment = run.settings.segment
     for layer in reversed(range(n)):
+        if segment > 1 and (layer == n - 1 or (layer + 1) % segment == 0):
+            _recompute_segment_inputs(run, first=layer - layer % segment, top=layer)
         if run.settings.recompute_kv:
             # Only the attention sub-block runs, outside the layer's forward: its weights
             # are gathered here when they are sharded (FSDP).
@@ -134,6 +152,18 @@ def backward_layer_major(run: ChunkedRun, grad_loss: torch.Tensor) -> None:
             if layer > 0:
                 store.put(("dy", i), x.grad, offload=parked)
             run.discard_kv(layer, i)
+
+
+def _recompute_segment_inputs(run: ChunkedRun, first: int, top: int) -> None:
+    """Park the inputs of layers ``first + 1`` … ``top`` again, running layers ``first`` …
+    ``top - 1`` forward from the parked input of ``first`` (``segment`` > 1)."""
+    store, parked, chunks = run.store, run.settings.offload_inputs, range(len(run.bounds))
+    with torch.no_grad():
+        for layer in range(first, top):
+            for i in chunks:
+                store.put(("x", layer + 1, i), run.run_layer(layer, _layer_input(run, layer, i), i, "forward"), offload=parked)
+            for i in chunks:  # its backward parks them again ("kv" mode), one layer at a time
+                run.discard_kv(layer, i)
 
 
 @register_engine(

@@ -34,7 +34,6 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from .. import validate
-from ..errors import LongtrainError
 from ..memory.units import parse_bytes
 from ..registry import register_engine
 from .base import EngineContext
@@ -57,7 +56,7 @@ class SeCOOptions:
         validate.positive_int(self._name, "prefetch", self.prefetch, minimum=0)
         validate.flag(self._name, "offload", self.offload)
         if self.host_memory is not None:
-            parse_bytes(self.host_memory)
+            validate.byte_size(self._name, "host_memory", self.host_memory)
 
     def settings(self) -> ChunkSettings:
         return ChunkSettings(chunk=self.chunk, offload=self.offload, prefetch=self.prefetch,
@@ -77,8 +76,9 @@ class SpaCOOptions(SeCOOptions):
     def __post_init__(self):
         super().__post_init__()
         validate.positive_int("spaco", "budget", self.budget)
-        if self.cap is not None and (isinstance(self.cap, bool) or not isinstance(self.cap, (int, float)) or self.cap < 1):
-            raise LongtrainError(f"spaco cap must be a number of at least 1 (or none), got {self.cap!r}")
+        if self.cap is not None:
+            validate.finite_number("spaco", "cap", self.cap, minimum=1)
+        validate.positive_int("spaco", "seed", self.seed, minimum=0, maximum=2**63 - 1)  # a torch generator's seed
 
 
 def forward_chunk_major(run: ChunkedRun) -> torch.Tensor:

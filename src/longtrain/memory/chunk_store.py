@@ -119,13 +119,15 @@ class ChunkStore:
         self._entries[key] = entry
 
     def add_(self, key: Hashable, tensor: torch.Tensor) -> None:
-        """Accumulate ``tensor`` into ``key`` (store it if absent). Used for gradients."""
-        if key not in self._entries:
+        """Accumulate ``tensor`` into ``key`` (store it if absent, and then the store owns
+        it: later additions go into it in place). Used for gradients."""
+        entry = self._entries.get(key)
+        if entry is None:
             self.put(key, tensor)
-            return
-        total = self.get(key)
-        total = total + tensor
-        self.put(key, total)
+        elif entry.host is None:
+            entry.device.add_(tensor)
+        else:  # parked: the fetched copy is the store's to add into and park again
+            self.put(key, self.get(key).add_(tensor))
 
     # ---- reading -------------------------------------------------------------------
     def prefetch(self, key: Hashable) -> None:

@@ -44,6 +44,16 @@ def host_allocations():
         _HOST_ALLOCATION.on = previous
 
 
+def mark_repeat(kind: str) -> None:
+    """Tell active trackers that one more repeat of a loop of ``kind`` begins — a chunk of
+    the sequence, a block of attention history: loops whose length grows with the
+    sequence. The simulator labels a step's phases with these marks to extrapolate it
+    from small sizes (:mod:`longtrain.plan.simulate`); without a listener it does nothing."""
+    for tracker in _ACTIVE:
+        if tracker.on_repeat is not None:
+            tracker.on_repeat(kind)
+
+
 def mark_host_resident(tensor: torch.Tensor) -> None:
     """Declare that ``tensor`` lives in host memory (pinned or pageable), not on the device.
 
@@ -118,7 +128,8 @@ class _Record:
         return state[1], state[2]
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
+    """Whether autograd's backward is running on this thread (a checkpoint's recomputation too)."""
     current = getattr(torch._C, "_current_graph_task_id", None)
     return current is not None and current() != -1
 
@@ -166,6 +177,9 @@ class MemoryTracker(TorchDispatchMode):
         self._peak_t = 0
         self._window_start = 0
         self._peak_host = 0
+        self._phase = None  # the current label of set_phase()
+        self.on_repeat = None  # called by mark_repeat(kind) (the simulator's phase labels)
+        self._phases: dict = {}  # label -> [device peak, its time, host peak] since the last reset
         self._in_optimizer_step = False
         self._handles: list = []
         self._module_names: dict[int, str] = {}
@@ -188,6 +202,8 @@ class MemoryTracker(TorchDispatchMode):
             self._peak_host = self._current[HOST]
             self._peak_t = self._clock
             self._window_start = self._clock
+            self._phases = {}
+            self._note_phase()
 
     def trace(self):
         """The device lifetimes of the storages allocated since the last :meth:`reset_peak`,
@@ -223,10 +239,27 @@ class MemoryTracker(TorchDispatchMode):
         if record is not None and record.location != location:
             self._change(record, location=location)
 
-    def report(self, top: int = 8) -> MemoryReport:
-        """Breakdown of what was alive at the device peak since the last reset."""
+    def set_phase(self, label) -> None:
+        """Label what runs from now on, until the next label (any hashable): :meth:`phase_peaks`
+        keeps the device and host peaks of each label. The simulator labels the places of
+        a step's repeating structure (which layer, which chunk) to extrapolate from them."""
         with self._lock:
-            t = self._peak_t
+            self._phase = label
+            self._note_phase()
+
+    def phase_peaks(self) -> dict:
+        """``{label: (device peak, its time, host peak)}`` since the last reset, for the labels
+        of :meth:`set_phase`; a label's peaks include what was alive when it was set. The
+        time is the tracker's event clock: :meth:`report` ``(at=time)`` breaks it down."""
+        with self._lock:
+            return {label: tuple(entry) for label, entry in self._phases.items()}
+
+    def report(self, top: int = 8, at: int | None = None) -> MemoryReport:
+        """Breakdown of what was alive at the device peak since the last reset — or at time
+        ``at`` of the tracker's event clock (a phase's peak, :meth:`phase_peaks`), whose
+        live device bytes are then the report's ``peak_device_bytes``."""
+        with self._lock:
+            t = self._peak_t if at is None else at
             by_category = {c: {DEVICE: 0, HOST: 0} for c in CATEGORIES}
             alive = []
             for rec in self._records:
@@ -239,7 +272,8 @@ class MemoryTracker(TorchDispatchMode):
                 TensorInfo(r.nbytes, c, loc, r.shape, r.dtype, r.origin) for r, c, loc in alive[:top]
             ]
             host_at_peak = sum(v[HOST] for v in by_category.values())
-            return MemoryReport(self._peak, host_at_peak, max(self._peak_host, host_at_peak), by_category, largest)
+            device = self._peak if at is None else sum(v[DEVICE] for v in by_category.values())
+            return MemoryReport(device, host_at_peak, max(self._peak_host, host_at_peak), by_category, largest)
 
     # ---- context ---------------------------------------------------------------------
     def __enter__(self):
@@ -274,7 +308,7 @@ class MemoryTracker(TorchDispatchMode):
 
     # ---- internals -------------------------------------------------------------------
     def _phase_category(self) -> str:
-        if self._in_optimizer_step or _in_backward():
+        if self._in_optimizer_step or in_backward():
             return "temporaries"
         return "activations"
 
@@ -350,6 +384,21 @@ class MemoryTracker(TorchDispatchMode):
             self._peak = self._current[DEVICE]
             self._peak_t = self._clock
         self._peak_host = max(self._peak_host, self._current[HOST])
+        if self._phase is not None:
+            self._note_phase()
+
+    def _note_phase(self) -> None:
+        if self._phase is None:
+            return
+        device, host = self._current[DEVICE], self._current[HOST]
+        entry = self._phases.get(self._phase)
+        if entry is None:
+            self._phases[self._phase] = [device, self._clock, host]
+            return
+        if device > entry[0]:
+            entry[0], entry[1] = device, self._clock
+        if host > entry[2]:
+            entry[2] = host
 
     def _register_existing(self) -> None:
         if self.model is not None:
@@ -366,6 +415,9 @@ class MemoryTracker(TorchDispatchMode):
             self._handles.append(torch.nn.modules.module.register_module_forward_hook(self._leave_module, always_call=True))
         if self.optimizer is not None:
             self._register_optimizer_state()
+            for tensor in getattr(self.optimizer, "host_tensors", list)():  # an optimizer that keeps state on the host
+                self.track(tensor, "optimizer_state")
+                self.set_location(tensor, HOST)
             self._handles.append(self.optimizer.register_step_pre_hook(self._before_step))
             self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
 

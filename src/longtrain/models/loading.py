@@ -13,6 +13,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ..errors import LongtrainError
+from . import ssm_resnet  # noqa: F401  (registers model_type "ssm_resnet": local SSM-ResNet directories load too)
 from .attention import attention_backend
 from .presets import preset_config, resolve_preset
 
@@ -57,12 +58,32 @@ def load_config(spec: str | PretrainedConfig) -> PretrainedConfig:
         if not (Path(spec) / "config.json").is_file():
             raise LongtrainError(f"{spec} is a directory without config.json; point --model at a Hugging Face model directory")
         try:
-            return AutoConfig.from_pretrained(spec, local_files_only=True)
+            config = AutoConfig.from_pretrained(spec, local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
-            raise LongtrainError(f"cannot read the model config in {spec}: {exc}") from None
+            reason = " ".join(str(exc).split())
+            raise LongtrainError(f"cannot read the model config in {spec}: {reason}; point --model at a Hugging Face "
+                                 "model directory") from None
+        check_causal(config, spec)
+        return config
     if resolve_preset(spec) is None and (os.sep in spec or spec.startswith(".")):
         raise LongtrainError(f"model directory {spec} does not exist; check the path")
     return preset_config(spec)
+
+
+def check_causal(config: PretrainedConfig, source: str) -> None:
+    """Refuse a model that is not a causal (decoder-only) language model: an
+    encoder-decoder, a model whose ``architectures`` name no causal-LM class, or an
+    encoder family (BERT-like: it has a masked-LM head) not configured as a decoder.
+    Trained as a causal LM, such a model would run and learn nothing useful."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    names = list(getattr(config, "architectures", None) or [])
+    causal_name = any(n.endswith(("ForCausalLM", "LMHeadModel")) for n in names)
+    encoder_family = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+    if getattr(config, "is_encoder_decoder", False) or (names and not causal_name) or encoder_family:
+        what = names[0] if names else f"{config.model_type} model"
+        raise LongtrainError(f"{source} holds a {what}, not a causal (decoder-only) language model; longtrain trains "
+                             "causal LMs (Llama, Qwen, Mistral, Gemma, Phi, ...): point --model at one of those")
 
 
 def _attention_kwargs(config: PretrainedConfig) -> dict:
@@ -86,7 +107,8 @@ def load_pretrained(path: str, dtype: torch.dtype) -> nn.Module:
         except TypeError:  # transformers 4.x names the argument torch_dtype
             return AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, local_files_only=True, **attn)
     except (OSError, ValueError) as exc:
-        raise LongtrainError(f"cannot load the model in {path}: {exc}") from None
+        reason = " ".join(str(exc).split())  # transformers' messages span lines
+        raise LongtrainError(f"cannot load the model in {path}: {reason}; check its weight files") from None
 
 
 def add_lora(model: nn.Module, rank: int = 8, alpha: float | None = None) -> nn.Module:

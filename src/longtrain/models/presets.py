@@ -8,11 +8,12 @@ are those of the published ``config.json`` files.
 from __future__ import annotations
 
 import re
-
-from transformers import AutoConfig, PretrainedConfig
+from typing import TYPE_CHECKING
 
 from ..errors import LongtrainError
-from . import ssm_resnet  # noqa: F401  (registers model_type "ssm_resnet" with AutoConfig)
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # name -> (model_type, config fields)
 _PRESETS: dict[str, tuple[str, dict]] = {
@@ -115,8 +116,9 @@ def resolve_preset(name: str) -> str | None:
     return _BY_NORMALIZED.get(_normalize(name))
 
 
-def preset_config(name: str, **overrides) -> PretrainedConfig:
-    """A fresh Hugging Face config for preset ``name`` (e.g. ``"Llama-3-8B"``)."""
+def preset_fields(name: str) -> tuple[str, dict]:
+    """The model type and config fields of preset ``name``, straight from the table
+    (``longtrain presets`` lists them without importing transformers)."""
     canonical = resolve_preset(name)
     if canonical is None:
         raise LongtrainError(
@@ -124,6 +126,17 @@ def preset_config(name: str, **overrides) -> PretrainedConfig:
             "(or pass a local Hugging Face model directory)"
         )
     model_type, fields = _PRESETS[canonical]
+    return model_type, dict(fields)
+
+
+def preset_config(name: str, **overrides) -> PretrainedConfig:
+    """A fresh Hugging Face config for preset ``name`` (e.g. ``"Llama-3-8B"``)."""
+    from transformers import AutoConfig
+
+    from . import ssm_resnet  # noqa: F401  (registers model_type "ssm_resnet" with AutoConfig)
+
+    model_type, fields = preset_fields(name)
+    canonical = resolve_preset(name)
     config = AutoConfig.for_model(model_type, **{**fields, **overrides})
     config.name_or_path = canonical
     return config

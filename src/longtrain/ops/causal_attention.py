@@ -1,6 +1,13 @@
 """Whole-sequence causal attention: the fused kernel where nothing but causality masks,
 exact chunked blocks where documents, padding, a window or soft-capping do.
 
+The fused path is one causal block of :mod:`.attention_blocks`, so it runs the same
+kernel the chunked engines run (cuDNN on Hopper, FlashAttention-2 elsewhere on CUDA, the
+CPU flash kernel on CPU; :func:`~.attention_blocks.attention_kernel`), with grouped K/V
+heads, and saves what a flash kernel saves: q, k, v, the output and its LSE. Where no
+fused block kernel runs (float32 on CUDA) it is PyTorch's SDPA, whose memory-efficient
+kernel never holds the s×s scores.
+
 One semantics for every path (:mod:`.masking`): a query sees earlier keys of its own
 document that are not padding, inside the window; a row with nothing to see gives 0.
 """
@@ -11,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .attention_blocks import block_backward, block_forward
+from .attention_blocks import attention_kernel, block_backward, block_forward
 from .chunked_attention import chunk_bounds, chunked_attention, chunked_backward, chunked_forward
 from .masking import BlockPlanner, SequenceMask
 from .sdpa import sdpa_gqa
@@ -41,9 +48,31 @@ def causal_attention(
     tokens. ``planner`` (for blocks of :data:`MASKED_BLOCK` tokens) may be passed by a
     caller that runs many layers over one mask."""
     if not needs_blocks(mask, window, softcap, q.shape[2]):
-        return sdpa_gqa(q, k, v, is_causal=q.shape[2] > 1, scale=scale)
+        if attention_kernel(q.device, q.dtype, q.shape[-1]) == "math":
+            # No fused block kernel (float32 on CUDA): PyTorch's SDPA picks its
+            # memory-efficient kernel, where one explicit-score block would hold s×s scores.
+            return sdpa_gqa(q, k, v, is_causal=q.shape[2] > 1, scale=scale)
+        scale = scale if scale is not None else q.shape[-1] ** -0.5
+        return _FusedCausal.apply(q, k.to(q.dtype), v.to(q.dtype), scale)
     return chunked_attention(q, k, v, chunk=MASKED_BLOCK, window=window, mask=mask, scale=scale,
                              softcap=softcap, planner=planner)
+
+
+class _FusedCausal(torch.autograd.Function):
+    """One causal block over the whole sequence (fused kernel forward and backward)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        out, lse = block_forward(q, k, v, scale=scale, causal=q.shape[2] > 1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = block_backward(grad_out.contiguous(), q, k, v, out, lse, scale=ctx.scale, causal=q.shape[2] > 1)
+        return dq, dk, dv, None
 
 
 # ---- attention whose output is kept (Memo): forward once, backward from the kept output ----

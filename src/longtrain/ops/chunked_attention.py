@@ -28,7 +28,7 @@ from typing import Iterator, Protocol
 
 import torch
 
-from .attention_blocks import block_backward, block_forward, lse_dtype, merge
+from .attention_blocks import block_backward, block_forward, lse_dtype, merge_
 from .masking import BlockPlanner, SequenceMask
 
 
@@ -74,11 +74,16 @@ def chunked_forward(q, k, v, planner: BlockPlanner, window, scale, softcap) -> t
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full(q.shape[:3], -math.inf, dtype=acc, device=q.device)
     bounds = planner.bounds
+    started = set()  # query chunks that have a block already: the first one is copied, not merged
     for qi, ki, causal, mask in _visible_blocks(planner, window, q.device):
         (qa, qb), (ka, kb) = bounds[qi], bounds[ki]
         bo, bl = block_forward(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], scale=scale,
                                causal=causal, mask=mask, softcap=softcap)
-        out[:, :, qa:qb], lse[:, :, qa:qb] = merge(out[:, :, qa:qb], lse[:, :, qa:qb], bo.to(acc), bl)
+        if qi in started:
+            merge_(out[:, :, qa:qb], lse[:, :, qa:qb], bo, bl)
+        else:
+            out[:, :, qa:qb], lse[:, :, qa:qb] = bo, bl
+            started.add(qi)
     return out.to(q.dtype), lse
 
 
@@ -152,16 +157,20 @@ def chunked_attention(
 def attend_chunk_forward(q, k, v, history: KVHistory, planner: BlockPlanner, index: int, window, scale, softcap):
     """Output and LSE of query chunk ``index`` over its own K/V and ``history``, without autograd."""
     acc = lse_dtype(q.dtype)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse = torch.full(q.shape[:3], -math.inf, dtype=acc, device=q.device)
+    out = lse = None  # the first block's output and LSE start the running pair (no merge)
     for j, k_past, v_past in history.blocks():
         skip, causal, mask = planner.plan(index, j, window, q.device)
         if not skip:
             bo, bl = block_forward(q, k_past, v_past, scale=scale, causal=causal, mask=mask, softcap=softcap)
-            out, lse = merge(out, lse, bo.to(acc), bl)
+            if out is None:
+                out, lse = bo.to(acc), bl
+            else:
+                merge_(out, lse, bo, bl)
     _, causal, mask = planner.plan(index, index, window, q.device)
     bo, bl = block_forward(q, k, v, scale=scale, causal=causal, mask=mask, softcap=softcap)
-    out, lse = merge(out, lse, bo.to(acc), bl)
+    if out is None:
+        return bo, bl
+    merge_(out, lse, bo, bl)
     return out.to(q.dtype), lse
 
 
@@ -177,7 +186,7 @@ def attend_chunk_backward(grad_out, q, k, v, out, lse, history: KVHistory, plann
         if skip:
             continue
         bq, bk, bv = block_backward(grad_out, q, k_past, v_past, out, lse, scale=scale, causal=causal, mask=mask, softcap=softcap)
-        dq = dq + bq
+        dq += bq  # dq is the first block's fresh gradient: accumulated in place
         history.add_grad(j, bk, bv)
     later = history.take_grad()  # what the later query chunks sent to this chunk's K/V
     if later is not None:

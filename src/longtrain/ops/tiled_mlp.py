@@ -5,7 +5,21 @@ of tokens. :func:`tiled_mlp` saves only the MLP's input; its backward recomputes
 chunk at a time with autograd and returns the weight gradients summed over chunks, so
 autograd accumulates them exactly once into ``.grad`` — LoRA adapters, gradient
 accumulation and sharded parameters work as with the plain module, and no
-post-accumulate-grad hook fires once per chunk.
+post-accumulate-grad hook fires once per chunk. Work: one forward, then in backward one
+recomputed forward and the backward proper (2×) — three forwards' FLOPs in all, the
+least any recomputing MLP can do.
+
+Two autograd nodes share the work so that activation checkpointing around the layer
+does not add a third forward. The first (``_TiledMLPGrad``) saves the input and
+computes nothing; the second (``_TiledMLPOutput``) computes the output and saves
+nothing; the output's gradient reaches the first through a mailbox. A checkpointed
+layer's recomputation stops as soon as it has re-saved the last tensor the layer saved
+(``torch.utils.checkpoint``'s early stop): when nothing after the MLP saves a tensor —
+the MLP output only joins the residual stream, as in Llama, Qwen, Mistral, Phi-3 — that
+is the input saved by the first node, so the MLP's forward is not rerun there, and its
+only recomputation is the one its own backward needs. Where a later op saves the MLP's
+output (Gemma-2's post-feed-forward norm) the recomputation must produce it: three
+forwards, as before.
 """
 
 from __future__ import annotations
@@ -17,29 +31,35 @@ import torch
 from . import _autocast
 
 
-class _TiledMLP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, fn, chunk_tokens, x, *params):
-        ctx.fn, ctx.chunk_tokens, ctx.params = fn, chunk_tokens, params
-        ctx.autocast = _autocast.capture(x.device)
-        ctx.save_for_backward(x)  # the only tensor kept for backward
-        flat = x.reshape(-1, x.shape[-1])
-        out = None
-        with torch.no_grad():
-            for start in range(0, flat.shape[0], chunk_tokens):
-                y = fn(flat[start : start + chunk_tokens])
-                if out is None:
-                    out = y.new_empty((flat.shape[0], y.shape[-1]))
-                out[start : start + y.shape[0]] = y
-        return out.view(*x.shape[:-1], out.shape[-1])
+class _Mailbox:
+    """Carries the output's gradient from ``_TiledMLPOutput.backward`` (which autograd runs
+    first: its input is the other node's output) to ``_TiledMLPGrad.backward``."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self):
+        self.grad = None
+
+
+class _TiledMLPGrad(torch.autograd.Function):
+    """Saves the MLP's input; its backward recomputes and backpropagates chunk by chunk.
+    Its output is a 0-d token that links it to ``_TiledMLPOutput``."""
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def forward(ctx, fn, chunk_tokens, mailbox, x, *params):
+        ctx.fn, ctx.chunk_tokens, ctx.mailbox, ctx.params = fn, chunk_tokens, mailbox, params
+        ctx.autocast = _autocast.capture(x.device)
+        ctx.save_for_backward(x)  # the only tensor kept for backward
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _token_grad):
         (x,) = ctx.saved_tensors
+        grad_out, ctx.mailbox.grad = ctx.mailbox.grad, None
         flat = x.reshape(-1, x.shape[-1])
         grad_flat = grad_out.reshape(-1, grad_out.shape[-1])
-        want_x = ctx.needs_input_grad[2]
-        wanted = [p for p, needed in zip(ctx.params, ctx.needs_input_grad[3:]) if needed]
+        want_x = ctx.needs_input_grad[3]
+        wanted = [p for p, needed in zip(ctx.params, ctx.needs_input_grad[4:]) if needed]
         grad_x = torch.empty_like(flat) if want_x else None
         sums: list[torch.Tensor | None] = [None] * len(wanted)
         for start in range(0, flat.shape[0], ctx.chunk_tokens):
@@ -54,8 +74,30 @@ class _TiledMLP(torch.autograd.Function):
                 if g is not None:
                     sums[i] = g if sums[i] is None else sums[i].add_(g)
         it = iter(sums)
-        param_grads = [next(it) if needed else None for needed in ctx.needs_input_grad[3:]]
-        return (None, None, grad_x.view_as(x) if want_x else None, *param_grads)
+        param_grads = [next(it) if needed else None for needed in ctx.needs_input_grad[4:]]
+        return (None, None, None, grad_x.view_as(x) if want_x else None, *param_grads)
+
+
+class _TiledMLPOutput(torch.autograd.Function):
+    """The MLP's output, computed chunk by chunk without autograd; saves nothing. Its
+    backward posts the output's gradient to the mailbox."""
+
+    @staticmethod
+    def forward(ctx, fn, chunk_tokens, mailbox, x, token):
+        ctx.mailbox = mailbox
+        flat = x.reshape(-1, x.shape[-1])
+        out = None
+        for start in range(0, flat.shape[0], chunk_tokens):
+            y = fn(flat[start : start + chunk_tokens])
+            if out is None:
+                out = y.new_empty((flat.shape[0], y.shape[-1]))
+            out[start : start + y.shape[0]] = y
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ctx.mailbox.grad = grad_out
+        return None, None, None, None, torch.zeros((), dtype=grad_out.dtype, device=grad_out.device)
 
 
 def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Sequence[torch.Tensor], chunk_tokens: int) -> torch.Tensor:
@@ -69,4 +111,6 @@ def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, param
     n_tokens = x.numel() // x.shape[-1]
     if n_tokens <= chunk_tokens or not torch.is_grad_enabled():
         return fn(x)  # one chunk (or no backward): nothing to save by tiling
-    return _TiledMLP.apply(fn, chunk_tokens, x, *params)
+    mailbox = _Mailbox()
+    token = _TiledMLPGrad.apply(fn, chunk_tokens, mailbox, x, *params)  # saves x first: see the module docstring
+    return _TiledMLPOutput.apply(fn, chunk_tokens, mailbox, x.detach(), token)

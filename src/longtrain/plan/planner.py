@@ -1,8 +1,10 @@
 """``longtrain plan``: the fastest exact strategy that trains this model at this length on
 this machine — decided before renting it.
 
-For each candidate strategy (layer checkpointing + MsT; Memo + MsT; FPDT with host
-offload at a few chunk sizes, with and without kept attention outputs):
+For each candidate strategy (layer checkpointing + MsT; Memo + MsT; FPDT at a few chunk
+sizes, with and without host offload, with kept attention outputs or with checkpoint
+segments of several layers) and each place for AdamW's state (the device, or host memory
+with fp32 master weights: ``--optimizer-offload``):
 
 1. **memory** — the simulator runs one training step on fake tensors (no optimizer step);
    the optimizer's state, which lives through the whole step, is added exactly
@@ -17,7 +19,11 @@ offload at a few chunk sizes, with and without kept attention outputs):
 
 Before simulating anything, what no strategy can shed — parameters, gradients and
 optimizer state — is checked against the device: if it alone does not fit, the answer
-comes at once. FPDT's peaks, which repeat chunk by chunk, are extended from two and four
+comes at once. Each candidate then gets a lower bound of its memory from what it parks
+(layer inputs, K/V, attention outputs: counted, not simulated); one whose bound does not
+fit is not simulated. The rest are simulated fastest-predicted first; once one fits,
+the slower ones are listed as such without simulating them (``exhaustive=True``
+simulates them all). FPDT's peaks, which repeat chunk by chunk, are extended from two and four
 chunks (:func:`simulate_step`), which makes a plan minutes instead of hours; simulations
 are cached in the process. ``longest=True`` adds, per
 strategy, the longest context it reaches (a second simulation at half the length, memory
@@ -48,21 +54,48 @@ FRAGMENTATION = {"offload": 1.8, "chunked": 1.25, "whole": 1.1}
 CHUNKS = (8192, 16384, 32768)
 
 
-def candidates(seq_len: int, host_memory: int | None) -> dict[str, Strategy]:
+def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_chunk: bool = False,
+               chunks: tuple[int, ...] = CHUNKS) -> dict[str, Strategy]:
     """The strategies the planner weighs at ``seq_len`` tokens (fastest-looking kinds of
-    each family; SeCO/SpaCO are left out: slower than FPDT at the same memory)."""
+    each family; SeCO/SpaCO are left out: slower than FPDT at the same memory).
+    ``every_chunk``: every chunk size, however many chunks (for :func:`max_context`)."""
     found = {
         "checkpoint,mst": Strategy(checkpoint=True, mst=True),
         "memo,mst": Strategy(memo=Memo(host_memory=host_memory), mst=True),
     }
-    for chunk in CHUNKS:
-        if chunk >= seq_len or seq_len // chunk > 32:  # one chunk is no chunking; many cost host time
+    segment = max(2, round(layers ** 0.5))  # √n segments park the fewest inputs
+    for chunk in chunks:
+        if not every_chunk and (chunk >= seq_len or seq_len // chunk > 32):  # one chunk is no chunking; many cost host time
             continue
-        for keep in (False, True):
-            options = {"chunk": chunk, "offload": True, "keep_output": keep}
-            name = f"fpdt:chunk={chunk}:offload" + (":keep_output" if keep else "") + ",mst"
-            found[name] = Strategy(engine="fpdt", engine_options=options, mst=True)
+        for offload in (True, False):
+            for variant, extra in (("", {}), (":keep_output", {"keep_output": True}),
+                                   (f":segment={segment}", {"segment": segment})):
+                options = {"chunk": chunk, "offload": offload, **extra}
+                name = f"fpdt:chunk={chunk}" + (":offload" if offload else "") + variant + ",mst"
+                found[name] = Strategy(engine="fpdt", engine_options=options, mst=True)
     return found
+
+
+def parked_bytes(config, seq_len: int, strategy: Strategy, item: int, batch: int = 1) -> int:
+    """A lower bound of what a step parks at its fullest: under checkpointing and Memo
+    every layer's input; under FPDT the layer inputs — or, with segments, the segment
+    starts — and one layer's K/V (attention outputs with ``keep_output``); 0 otherwise.
+    Where it is parked (device or host) depends on ``offload`` (Memo: host)."""
+    n, d = config.num_hidden_layers, config.hidden_size
+    tokens = batch * seq_len
+    if "checkpoint" in strategy.techniques or "memo" in strategy.techniques:
+        return n * tokens * d * item  # every layer's input (Memo: in host memory, with more)
+    if strategy.engine != "fpdt":
+        return 0
+    options = strategy.engine_options
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    segment = getattr(options, "segment", 1)
+    inputs = (n - 1 if segment <= 1 else -(-n // segment) - 1) * tokens * d * item
+    kv = 2 * tokens * kv_heads * head_dim * item * (1 if options.recompute_kv else n)
+    kept = n * tokens * heads * (head_dim * item + 4) if options.keep_output else 0
+    return inputs + kv + kept
 
 
 def _margin(strategy: Strategy) -> float:
@@ -87,6 +120,12 @@ class PlanRow:
     notes: dict = field(default_factory=dict)
     longest: int | None = None
     longest_binds: str | None = None
+    optimizer_offload: bool = False  # AdamW's state and fp32 master weights in host memory
+    simulated: bool = True  # False: judged by its lower bound, or skipped as slower than what fits
+
+    @property
+    def strategy_name(self) -> str:
+        return self.name.split(" · ")[0]
 
 
 @dataclass
@@ -98,6 +137,9 @@ class Plan:
     optimizer: str
     dtype: str
     rows: list[PlanRow]
+    gpus: int = 1
+    lora_rank: int | None = None
+    rates_name: str = "h100"
 
     @property
     def best(self) -> PlanRow | None:
@@ -112,12 +154,16 @@ class Plan:
 
     def verdict(self) -> str:
         best = self.best
+        per = " per GPU" if self.gpus > 1 else ""
         if best is not None:
-            return (f"fastest that fits: {best.name} — predicted {best.step_seconds:.3g} s per step on an H100 "
-                    f"({best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu:.0%}); device {format_bytes(best.reserved_bytes)} "
-                    f"of {format_bytes(self.device_memory)} with the fragmentation margin, host "
-                    f"{format_bytes(best.host_bytes)} of {format_bytes(self.host_memory)}")
-        closest = min(self.rows, key=lambda r: r.reserved_bytes or float("inf"))
+            return (f"fastest that fits: {best.name} — predicted {best.step_seconds:.3g} s per step on "
+                    f"{self.gpus}× {self.rates_name} ({best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu:.0%}); device "
+                    f"{format_bytes(best.reserved_bytes)} of {format_bytes(self.device_memory)}{per} with the fragmentation "
+                    f"margin, host {format_bytes(best.host_bytes)} of {format_bytes(self.host_memory)}")
+        simulated = [r for r in self.rows if r.reserved_bytes is not None]
+        if not simulated:
+            return f"nothing fits {self.seq_len:,} tokens: " + "; ".join(sorted({r.binds for r in self.rows if r.binds}))
+        closest = min(simulated, key=lambda r: r.reserved_bytes)
         return f"nothing fits {self.seq_len:,} tokens: closest is {closest.name}, where {closest.binds}"
 
     def table(self) -> str:
@@ -127,23 +173,32 @@ class Plan:
         longest = any(r.longest for r in self.rows)
         rows = [head + (("longest context",) if longest else ())]
         for r in self.rows:
+            fits = "yes" if r.fits else ("no" if r.binds else "–")
             row = (r.name, format_bytes(r.reserved_bytes) if r.reserved_bytes else "–",
-                   format_bytes(r.host_bytes) if r.host_bytes is not None else "–", "yes" if r.fits else "no",
+                   format_bytes(r.host_bytes) if r.host_bytes is not None else "–", fits,
                    f"{r.step_seconds:.3g}" if r.step_seconds else "–", f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "–",
                    f"{r.mfu:.0%}" if r.mfu else "–")
             if longest:
                 row += (f"{r.longest:,} ({r.longest_binds})" if r.longest else "–",)
             rows.append(row)
-        title = (f"{self.model}: {self.seq_len:,} tokens, {self.dtype}, {self.optimizer}; device "
+        what = f"LoRA rank {self.lora_rank}" if self.lora_rank else f"full fine-tuning, {self.optimizer}"
+        title = (f"{self.model}: {self.seq_len:,} tokens, {self.dtype}, {what}; {self.gpus} GPU(s) of "
                  f"{format_bytes(self.device_memory)}, host {format_bytes(self.host_memory)}")
         limits = [f"  {r.name}: {r.binds}" for r in self.rows if r.binds]
-        return "\n".join([title, format_table(rows), ""] + (["what does not fit:"] + limits + [""] if limits else []) + [
+        skipped = [r for r in self.rows if not r.simulated and not r.binds]
+        lines = [title, format_table(rows), ""]
+        if limits:
+            lines += ["what does not fit:"] + limits + [""]
+        if skipped:
+            lines += [f"{len(skipped)} slower candidate(s) not simulated ({skipped[0].notes['skipped']}); "
+                      "--exhaustive simulates them", ""]
+        return "\n".join(lines + [
             self.verdict(), "memory simulated (device × the allocator's measured fragmentation margin); "
-            "step time from the H100 time model (longtrain.plan.time_model)"])
+            f"step time from the time model at the {self.rates_name} rates (longtrain.plan.time_model)"])
 
 
 def _state_bytes(config, optimizer: str, dtype: torch.dtype) -> tuple[int, int]:
-    """(parameter count, bytes of the optimizer state) of full fine-tuning."""
+    """(parameter count, bytes of the optimizer state on the device) of full fine-tuning."""
     from ..models.loading import build_from_config
 
     with torch.device("meta"):
@@ -154,20 +209,23 @@ def _state_bytes(config, optimizer: str, dtype: torch.dtype) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=256)
-def _simulated(config_json: str, seq_len: int, strategy_json: str, dtype: str, batch: int = 1):
+def _simulated(config_json: str, seq_len: int, strategy_json: str, dtype: str, batch: int = 1,
+               optimizer: str = "none", lora_rank: int | None = None):
     from transformers import AutoConfig
 
     from .simulate import simulate
 
     data = json.loads(config_json)
     config = AutoConfig.for_model(data.pop("model_type"), **data)
-    report = simulate(config, seq_len, batch_size=batch, strategy=Strategy.from_json(strategy_json), optimizer="none",
-                      dtype=dtype)
+    report = simulate(config, seq_len, batch_size=batch, strategy=Strategy.from_json(strategy_json), optimizer=optimizer,
+                      dtype=dtype, iterations=1, lora_rank=lora_rank)
     return report.device_peak_bytes, report.peak.peak_host_bytes, dict(report.notes)
 
 
-def simulate_step(config, seq_len: int, strategy: Strategy, dtype: str, batch: int = 1) -> tuple[int, int, dict]:
-    """(device peak, host peak, notes) of one step without optimizer state.
+def simulate_step(config, seq_len: int, strategy: Strategy, dtype: str, batch: int = 1, optimizer: str = "none",
+                  lora_rank: int | None = None) -> tuple[int, int, dict]:
+    """(device peak, host peak, notes) of one step; with ``optimizer="none"`` without
+    optimizer state, with ``"adamw-offload"`` with its host state and streamed gradients.
 
     FPDT's schedule repeats per chunk: its device peak is one chunk's working set plus
     what grows with the length (token ids, targets: a line), and its host peak the
@@ -178,79 +236,237 @@ def simulate_step(config, seq_len: int, strategy: Strategy, dtype: str, batch: i
     at the full length."""
     config_json = json.dumps(config.to_dict(), sort_keys=True, default=str)
     chunk = getattr(strategy.engine_options, "chunk", None)
+    key = (strategy.to_json(), dtype, batch, optimizer, lora_rank)
     if strategy.engine != "fpdt" or not chunk or seq_len <= 4 * chunk:
-        return _simulated(config_json, seq_len, strategy.to_json(), dtype, batch)
+        return _simulated(config_json, seq_len, *key)
     short, long = 2 * chunk, 4 * chunk
-    d1, h1, _ = _simulated(config_json, short, strategy.to_json(), dtype, batch)
-    d2, h2, notes = _simulated(config_json, long, strategy.to_json(), dtype, batch)
+    d1, h1, _ = _simulated(config_json, short, *key)
+    d2, h2, notes = _simulated(config_json, long, *key)
     whole = -(-seq_len // chunk) * chunk  # a last partial chunk counted whole: never below the real peak
     scale = (whole - long) / (long - short)
     return int(d2 + scale * (d2 - d1)), int(h2 + scale * (h2 - h1)), notes
 
 
+@dataclass
+class _Budget:
+    """What a candidate must fit: the machine, and what stays resident whatever the strategy."""
+
+    device_memory: int
+    host_memory: int
+    persistent: int  # device bytes allocated once (weights, and optimizer state when on the device)
+    device_state: int  # optimizer state on the device (added to simulations without optimizer)
+    host_state: int  # optimizer state, masters and gradient buffers in host memory
+    optimizer: str  # what the simulation runs: "none" (state added) or "adamw-offload"
+
+
 def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer: str = "adamw",
          dtype: str = "bfloat16", rates: MachineRates = H100, longest: bool = False, batch: int = 1,
+         gpus: int = 1, lora_rank: int | None = None, exhaustive: bool = False,
+         optimizer_offload: bool | None = None, rates_name: str = "h100",
          progress: Callable[[str], None] | None = None) -> Plan:
     """Rank the candidate strategies for ``model`` (preset, directory or config) at
-    ``seq_len`` tokens on a device of ``device_memory`` bytes with ``host_memory`` bytes of
-    host memory (module docstring)."""
+    ``seq_len`` tokens on ``gpus`` devices of ``device_memory`` bytes each (sequence
+    parallel over them when more than one) with ``host_memory`` bytes of host memory in
+    all (module docstring). ``lora_rank``: train LoRA adapters of that rank instead of
+    every weight. ``optimizer_offload``: AdamW's state only in host memory (True), only on
+    the device (False), or both weighed (None)."""
     say = progress or (lambda _: None)
+    if gpus < 1:
+        raise LongtrainError(f"--gpus must be a positive count, got {gpus}")
     config = load_config(model)
     config.max_position_embeddings = max(getattr(config, "max_position_embeddings", 0) or 0, 2 * seq_len)
     torch_dtype = parse_dtype(dtype)
-    params, state = _state_bytes(config, optimizer, torch_dtype)
     item = torch.tensor([], dtype=torch_dtype).element_size()
-    model_states = params * item * 2 + state  # weights, gradients, optimizer state
+    params, state = _state_bytes(config, optimizer, torch_dtype)
+    if lora_rank:  # adapters are a fraction of a percent of the weights: their gradients and state are simulated
+        state = 0
+    # Under sequence parallelism FSDP2 shards parameters, gradients and optimizer state over the GPUs.
+    weights = params * item // gpus
+    state //= gpus
     name = model if isinstance(model, str) else getattr(config, "name_or_path", "") or config.model_type
-    result = Plan(name, seq_len, device_memory, host_memory, optimizer, str(torch_dtype).replace("torch.", ""), [])
-    if model_states > device_memory:
+    result = Plan(name, seq_len, device_memory, host_memory, optimizer, str(torch_dtype).replace("torch.", ""), [],
+                  gpus, lora_rank, rates_name)
+    budgets = []
+    grads = 0 if lora_rank else weights
+    if weights + grads + state <= device_memory and optimizer_offload is not True:
+        budgets.append(_Budget(device_memory, host_memory, weights + state, state, 0, "none"))
+    if optimizer_offload is not False and optimizer == "adamw" and not lora_rank and gpus == 1 and weights <= device_memory:
+        masters = params * 4  # fp32 masters, two fp32 moments, a gradient buffer in the parameters' dtype
+        budgets.append(_Budget(device_memory, host_memory, weights, 0, 3 * masters + params * item, "adamw-offload"))
+    if optimizer_offload and not any(b.optimizer == "adamw-offload" for b in budgets):
+        raise LongtrainError("--optimizer-offload plans AdamW's state in host memory for full fine-tuning on one GPU; "
+                             "it needs --optimizer adamw, no --lora and --gpus 1")
+    if not budgets:
         raise LongtrainError(
-            f"the model states alone (weights, gradients, {optimizer} state: {format_bytes(model_states)}) exceed the "
-            f"device's {format_bytes(device_memory)} by {format_bytes(model_states - device_memory)}; no activation "
-            "strategy helps — shard them over GPUs (--sp), train LoRA, or use a smaller optimizer"
+            f"the model states alone (weights, gradients, {optimizer} state: {format_bytes(weights + grads + state)} per GPU) "
+            f"exceed the device's {format_bytes(device_memory)} by {format_bytes(weights + grads + state - device_memory)}; "
+            "no activation strategy helps — shard them over more GPUs (--gpus), train LoRA (--lora), or use a smaller optimizer"
         )
-    for label, strategy in candidates(seq_len, host_memory).items():
-        say(f"simulating {label} at {seq_len:,} tokens")
-        row = _evaluate(label, strategy, config, seq_len, dtype, state, params * item + state, device_memory,
-                        host_memory, rates, batch)
-        if longest and row.device_bytes is not None:
-            row.longest, row.longest_binds = _longest(row, strategy, config, seq_len, dtype, state, device_memory,
-                                                      host_memory, batch)
+    sp = {"degree": gpus} if gpus > 1 else None
+    jobs = []
+    for label, strategy in candidates(seq_len, host_memory, config.num_hidden_layers).items():
+        if sp is not None:
+            if "memo" in strategy.techniques:  # Memo does not run under sequence parallelism yet
+                continue
+            strategy = _rebuilt(strategy, sequence_parallel=sp)
+            label += f"+sp{gpus}"
+        for budget in budgets:
+            offloaded = budget.optimizer == "adamw-offload"
+            if offloaded and "memo" in strategy.techniques:  # Memo's host budget: what the optimizer leaves
+                memo = dataclasses.replace(strategy.techniques["memo"], host_memory=max(1, host_memory - budget.host_state))
+                strategy = _rebuilt(strategy, memo=memo)
+            predicted = step_time(config, seq_len, strategy, rates, batch=batch, optimizer_offload=offloaded,
+                                  trainable=params)
+            jobs.append((predicted.seconds, label + (" · optimizer in host memory" if offloaded else ""), strategy, budget))
+    jobs.sort(key=lambda job: job[0])
+    winner = None
+    for _, label, strategy, budget in jobs:
+        bound = _bound(config, seq_len, strategy, budget, item, batch, gpus)
+        if bound is not None:
+            row = PlanRow(label, strategy.to_dict(), None, None, None, False, bound, None, None, None,
+                          optimizer_offload=budget.optimizer != "none", simulated=False)
+        elif winner is not None and not exhaustive:
+            row = PlanRow(label, strategy.to_dict(), None, None, None, False, None, None, None, None,
+                          notes={"skipped": f"predicted slower than {winner}, which fits"},
+                          optimizer_offload=budget.optimizer != "none", simulated=False)
+        else:
+            say(f"simulating {label} at {seq_len:,} tokens")
+            row = _evaluate(label, strategy, config, seq_len, dtype, budget, rates, batch, params, lora_rank)
+            if longest and row.device_bytes is not None:
+                row.longest, row.longest_binds = _longest(row, strategy, config, seq_len, dtype, budget, batch, lora_rank)
+            if row.fits and winner is None:
+                winner = label
         result.rows.append(row)
-    result.rows.sort(key=lambda r: (not r.fits, r.step_seconds if r.fits else (r.reserved_bytes or float("inf"))))
+    result.rows.sort(key=lambda r: (not r.fits, not r.simulated,
+                                    r.step_seconds if r.fits else (r.reserved_bytes or float("inf"))))
     return result
 
 
-def _evaluate(label, strategy, config, seq_len, dtype, state, persistent, device_memory, host_memory, rates,
-              batch) -> PlanRow:
+def _rebuilt(strategy: Strategy, sequence_parallel=None, **techniques) -> Strategy:
+    """``strategy`` with a sequence-parallel degree and/or techniques replaced."""
+    return Strategy(engine=strategy.engine, engine_options=strategy.engine_options,
+                    sequence_parallel=sequence_parallel or strategy.sequence_parallel,
+                    **{**strategy.techniques, **techniques})
+
+
+def _bound(config, seq_len, strategy, budget: _Budget, item, batch, gpus) -> str | None:
+    """Why ``strategy`` cannot fit whatever the simulation says (its parked bytes alone), or None."""
+    parked = parked_bytes(config, seq_len, strategy, item, batch) // gpus
+    offload = getattr(strategy.engine_options, "offload", False) or "memo" in strategy.techniques
+    device = budget.persistent + (0 if offload else parked)
+    host = budget.host_state + (parked if offload else 0)
+    if device > budget.device_memory:
+        return f"device memory: at least {format_bytes(device)} (what it parks; not simulated)"
+    if host > budget.host_memory:
+        return f"host memory: at least {format_bytes(host)} (what it parks; not simulated)"
+    return None
+
+
+def _evaluate(label, strategy, config, seq_len, dtype, budget: _Budget, rates, batch, params, lora_rank) -> PlanRow:
+    offloaded = budget.optimizer != "none"
     try:
-        device, host, notes = simulate_step(config, seq_len, strategy, dtype, batch)
+        device, host, notes = simulate_step(config, seq_len, strategy, dtype, batch, budget.optimizer, lora_rank)
     except LongtrainError as exc:  # e.g. memo: the inputs and attention outputs alone exceed the host budget
-        return PlanRow(label, strategy.to_dict(), None, None, None, False, str(exc), None, None, None)
-    device += state
-    reserved = int(persistent + _margin(strategy) * (device - persistent))
+        return PlanRow(label, strategy.to_dict(), None, None, None, False, str(exc), None, None, None,
+                       optimizer_offload=offloaded)
+    device += budget.device_state
+    reserved = int(budget.persistent + _margin(strategy) * (device - budget.persistent))
     binds = []
-    if reserved > device_memory:
-        binds.append(f"device memory: needs {format_bytes(reserved)}, {format_bytes(reserved - device_memory)} over")
-    if host > host_memory:
-        binds.append(f"host memory: needs {format_bytes(host)}, {format_bytes(host - host_memory)} over")
-    predicted = step_time(config, seq_len, strategy, rates, notes=notes, batch=batch)
+    if reserved > budget.device_memory:
+        binds.append(f"device memory: needs {format_bytes(reserved)}, {format_bytes(reserved - budget.device_memory)} over")
+    if host > budget.host_memory:
+        binds.append(f"host memory: needs {format_bytes(host)}, {format_bytes(host - budget.host_memory)} over")
+    predicted = step_time(config, seq_len, strategy, rates, notes=notes, batch=batch, optimizer_offload=offloaded,
+                          trainable=params)
     return PlanRow(label, strategy.to_dict(), device, reserved, host, not binds, "; ".join(binds) or None,
-                   predicted.seconds, batch * seq_len / predicted.seconds, predicted.mfu(rates.peak), notes)
+                   predicted.seconds, batch * seq_len / predicted.seconds, predicted.mfu(rates.peak), notes,
+                   optimizer_offload=offloaded)
 
 
-def _longest(row: PlanRow, strategy, config, seq_len, dtype, state, device_memory, host_memory, batch):
+def _longest(row: PlanRow, strategy, config, seq_len, dtype, budget: _Budget, batch, lora_rank):
     """Longest context by the line through the peaks at ``seq_len`` / 2 and ``seq_len``."""
     half = max(2, seq_len // 2)
     try:
-        device_half, host_half, _ = simulate_step(config, half, strategy, dtype, batch)
+        device_half, host_half, _ = simulate_step(config, half, strategy, dtype, batch, budget.optimizer, lora_rank)
     except LongtrainError:
         return None, None
     margin = _margin(strategy)
-    device_slope = margin * (row.device_bytes - state - device_half) / (seq_len - half)  # reserved bytes per token
+    device_slope = margin * (row.device_bytes - budget.device_state - device_half) / (seq_len - half)  # reserved bytes per token
     host_slope = (row.host_bytes - host_half) / (seq_len - half)
-    by_device = seq_len + (device_memory - row.reserved_bytes) / device_slope if device_slope > 0 else float("inf")
-    by_host = seq_len + (host_memory - row.host_bytes) / host_slope if host_slope > 0 else float("inf")
+    by_device = seq_len + (budget.device_memory - row.reserved_bytes) / device_slope if device_slope > 0 else float("inf")
+    by_host = seq_len + (budget.host_memory - row.host_bytes) / host_slope if host_slope > 0 else float("inf")
     if by_device == by_host == float("inf"):
         return None, "no limit found"
     return int(max(0, min(by_device, by_host))), "device memory" if by_device <= by_host else "host memory"
+
+
+@dataclass
+class ContextLimit:
+    name: str
+    tokens: int  # the longest context that fits (whole chunks for FPDT), 0 if none
+    binds: str  # what stops it there
+    step_seconds: float | None  # predicted at that length
+    optimizer_offload: bool
+
+
+def max_context(model, *, device_memory: int, host_memory: int, optimizer: str = "adamw", dtype: str = "bfloat16",
+                rates: MachineRates = H100, lora_rank: int | None = None, optimizer_offload: bool | None = None,
+                probe: int = 65536, chunks: tuple[int, ...] = CHUNKS,
+                progress: Callable[[str], None] | None = None) -> list[ContextLimit]:
+    """The longest context each candidate reaches on this machine, longest first.
+
+    Memory grows linearly with the length for every candidate (flash attention keeps no
+    s×s scores; FPDT's peaks repeat per chunk): each is simulated at two short lengths
+    (``probe`` / 2 and ``probe`` tokens; FPDT at two and four chunks, as
+    :func:`simulate_step` does) and the lines solved for the device (with the
+    fragmentation margin) and host limits. Confirm a limit with :func:`plan` at that length."""
+    say = progress or (lambda _: None)
+    config = load_config(model)
+    torch_dtype = parse_dtype(dtype)
+    item = torch.tensor([], dtype=torch_dtype).element_size()
+    params, state = _state_bytes(config, optimizer, torch_dtype)
+    if lora_rank:
+        state = 0
+    weights, grads = params * item, (0 if lora_rank else params * item)
+    budgets = []
+    if weights + grads + state <= device_memory and optimizer_offload is not True:
+        budgets.append(_Budget(device_memory, host_memory, weights + state, state, 0, "none"))
+    if optimizer_offload is not False and optimizer == "adamw" and not lora_rank and weights <= device_memory:
+        budgets.append(_Budget(device_memory, host_memory, weights, 0, 3 * params * 4 + params * item, "adamw-offload"))
+    limits = []
+    for label, strategy in candidates(2**40, host_memory, config.num_hidden_layers, every_chunk=True, chunks=chunks).items():
+        options = strategy.engine_options
+        if strategy.engine == "fpdt" and (options.keep_output or options.segment == 1 or options.chunk > 16384):
+            continue  # parks more (or a larger chunk's working set) than a segmented schedule: never the longer context
+        for budget in budgets:
+            offloaded = budget.optimizer == "adamw-offload"
+            if offloaded and "memo" in strategy.techniques:
+                memo = dataclasses.replace(strategy.techniques["memo"], host_memory=max(1, host_memory - budget.host_state))
+                strategy = _rebuilt(strategy, memo=memo)
+            name = label + (" · optimizer in host memory" if offloaded else "")
+            chunk = getattr(strategy.engine_options, "chunk", None)
+            short, long = (2 * chunk, 4 * chunk) if chunk else (probe // 2, probe)
+            config.max_position_embeddings = max(getattr(config, "max_position_embeddings", 0) or 0, 2 * long)
+            say(f"simulating {name} at {short:,} and {long:,} tokens")
+            try:
+                d1, h1, _ = simulate_step(config, short, strategy, dtype, 1, budget.optimizer, lora_rank)
+                d2, h2, _ = simulate_step(config, long, strategy, dtype, 1, budget.optimizer, lora_rank)
+            except LongtrainError as exc:
+                limits.append(ContextLimit(name, 0, str(exc), None, offloaded))
+                continue
+            margin = _margin(strategy)
+            reserved = lambda d: budget.persistent + margin * (d + budget.device_state - budget.persistent)  # noqa: E731
+            r1, r2 = reserved(d1), reserved(d2)
+            by_device = long + (device_memory - r2) * (long - short) / (r2 - r1) if r2 > r1 else float("inf")
+            by_host = long + (host_memory - h2) * (long - short) / (h2 - h1) if h2 > h1 else float("inf")
+            if r2 > device_memory and r1 > device_memory or h1 > host_memory:
+                tokens, binds = 0, "device memory" if r1 > device_memory else "host memory"
+            else:
+                tokens = int(min(by_device, by_host))
+                binds = "device memory" if by_device <= by_host else "host memory"
+            if chunk:
+                tokens = tokens // chunk * chunk  # whole chunks: a partial last one costs a whole one
+            seconds = step_time(config, tokens, strategy, rates, optimizer_offload=offloaded,
+                                trainable=params).seconds if tokens else None
+            limits.append(ContextLimit(name, tokens, binds, seconds, offloaded))
+    return sorted(limits, key=lambda r: -r.tokens)

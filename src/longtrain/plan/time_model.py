@@ -15,7 +15,12 @@ A step is counted per kind of work, each at the rate it runs at on the machine:
   MLP backward runs at ``tiled_mlp_efficiency`` of the matmul rate and the chunked head's
   weight gradient at ``head_weight_grad`` FLOP/s; each (chunk, layer) pair of a chunked
   engine costs ``per_chunk_layer`` seconds of host work;
-- host copies a layer's compute cannot hide (Memo), at ``host_bandwidth`` bytes/s.
+- host copies a layer's compute cannot hide (Memo), at ``host_bandwidth`` bytes/s;
+- with the optimizer in host memory (``--optimizer-offload``), the CPU's AdamW step at
+  ``cpu_adam`` parameters/s and the updated weights' copy back to the device (the
+  gradients' copies to the host overlap backward);
+- under sequence parallelism over P GPUs, each rank's 1/P of the work plus Ulysses'
+  all-to-alls (q, k, v and the output, forward and backward) at ``interconnect`` bytes/s.
 
 FLOPs follow the model-FLOPs convention (forward 2, backward 4 per matmul parameter and
 token; causal attention 2·w·s² forward, 4·w·s² backward per layer), so MFU = model FLOPs /
@@ -40,6 +45,8 @@ class MachineRates:
     head_weight_grad: float = 5.0e13  # FLOP/s of the chunked head's weight gradient (31 small addmm_)
     per_chunk_layer: float = 4.0e-3  # seconds of host work per (chunk, layer) of a chunked engine
     host_bandwidth: float = 2.5e10  # bytes/s, device <-> pinned host
+    cpu_adam: float = 1.5e9  # parameters/s of fused CPU AdamW with fp32 masters (16 cores; not yet measured on the GPU host)
+    interconnect: float = 3.0e11  # bytes/s per GPU of all-to-all (NVLink; not yet measured)
     peak: float = 9.89e14  # dense bf16 peak, for MFU
 
 
@@ -67,10 +74,11 @@ def _shapes(config):
 
 
 def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: dict | None = None,
-              batch: int = 1) -> StepTime:
+              batch: int = 1, optimizer_offload: bool = False, trainable: int | None = None) -> StepTime:
     """Predicted seconds of one forward + backward of ``batch`` sequences of ``tokens``
     under ``strategy`` (a :class:`~longtrain.strategy.Strategy`); ``notes``: what the
-    simulator reported for it (Memo's α and sizes)."""
+    simulator reported for it (Memo's α and sizes). With ``optimizer_offload``, the CPU
+    step of ``trainable`` parameters is added. Under sequence parallelism, one rank's."""
     n, width, attn_params, mlp_params, head_params = _shapes(config)
     s = tokens * batch
     layer_fwd = 2.0 * s * (attn_params + mlp_params) * n
@@ -96,6 +104,10 @@ def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: 
         matmul += 2.0 * s * attn_params * n / 2  # q/k/v projections once more (about half the attention block)
     if engine == "fpdt" and getattr(strategy.engine_options, "keep_output", False):
         attention_passes -= 1  # the recomputation hands the kept output to attention's backward
+    segment = getattr(strategy.engine_options, "segment", 1) if engine == "fpdt" else 1
+    inner = (segment - 1) / segment  # share of layers whose input backward recomputes (segment > 1)
+    matmul += inner * layer_fwd
+    attention_passes += inner
     memo = techniques.get("memo")
     exposed = 0.0
     if memo is not None:
@@ -120,7 +132,17 @@ def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: 
             "spaco": rates.chunkwise_attention}.get(engine, rates.fused_attention)
     parts["attention"] = attention_passes * attention_fwd / rate
     if chunked and chunk:
-        parts["chunk_overhead"] = rates.per_chunk_layer * n * -(-tokens // chunk)
+        parts["chunk_overhead"] = (1 + inner) * rates.per_chunk_layer * n * -(-tokens // chunk)
     if exposed:
         parts["exposed_copies"] = exposed
+    sp = strategy.sequence_parallel.degree if strategy.sequence_parallel is not None else 1
+    if sp > 1:
+        parts = {k: v / sp for k, v in parts.items()}
+        model_flops /= sp
+        item = 2  # bf16 activations
+        moved = s * (attn_params // config.hidden_size) * item * n / sp  # q, k, v and o of each layer, per rank
+        parts["all_to_all"] = 2 * moved / rates.interconnect  # forward and backward
+    if optimizer_offload and trainable:
+        per_rank = trainable / sp
+        parts["cpu_optimizer_step"] = per_rank / rates.cpu_adam + 2 * per_rank / rates.host_bandwidth  # + weights back
     return StepTime(sum(parts.values()), model_flops, parts)

@@ -36,7 +36,7 @@ from .. import validate
 from ..errors import LongtrainError
 from ..memory.chunk_store import ChunkStore
 from ..memory.token_swap import LayerActivations, narrow_tokens, storage_id, token_axis
-from ..memory.units import format_bytes, parse_bytes, physical_memory
+from ..memory.units import format_bytes, physical_memory
 from ..models.attention import AttentionCall
 from ..ops.causal_attention import attention_from_output
 from ..registry import register_technique
@@ -63,7 +63,7 @@ class Memo:
                 raise LongtrainError(f"memo alpha must be a number in [0, 1] or 'auto', got {self.alpha!r}")
             self.alpha = float(self.alpha)
         if self.host_memory is not None:
-            self.host_memory = parse_bytes(self.host_memory)
+            self.host_memory = validate.byte_size("memo", "host_memory", self.host_memory)
             if self.host_memory <= 0:
                 raise LongtrainError(f"memo host_memory must be positive, got {self.host_memory!r}")
         validate.flag("memo", "offload", self.offload)

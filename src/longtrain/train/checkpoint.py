@@ -10,6 +10,7 @@ truncated or altered file is reported instead of silently resumed from.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -17,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from ..errors import LongtrainError
+from ..errors import LongtrainError, writing
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -41,10 +42,15 @@ def _sha256(path: Path) -> str:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` in one step: readers see the old file or the new one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    _fsync_path(tmp)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        _fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_path(path.parent)
 
 
@@ -62,41 +68,81 @@ def save_checkpoint(root: str | Path, step: int, writers: dict[str, Callable[[Pa
     name = f"{PREFIX}{step:08d}"
     # Ranks share the temporary name; a lone process adds its pid.
     tmp = root / (f".tmp-{name}" if distributed else f".tmp-{name}-{os.getpid()}")
-    if commits:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+    # A write that fails (a full disk, a revoked permission) or is interrupted takes its
+    # half-written directory with it: the previous checkpoint stays the one to resume from.
+    then = "continue with --resume"
+    with _discarded_on_failure(tmp), writing(f"checkpoint {name}", root, then):
+        if commits:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        if distributed:
+            ranks.barrier()
+        files = _write_files(tmp, writers)
+        if distributed:
+            every = ranks.gather(files)
+            if not commits:
+                ranks.barrier()  # wait for rank 0 to commit
+                return root / name
+            files = {k: v for rank_files in every for k, v in rank_files.items()}
+        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files, "meta": meta}, indent=1))
+        _fsync_path(tmp / MANIFEST)
+        _fsync_path(tmp)
+    final = root / name
+    with writing(f"checkpoint {name}", root, then):
+        if final.exists():  # re-saving a step (e.g. after resuming from it): move the old one aside first
+            old = root / f".old-{name}-{os.getpid()}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_path(root)
+        write_text_atomic(root / LATEST, name)
+    _prune(root, keep)
     if distributed:
         ranks.barrier()
+    return final
+
+
+@contextlib.contextmanager
+def _discarded_on_failure(tmp: Path):
+    """Remove the half-written ``tmp`` if the block fails or is interrupted."""
+    try:
+        yield
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_files(tmp: Path, writers: dict[str, Callable[[Path], None]]) -> dict:
+    """Run each writer into ``tmp``; the sizes and checksums for the manifest."""
     files = {}
     for filename, write in writers.items():
         path = tmp / filename
         write(path)
         _fsync_path(path)
         files[filename] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-    if distributed:
-        every = ranks.gather(files)
-        if not commits:
-            ranks.barrier()  # wait for rank 0 to commit
-            return root / name
-        files = {k: v for rank_files in every for k, v in rank_files.items()}
-    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files, "meta": meta}, indent=1))
-    _fsync_path(tmp / MANIFEST)
-    _fsync_path(tmp)
-    final = root / name
-    if final.exists():  # re-saving a step (e.g. after resuming from it): move the old one aside first
-        old = root / f".old-{name}-{os.getpid()}"
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    _fsync_path(root)
-    write_text_atomic(root / LATEST, name)
-    _prune(root, keep)
-    if distributed:
-        ranks.barrier()
-    return final
+    return files
+
+
+def remove_leftovers(root: str | Path) -> None:
+    """Clear what an interrupted save left under ``root``: half-written ``.tmp-*``
+    checkpoints and pointer files go; a complete checkpoint moved aside (``.old-*``) while
+    a step was re-saved returns to its place if nothing took it."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for stale in root.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(f".{LATEST}.tmp-*"):
+        stale.unlink(missing_ok=True)
+    for old in root.glob(f".old-{PREFIX}*"):
+        name = old.name[len(".old-"):].rsplit("-", 1)[0]
+        if not (root / name).exists():
+            os.rename(old, root / name)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -105,6 +151,27 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(".tmp-*"):  # left by runs killed mid-write
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def checkpoint_step(path: str | Path) -> int | None:
+    """The step a checkpoint directory holds, from its manifest (None if unreadable)."""
+    try:
+        return int(json.loads((Path(path) / MANIFEST).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """``--resume-from``: a checkpoint directory, or a run directory (or its
+    ``checkpoints/``) standing for its latest checkpoint."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    for root in (path / "checkpoints", path):
+        if (root / LATEST).is_file():
+            return latest_checkpoint(root)
+    raise LongtrainError(f"--resume-from {path} is neither a checkpoint (no {MANIFEST}) nor a run with one "
+                         f"(no checkpoints/{LATEST}); pass a run directory or one of its checkpoints/{PREFIX}* directories")
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -121,7 +188,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 def verify_checkpoint(path: str | Path) -> dict:
     """Check every file against the manifest; return the manifest's metadata."""
     path = Path(path)
-    fix = "delete it, or pass --resume-from with an earlier checkpoint"
+    fix = f"pass --resume-from with an earlier checkpoint (ls {path.parent})"
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         files = manifest["files"]

@@ -47,6 +47,18 @@ def _read_documents(path: Path) -> list[str]:
     return documents
 
 
+def _check_not_unknown(ids: list[int], tokenizer, path) -> None:
+    """Refuse data the tokenizer cannot read: mostly its unknown token means the wrong
+    tokenizer (or a model without one), and training on it would learn nothing."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or not ids:
+        return
+    share = ids.count(unk) / len(ids)
+    if share > 0.5:
+        raise LongtrainError(f"the tokenizer turns {share:.0%} of the data in {path} into its unknown token; "
+                             "use the model's own tokenizer (or --tokenizer bytes) for this text")
+
+
 class TokenWindows:
     """Documents tokenized, joined with EOS and cut into windows of ``seq_len`` tokens.
 
@@ -57,9 +69,13 @@ class TokenWindows:
 
     Window order is a seeded permutation per epoch, so a sample is a pure function of
     (seed, index): the data position in a checkpoint is just the number of samples seen.
+
+    ``held_out`` windows (at most a tenth of them, none when there are fewer than ten)
+    are set aside, chosen by the seed, for :meth:`held_out_sample`: training never sees them.
     """
 
-    def __init__(self, path: str | Path, tokenizer, seq_len: int, seed: int = 0, restart_per_document: bool = False):
+    def __init__(self, path: str | Path, tokenizer, seq_len: int, seed: int = 0, restart_per_document: bool = False,
+                 held_out: int = 0):
         ids: list[int] = []
         starts: list[int] = []
         for file in _data_files(Path(path)):
@@ -68,6 +84,7 @@ class TokenWindows:
                 ids.extend(tokenizer.encode(doc))
                 if tokenizer.eos_token_id is not None:
                     ids.append(tokenizer.eos_token_id)
+        _check_not_unknown(ids, tokenizer, path)
         if len(ids) < seq_len:
             raise LongtrainError(
                 f"the data in {path} holds {len(ids):,} tokens, fewer than --seq-len {seq_len:,}; "
@@ -87,14 +104,33 @@ class TokenWindows:
             self.first_of_document = first
         self.seq_len = seq_len
         self.seed = seed
+        self.held_rows, self.train_rows = self._split(n, min(held_out, n // 10), seed)
+
+    @staticmethod
+    def _split(n: int, held: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows set aside for evaluation (a seeded choice, independent of the epochs'
+        order) and the rest; with none set aside, the rows in order, so runs without a
+        held-out set see the windows they always did."""
+        if held == 0:
+            return torch.zeros(0, dtype=torch.long), torch.arange(n)
+        chosen = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 - 1))[:held]
+        is_held = torch.zeros(n, dtype=torch.bool)
+        is_held[chosen] = True
+        return is_held.nonzero().flatten(), (~is_held).nonzero().flatten()
 
     def __len__(self) -> int:
-        return len(self.windows)
+        return len(self.train_rows)
 
     def sample(self, index: int) -> dict:
-        epoch, offset = divmod(index, len(self.windows))
-        order = torch.randperm(len(self.windows), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
-        row = order[offset]
+        epoch, offset = divmod(index, len(self.train_rows))
+        order = torch.randperm(len(self.train_rows), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
+        return self._window(int(self.train_rows[order[offset]]))
+
+    def held_out_sample(self, index: int) -> dict:
+        """The ``index``-th held-out window (``index < len(self.held_rows)``)."""
+        return self._window(int(self.held_rows[index]))
+
+    def _window(self, row: int) -> dict:
         input_ids = self.windows[row]
         if self.positions is None:
             return {"input_ids": input_ids, "labels": input_ids}

@@ -5,33 +5,58 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import LongtrainError
+from ..errors import LongtrainError, writing
 from .checkpoint import write_text_atomic
 
 
+def check_tensorboard() -> None:
+    """``--tensorboard`` needs the tensorboard package: say so before the run touches anything."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError:
+        raise LongtrainError("--tensorboard needs the tensorboard package: pip install 'longtrain[tensorboard]', "
+                             "or drop --tensorboard") from None
+
+
 class MetricsLog:
-    def __init__(self, path: str | Path, tensorboard_dir: str | Path | None = None):
+    """Appends records to ``path`` (and TensorBoard). With ``after_step``, the records
+    past that step already in the file (a resumed run redoes those steps) are dropped
+    when the first new record arrives — not before, so a run that fails before its first
+    step leaves the log as it was."""
+
+    def __init__(self, path: str | Path, tensorboard_dir: str | Path | None = None, after_step: int | None = None):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a")
+        self._after_step = after_step
+        self._file = None
         self._tb = None
         if tensorboard_dir is not None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise LongtrainError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
-            self._tb = SummaryWriter(str(tensorboard_dir))
+            check_tensorboard()
+            from torch.utils.tensorboard import SummaryWriter
+
+            with writing("the TensorBoard log", tensorboard_dir):
+                self._tb = SummaryWriter(str(tensorboard_dir))
+
+    def _open(self):
+        with writing("the metrics log", self.path):
+            if self._after_step is not None:
+                truncate_after(self.path, self._after_step)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            return open(self.path, "a")
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        if self._file is None:
+            self._file = self._open()
+        with writing("the metrics log", self.path, "continue with --resume"):
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
         if self._tb is not None:
             for key, value in _flatten(record).items():
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, record["step"])
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
 
@@ -47,13 +72,28 @@ def _flatten(record: dict, prefix: str = "") -> dict:
 
 
 def truncate_after(path: str | Path, step: int) -> None:
-    """Drop records beyond ``step`` (used when resuming, so the log matches the state)."""
+    """Drop records beyond ``step`` (used when resuming, so the log matches the state).
+    A line cut short by a kill mid-write is dropped too; the file is left alone when
+    nothing would change."""
     path = Path(path)
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
-    write_text_atomic(path, "".join(line + "\n" for line in kept))
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if (at := _step_of(line)) is not None and at <= step]
+    if kept != lines:
+        with writing("the metrics log", path):
+            write_text_atomic(path, "".join(line + "\n" for line in kept))
+
+
+def _step_of(line: str) -> int | None:
+    """The step of one JSON line, or None for a line that is not a complete record."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record.get("step", 0) if isinstance(record, dict) else None
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a metrics log (a line cut short by a kill is skipped)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if _step_of(line) is not None]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..errors import LongtrainError
+
 
 class ByteTokenizer:
     PAD, BOS, EOS = 256, 257, 258
@@ -60,17 +62,27 @@ class HFTokenizer:
     def eos_token_id(self) -> int | None:
         return self._tok.eos_token_id
 
+    @property
+    def unk_token_id(self) -> int | None:
+        return self._tok.unk_token_id
+
     def save_pretrained(self, directory) -> None:
         self._tok.save_pretrained(directory)
 
 
-def load_tokenizer(model_dir: str | None):
-    """The tokenizer for a model: a local directory's own, else the byte tokenizer."""
-    if model_dir is None or ByteTokenizer.is_saved_in(model_dir):
+def load_tokenizer(model_dir: str | None, choice: str = "auto"):
+    """The tokenizer to train with. ``choice``: ``"bytes"`` (the byte tokenizer), a
+    tokenizer directory, or ``"auto"``: a model directory's own tokenizer (the byte
+    tokenizer for presets, ``model_dir=None``, and for longtrain's own exports). A model
+    directory without a tokenizer is refused rather than silently trained on bytes."""
+    if choice == "bytes" or (choice == "auto" and (model_dir is None or ByteTokenizer.is_saved_in(model_dir))):
         return ByteTokenizer()
+    source = model_dir if choice == "auto" else choice
     from transformers import AutoTokenizer
 
     try:
-        return HFTokenizer(AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
-    except (OSError, ValueError):
-        return ByteTokenizer()
+        return HFTokenizer(AutoTokenizer.from_pretrained(source, local_files_only=True))
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # missing files, or files of an unknown kind
+        reason = " ".join(str(exc).split())[:200]
+        raise LongtrainError(f"no tokenizer can be loaded from {source} ({reason}); add the model's tokenizer files there, "
+                             "pass --tokenizer DIR, or --tokenizer bytes to train on raw bytes") from None

@@ -9,14 +9,13 @@ scheduler, RNG states and the data position — is in the checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 import random
 import shutil
+import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,65 +23,23 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from ..engines.batch import count_label_tokens
-from ..errors import LongtrainError
+from ..engines.backprop import forward_loss
+from ..errors import LongtrainError, writing
 from ..memory.flops import device_peak_flops, mfu, model_flops_per_sample
 from ..memory.measure import StepMemoryMeter
 from ..memory.units import format_bytes, physical_memory
 from ..models.loading import add_lora, build_from_config, is_model_dir, load_config, load_pretrained, parse_dtype
-from ..optimizers import OPTIMIZERS, make_optimizer
-from ..strategy import Strategy, applied_context, apply, pinned_host_bytes, step as strategy_step
+from ..optimizers import make_optimizer
+from ..optimizer_offload import HostAdamW, streaming
+from ..strategy import Strategy, applied_context, apply, engine_context, pinned_host_bytes, step as strategy_step
 from . import checkpoint as ckpt
+from .config import MAX_SEQ_LEN, TrainConfig, check_config, config_from_dict, option  # noqa: F401  (re-exported: the Python API)
 from .data import TokenWindows, collate
-from .metrics import MetricsLog, truncate_after
+from .metrics import MetricsLog, check_tensorboard, read_metrics
 from .passkey import PasskeyTask
+from .plot import plot_metrics
 from .ranks import Ranks, check_distributed_engine
 from .tokenizer import ByteTokenizer, load_tokenizer
-
-MAX_SEQ_LEN = 1 << 24  # one sample of 16M tokens; beyond this int32 indexing in kernels overflows
-
-
-@dataclass
-class TrainConfig:
-    """Everything that defines a run. The defaults are the embedded demo: a small
-    Llama trained at 8K tokens on the built-in pass-key task, minutes on two CPU cores."""
-
-    model: str = "demo"  # preset name or local Hugging Face model directory
-    data: str | None = None  # text/JSONL file or directory; None = built-in pass-key task
-    seq_len: int = 8192
-    batch_size: int = 1
-    grad_accum: int = 1
-    steps: int = 200
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    optimizer: str = "adamw"
-    strategy: str = "none"
-    engine: str = "backprop"  # gradient engine with its options: "fpdt:chunk=8192:offload=true", "spaco:chunk=128:budget=8"
-    lora: bool = False
-    lora_rank: int = 8
-    dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
-    device: str = "auto"
-    seed: int = 0
-    out: str = "runs/default"
-    save_every: int = 100
-    keep_checkpoints: int = 2
-    eval_every: int = 0  # 0: evaluate only at the end
-    eval_samples: int = 16
-    task_loss: str = "all"  # pass-key task: loss on all text ("all") or on the needles and answer only ("task")
-    packing: str = "concat"  # --data: "concat" (documents joined by EOS, attending across) or "documents" (attention and positions restart per document)
-    sp: int = 1  # Ulysses sequence parallelism: ranks that share each sequence (under torchrun; the rest is data parallel)
-    master_weights: str | None = None  # under --sp: keep parameters (and optimizer state) in this dtype, compute in --dtype
-    resume: bool = False
-    resume_from: str | None = None
-    overwrite: bool = False
-    extend_context: bool = False
-    tensorboard: bool = False
-    progress: bool = True
-
-    # Settings a resumed run must share with the checkpoint it resumes.
-    IDENTITY = ("model", "data", "seq_len", "batch_size", "grad_accum", "seed", "lora", "lora_rank", "optimizer", "task_loss",
-                "packing", "sp")
 
 
 class WarmupCosine:
@@ -99,27 +56,12 @@ class WarmupCosine:
 
 
 def _check(config: TrainConfig) -> None:
-    positive = ("seq_len", "batch_size", "grad_accum", "steps", "eval_samples", "lora_rank", "sp")
-    for name in positive:
-        value = getattr(config, name)
-        if not isinstance(value, int) or value <= 0:
-            raise LongtrainError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    if config.seq_len < 2:
-        raise LongtrainError("--seq-len must be at least 2 (one input and one target token)")
-    if config.seq_len > MAX_SEQ_LEN:
-        raise LongtrainError(f"--seq-len {config.seq_len:,} exceeds the per-sample limit of {MAX_SEQ_LEN:,} tokens; use sequence parallelism or a shorter length")
-    if config.lr <= 0:
-        raise LongtrainError(f"--lr must be positive, got {config.lr}")
-    if config.optimizer not in OPTIMIZERS or config.optimizer == "none":
-        raise LongtrainError(f"--optimizer must be adamw or sgd for training, got {config.optimizer!r}")
-    if config.task_loss not in ("task", "all"):
-        raise LongtrainError(f"--task-loss must be 'task' or 'all', got {config.task_loss!r}")
-    if config.packing not in ("concat", "documents"):
-        raise LongtrainError(f"--packing must be 'concat' or 'documents', got {config.packing!r}")
+    check_config(config)  # types and ranges of every field (train/config.py)
+    if config.optimizer_offload and (config.sp > 1 or config.optimizer != "adamw"):
+        raise LongtrainError("--optimizer-offload keeps AdamW's state in host memory on one process; it needs --optimizer adamw "
+                             "and no --sp (under --sp, FSDP2 already shards the optimizer state over the ranks)")
     if config.master_weights is not None and config.sp <= 1:
         raise LongtrainError("--master-weights keeps sharded parameters in another dtype than the layers compute in: it needs --sp")
-    if config.resume and config.overwrite:
-        raise LongtrainError("--resume and --overwrite contradict each other; pick one")
 
 
 def _device(name: str) -> torch.device:
@@ -127,9 +69,17 @@ def _device(name: str) -> torch.device:
         if torch.cuda.is_available():  # under torchrun, each process takes its own GPU
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         return torch.device("cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # torch names every device type it knows; longtrain trains on two
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise LongtrainError(f"--device {name!r} is not a device longtrain trains on; use auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise LongtrainError("--device cuda was asked for but no CUDA device is available; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise LongtrainError(f"--device {name} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                             "use cuda:0 ... or auto")
     return device
 
 
@@ -145,11 +95,11 @@ def build_model(config: TrainConfig, dtype: torch.dtype):
                 "pass --extend-context to train beyond it (and set rope_scaling in its config.json for a pretrained model)"
             )
         model_config.max_position_embeddings = config.seq_len
-    tokenizer = load_tokenizer(config.model if pretrained else None)
+    tokenizer = load_tokenizer(config.model if pretrained else None, config.tokenizer)
     if model_config.vocab_size < tokenizer.vocab_size:
         raise LongtrainError(
             f"the model's vocabulary ({model_config.vocab_size}) is smaller than the tokenizer's ({tokenizer.vocab_size}); "
-            "use a model directory with its own tokenizer or a preset"
+            "use the model's own tokenizer (--tokenizer auto) or a preset"
         )
     torch.manual_seed(config.seed)
     if pretrained:
@@ -161,6 +111,26 @@ def build_model(config: TrainConfig, dtype: torch.dtype):
     if config.lora:
         model = add_lora(model, config.lora_rank)
     return model, tokenizer
+
+
+@torch.no_grad()
+def held_out_loss(model, samples: list[dict], pad_id: int, device: torch.device) -> dict:
+    """Mean next-token loss over held-out ``samples``, one forward each without a graph,
+    through the model's applied strategy (MsT's head keeps the logits chunked) or plain
+    backprop for a model without one (a gathered copy)."""
+    context = applied_context(model) or engine_context(model, Strategy())
+    was_training = model.training
+    model.eval()
+    total, tokens = 0.0, 0
+    try:
+        for sample in samples:
+            batch = {k: v.to(device) for k, v in collate([sample], pad_id).items()}
+            count = count_label_tokens(batch["labels"])
+            total += float(forward_loss(context, batch, max(count, 1))) * count  # the sum of token losses
+            tokens += count
+    finally:
+        model.train(was_training)
+    return {"loss": total / max(tokens, 1), "samples": len(samples), "tokens": tokens}
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -207,6 +177,7 @@ def _fingerprint(model) -> dict:
 def _planned_strategy(config: TrainConfig, device: torch.device, compute_dtype: torch.dtype) -> Strategy:
     """``--strategy auto``: the fastest strategy the planner finds fitting this machine."""
     from ..plan.planner import plan
+    from ..plan.time_model import H100 as H100_RATES
 
     if config.engine != "backprop" or config.sp > 1 or config.lora:
         raise LongtrainError("--strategy auto picks the engine itself and plans one process of full fine-tuning; "
@@ -214,10 +185,17 @@ def _planned_strategy(config: TrainConfig, device: torch.device, compute_dtype: 
     host = int(0.8 * physical_memory())
     device_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host
     print(f"longtrain train: planning --strategy auto for {config.seq_len:,} tokens ...", flush=True)
+    from ..plan.calibrate import device_name, local_rates
+
+    rates = local_rates(device)  # this machine's `longtrain calibrate`, else the H100 rates
+    # The optimizer's place is the run's own setting (--optimizer-offload): auto plans the strategy around it.
     result = plan(config.model, config.seq_len, device_memory=device_memory, host_memory=host,
-                  optimizer=config.optimizer, dtype=str(compute_dtype).replace("torch.", ""), batch=config.batch_size)
+                  optimizer=config.optimizer, dtype=str(compute_dtype).replace("torch.", ""), batch=config.batch_size,
+                  optimizer_offload=bool(config.optimizer_offload), rates=rates,
+                  rates_name=device_name(device) if rates is not H100_RATES else "h100")
     if result.best is None:
-        raise LongtrainError(f"--strategy auto: {result.verdict()}")
+        hint = "" if config.optimizer_offload else "; --optimizer-offload moves AdamW's state to host memory"
+        raise LongtrainError(f"--strategy auto: {result.verdict()}{hint}")
     print(f"longtrain train: --strategy auto chose {result.verdict()}", flush=True)
     return Strategy.from_dict(result.best.strategy)
 
@@ -243,6 +221,9 @@ class Trainer:
         self.strategy = _strategy(config, compute, self.device)
         self.out = Path(config.out)
         self.checkpoints = self.out / "checkpoints"
+        self._check_output_dir()  # before the model is built: a refusal costs nothing
+        if config.tensorboard:
+            check_tensorboard()
         self.ranks = Ranks.from_env(self.device, config.sp)
         check_distributed_engine(self.ranks, self.strategy.engine)
 
@@ -262,33 +243,64 @@ class Trainer:
         else:
             self.task = None
             self.data = TokenWindows(config.data, self.tokenizer, config.seq_len, seed=config.seed,
-                                     restart_per_document=config.packing == "documents")
+                                     restart_per_document=config.packing == "documents", held_out=config.eval_samples)
 
         # Only now, with the model and data known to be good, touch the output directory.
         self._prepare_output_dir()
         self.ranks.barrier()
-        self.optimizer = make_optimizer(config.optimizer, self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        optimizer = "adamw-offload" if config.optimizer_offload else config.optimizer
+        self.optimizer = make_optimizer(optimizer, self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                                        model=self.model)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, WarmupCosine(config.warmup_steps, config.steps))
         self.step_index = 0
         self.samples_seen = 0
         self.history: list[dict] = []
 
     # ---- output directory and checkpoints ---------------------------------------------
-    def _prepare_output_dir(self) -> None:
+    def _check_output_dir(self) -> None:
+        """Refuse an --out that cannot take this run, touching nothing: a path through a
+        file, or a run with a checkpoint (or a final model) that this command neither
+        resumes nor replaces. A start that stopped before its first checkpoint has
+        nothing to continue: it is simply started again."""
         c = self.config
-        has_run = (self.checkpoints / ckpt.LATEST).exists() or (self.out / "metrics.jsonl").exists()
-        if has_run and not (c.resume or c.resume_from or c.overwrite):
-            raise LongtrainError(f"{self.out} already holds a run; pass --resume to continue it, --overwrite to replace it, or --out NEW_DIR")
+        blocker = next((p for p in (self.out, *self.out.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            raise LongtrainError(f"--out {self.out} cannot be a run directory: {blocker} is a file; pass --out a directory path")
+        if c.overwrite:
+            return
+        if (self.checkpoints / ckpt.LATEST).is_file() and not (c.resume or c.resume_from):
+            step = ckpt.checkpoint_step(self.checkpoints / (self.checkpoints / ckpt.LATEST).read_text().strip())
+            at = f"step {step}" if step is not None else "unreadable"
+            raise LongtrainError(f"{self.out} already holds a run (last checkpoint: {at}); pass --resume to continue it, "
+                                 "--out NEW_DIR to start another beside it, or --overwrite to replace it")
+        if (self.out / "final").exists() and not (self.checkpoints / ckpt.LATEST).is_file() and not c.resume_from:
+            raise LongtrainError(f"{self.out} holds a trained model (final/) but no checkpoint to continue from; "
+                                 "pass --out NEW_DIR, or --overwrite to replace it")
+
+    def _prepare_output_dir(self) -> None:
+        """Create --out (checking it takes files) and clear what interrupted saves left."""
+        c = self.config
         if not self.ranks.main:
             return
-        if c.overwrite and self.out.exists():
-            for child in ("checkpoints", "metrics.jsonl", "summary.json", "final", "tensorboard"):
-                path = self.out / child
-                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-        self.out.mkdir(parents=True, exist_ok=True)
+        with writing("the run directory", self.out):
+            if c.overwrite and self.out.exists():
+                for child in ("checkpoints", "metrics.jsonl", "metrics.png", "summary.json", "final", "tensorboard"):
+                    path = self.out / child
+                    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            self.out.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=self.out).close()  # writable? better now than at the first checkpoint
+            ckpt.remove_leftovers(self.checkpoints)
+            for stale in [*self.out.glob(".*.tmp-*"), *self.out.glob(".final.old-*")]:  # interrupted atomic writes
+                shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
 
     def _identity(self) -> dict:
         return {k: getattr(self.config, k) for k in TrainConfig.IDENTITY}
+
+    def _settings(self) -> dict:
+        """The settings a resumed run may change (TrainConfig.ADJUSTABLE), as this run has them."""
+        settings = {k: getattr(self.config, k) for k in TrainConfig.ADJUSTABLE}
+        settings["dtype"] = str(self.dtype).replace("torch.", "")  # the one in effect, not "default"
+        return settings
 
     def _files(self) -> tuple[str, str]:
         """This rank's checkpoint files (one pair per rank under layer groups)."""
@@ -321,6 +333,7 @@ class Trainer:
             "step": self.step_index,
             "samples_seen": self.samples_seen,
             "identity": self._identity(),
+            "settings": self._settings(),
             "strategy": self.strategy.to_dict(),
             "parameters": _fingerprint(self.model),
             "processes": self.ranks.world_size,
@@ -333,10 +346,12 @@ class Trainer:
     def load(self, path: Path) -> None:
         meta = ckpt.verify_checkpoint(path)
         identity = meta.get("identity", {})
+        defaults = TrainConfig()
         for key, value in self._identity().items():
-            if identity.get(key) != value:
+            was = identity.get(key, getattr(defaults, key))  # a setting newer than the checkpoint had its default
+            if was != value:
                 raise LongtrainError(
-                    f"checkpoint {path} was written with {key}={identity.get(key)!r} but this run has {key}={value!r}; "
+                    f"checkpoint {path} was written with {key}={was!r} but this run has {key}={value!r}; "
                     "resume with the same settings or start a new --out"
                 )
         if meta.get("parameters") != _fingerprint(self.model):
@@ -346,17 +361,22 @@ class Trainer:
                 f"checkpoint {path} was written by {meta.get('processes', 1)} processes but this run has {self.ranks.world_size}; "
                 "resume with the same --nproc-per-node"
             )
+        if meta["step"] > self.config.steps:
+            raise LongtrainError(f"checkpoint {path} is at step {meta['step']}, beyond --steps {self.config.steps}; "
+                                 f"pass --steps {meta['step']} or more")
         weights_file, state_file = self._files()
         try:
             weights = load_file(str(path / weights_file))
             state = torch.load(path / state_file, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any decoding failure means a corrupt file
-            raise LongtrainError(f"checkpoint {path} cannot be read ({exc}); delete it or pass --resume-from an earlier one") from None
+            reason = " ".join(str(exc).split())[:200]
+            raise LongtrainError(f"checkpoint {path} cannot be read ({reason}); pass --resume-from with an earlier checkpoint "
+                                 f"(ls {path.parent})") from None
         with torch.no_grad():
             for name, param in _trainable(self.model).items():
                 _local(param).copy_(weights[name])
         self.optimizer.load_state_dict(_as_parameters_shards(self.optimizer, state["optimizer"]))
-        self.scheduler.load_state_dict(state["scheduler"])
+        self._continue_schedule(meta["step"], meta.get("settings", {}))
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
@@ -364,17 +384,42 @@ class Trainer:
         self.step_index = meta["step"]
         self.samples_seen = meta["samples_seen"]
 
+    def _continue_schedule(self, step: int, saved: dict) -> None:
+        """Resume the learning-rate schedule at ``step`` from this run's settings.
+
+        The rule: the schedule is a function of the step and the current --lr,
+        --warmup-steps and --steps (warm-up, then cosine to 10% at --steps), as if the run
+        had been planned with them from the start. Unchanged settings give the very rates
+        the checkpointed run would have used; a changed one (a longer --steps for a
+        finished run, a new --lr) takes effect from ``step`` on and is logged, as is a new
+        --weight-decay or dtype. Nothing the checkpoint holds overrides what was asked."""
+        c = self.config
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = c.lr  # LambdaLR's base rate
+            if "weight_decay" in group:
+                group["weight_decay"] = c.weight_decay
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, WarmupCosine(c.warmup_steps, c.steps),
+                                                           last_epoch=step - 1)
+        changed = {k: (saved[k], v) for k, v in self._settings().items() if k in saved and saved[k] != v}
+        if not changed or not self.ranks.main:
+            return
+        for key, (was, now) in changed.items():
+            print(f"longtrain train: resuming with {option(key)} {now} (the checkpoint's run had {was}), applied from step {step}",
+                  flush=True)
+        if changed.keys() & {"lr", "warmup_steps", "steps"}:
+            print(f"longtrain train: the learning rate continues at {self.scheduler.get_last_lr()[0]:.3g} "
+                  f"(warm-up {c.warmup_steps} steps, cosine to 10% of --lr {c.lr:g} at step {c.steps})", flush=True)
+
     def _resume_point(self) -> Path | None:
+        """The checkpoint to continue from: --resume-from's, or with --resume the run's
+        latest (none yet: the run starts from step 0, which is all there is to continue)."""
         c = self.config
         if c.resume_from:
-            path = Path(c.resume_from)
-            if not path.is_dir():
-                raise LongtrainError(f"--resume-from {path} is not a checkpoint directory")
-            return path
+            return ckpt.resolve_checkpoint(c.resume_from)
         if c.resume:
             path = ckpt.latest_checkpoint(self.checkpoints)
-            if path is None:
-                raise LongtrainError(f"--resume: {self.checkpoints} holds no checkpoint yet; run without --resume to start")
+            if path is None and self.ranks.main:
+                print(f"longtrain train: {self.out} holds no checkpoint yet; starting from step 0", flush=True)
             return path
         return None
 
@@ -406,19 +451,31 @@ class Trainer:
         return model.to(self.device)
 
     def evaluate(self) -> dict | None:
-        if self.task is None:
+        """The pass-key task's accuracy, or the held-out loss of a --data run (None
+        without held-out windows, and on ranks other than 0)."""
+        if self.task is None and len(self.data.held_rows) == 0:
             return None
         model = self.full_model()
-        return None if model is None else self.task.evaluate(model, self.config.eval_samples, self.device)
+        return None if model is None else self._evaluate(model)
+
+    def _evaluate(self, model) -> dict | None:
+        if self.task is not None:
+            return self.task.evaluate(model, self.config.eval_samples, self.device)
+        if len(self.data.held_rows) == 0:
+            return None
+        samples = [self.data.held_out_sample(i) for i in range(len(self.data.held_rows))]
+        return held_out_loss(model, samples, self.tokenizer.pad_token_id, self.device)
 
     def train(self) -> dict:
         c = self.config
         resume = self._resume_point()
         if resume is not None:
             self.load(resume)
-            if self.ranks.main:
-                truncate_after(self.out / "metrics.jsonl", self.step_index)
-        log = MetricsLog(self.out / "metrics.jsonl", self.out / "tensorboard" if c.tensorboard else None) if self.ranks.main else None
+        if self.step_index >= c.steps:  # resumed at its last step (load refuses a later one)
+            return self._at_the_end(resume)
+        # Records past the checkpoint (or of a start without one) are redone: dropped with the first new one.
+        log = MetricsLog(self.out / "metrics.jsonl", self.out / "tensorboard" if c.tensorboard else None,
+                         after_step=self.step_index) if self.ranks.main else None
         flops_per_sample = model_flops_per_sample(self.model, c.seq_len) if hasattr(self.model, "get_input_embeddings") else None
         peak_flops = device_peak_flops(self.device)
         tokens_per_step = c.seq_len * c.batch_size * c.grad_accum * self.ranks.data_parallel  # every group's
@@ -433,8 +490,14 @@ class Trainer:
                     t0 = time.perf_counter()
                     batches = self._micro_batches()
                     n_label = self.ranks.sum_over_data_parallel(sum(count_label_tokens(b["labels"]) for b in batches), self.device)
-                    loss = sum(float(strategy_step(self.model, b, self.strategy, num_label_tokens=n_label)) for b in batches)
-                    grad_norm = self.ranks.clip_grad_norm(trainable, c.max_grad_norm)
+                    loss = 0.0
+                    for k, b in enumerate(batches):  # with --optimizer-offload the last one streams its gradients to the host
+                        with streaming(self.optimizer, last=k == len(batches) - 1):
+                            loss += float(strategy_step(self.model, b, self.strategy, num_label_tokens=n_label))
+                    if isinstance(self.optimizer, HostAdamW):
+                        grad_norm = self.optimizer.clip_grad_norm(c.max_grad_norm)
+                    else:
+                        grad_norm = self.ranks.clip_grad_norm(trainable, c.max_grad_norm)
                     lr = self.scheduler.get_last_lr()[0]
                     self.optimizer.step()
                     self.scheduler.step()
@@ -469,40 +532,107 @@ class Trainer:
             bar.close()
             if log is not None:
                 log.close()
+        return self._finish(peak_bytes, step_times, start)
+
+    def _at_the_end(self, resume: Path) -> dict:
+        """A run resumed at its last step: nothing to train. If it was stopped after its
+        last checkpoint but before its final model and summary, those are written now;
+        otherwise nothing is touched."""
+        c = self.config
+        finished = (self.out / "final").is_dir() and (self.out / "summary.json").is_file()
+        if self.ranks.main:
+            run = resume if c.resume_from else self.out
+            print(f"longtrain train: {run} already finished step {self.step_index} of --steps {c.steps}; nothing to train, "
+                  + ("nothing changed" if finished else "writing its final model and summary, which are missing")
+                  + f" (pass --steps above {c.steps} to continue it)", flush=True)
+        if finished:
+            self.ranks.close()
+            return {}
+        return self._finish(0, [], time.perf_counter())
+
+    def _finish(self, peak_bytes: int, step_times: list[float], start: float) -> dict:
+        """Evaluate, write final/, metrics.png and summary.json (rank 0); the summary."""
+        c = self.config
         model = self.full_model()
         peak_bytes = int(self.ranks.max(peak_bytes))  # under layer groups: the largest rank's
         if model is None:  # a rank other than 0 of several: rank 0 evaluates and reports
             self.ranks.close()
             return {}
-        evaluation = None if self.task is None else self.task.evaluate(model, c.eval_samples, self.device)
-        if evaluation is not None:
-            with open(self.out / "metrics.jsonl", "a") as f:
+        evaluation = self._evaluate(model)
+        if evaluation is not None and not self._eval_logged():
+            with writing("the metrics log", self.out / "metrics.jsonl"), open(self.out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps({"step": self.step_index, "eval": evaluation}) + "\n")
+        base_config = self.model.get_base_model().config if c.lora else self.model.config  # before LoRA is merged
         self._save_final(model)
-        summary = self._summary(evaluation, peak_bytes, step_times, time.perf_counter() - start)
+        self._plot()
+        summary = self._summary(evaluation, peak_bytes, step_times, time.perf_counter() - start, base_config)
         self.ranks.close()
         return summary
 
-    def _save_final(self, model) -> None:
-        final = self.out / "final"
-        # For LoRA, peft would otherwise look the base model up on the Hub to decide
-        # whether to save embeddings; nothing here trains them.
-        extra = {"save_embedding_layers": False} if self.config.lora else {}
-        model.save_pretrained(final, **extra)
-        self.tokenizer.save_pretrained(final)
+    def _eval_logged(self) -> bool:
+        """Whether metrics.jsonl holds an evaluation at this step already (a run stopped
+        while writing its final model logged it before)."""
+        path = self.out / "metrics.jsonl"
+        return path.exists() and any("eval" in r and r.get("step") == self.step_index for r in read_metrics(path))
 
-    def _summary(self, evaluation, peak_bytes, step_times, seconds) -> dict:
+    def _plot(self) -> None:
+        """metrics.png beside metrics.jsonl, over the whole run (resumed parts included)."""
+        if plot_metrics(read_metrics(self.out / "metrics.jsonl"), self.out / "metrics.png") is None:
+            print("longtrain train: no metrics.png (matplotlib is not installed: pip install 'longtrain[plot]')", flush=True)
+
+    def _save_final(self, model) -> None:
+        """The trained model in final/, replaced as a whole: written beside, then swapped in."""
+        final = self.out / "final"
+        tmp, old = self.out / f".final.tmp-{os.getpid()}", self.out / f".final.old-{os.getpid()}"
+        with writing("the final model", final, "continue with --resume"):
+            try:
+                if self.config.lora:
+                    self._save_lora(model, tmp)
+                else:
+                    model.save_pretrained(tmp)
+                self.tokenizer.save_pretrained(tmp)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            if final.exists():
+                os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _save_lora(self, peft_model, final: Path) -> None:
+        """A LoRA run's final/: the merged model (what transformers and `longtrain train
+        --model` load) and, in final/adapter, the adapter for peft. The adapter names its
+        base by absolute path: the --model directory, or for a preset (random weights that
+        exist only in this run) the base saved in final/base. Merging is the last use of
+        the model, so it is done in place."""
+        c = self.config
+        base = peft_model.get_base_model()
+        config = peft_model.peft_config[peft_model.active_adapter]
+        if is_model_dir(c.model):
+            config.base_model_name_or_path = os.path.abspath(c.model)
+        else:
+            base_weights = {k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if ".lora_" not in k}
+            base.save_pretrained(final / "base", state_dict=base_weights)
+            self.tokenizer.save_pretrained(final / "base")
+            config.base_model_name_or_path = os.path.abspath(self.out / "final" / "base")
+        # save_embedding_layers=False: peft would otherwise look the base up on the Hub to
+        # decide whether to save embeddings; nothing here trains them.
+        peft_model.save_pretrained(final / "adapter", save_embedding_layers=False)
+        peft_model.merge_and_unload().save_pretrained(final)
+
+    def _summary(self, evaluation, peak_bytes, step_times, seconds, base_config) -> dict:
         from ..plan.simulate import simulate
 
         c = self.config
-        losses = [r["loss"] for r in self.history]
+        # The whole run's losses, the parts before a resume included.
+        losses = [r["loss"] for r in read_metrics(self.out / "metrics.jsonl") if "loss" in r]
         window = max(1, min(10, len(losses) // 4))
         steady = step_times[1:] or step_times
-        base_config = self.model.get_base_model().config if c.lora else self.model.config
         # LoRA is not simulated yet: the stock figure is full fine-tuning, an upper bound.
         stock = simulate(base_config, c.seq_len, batch_size=c.batch_size, strategy="none", optimizer=c.optimizer, dtype=self.dtype)
         summary = {
             "model": c.model, "seq_len": c.seq_len, "strategy": self.strategy.name, "steps": self.step_index,
+            "steps_trained": len(step_times),  # by this command (fewer than "steps" when it resumed)
             "first_loss": sum(losses[:window]) / window if losses else None,
             "final_loss": sum(losses[-window:]) / window if losses else None,
             "task": evaluation,
@@ -519,28 +649,51 @@ class Trainer:
             # What techniques measured or chose on this machine (memo's alpha and its inputs).
             "strategy_notes": dict(applied_context(self.model).notes),
         }
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        with writing("the run summary", self.out / "summary.json"):
+            ckpt.write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=2))
         return summary
 
 
+def _evaluation_row(task: dict | None) -> tuple[str, str]:
+    if task is not None and "digit_accuracy" in task:
+        return ("pass-key accuracy", f"{task['digit_accuracy']:.1%} of answer digits, {task['key_accuracy']:.1%} of whole keys "
+                                     f"({task['samples']} held-out samples)")
+    if task is not None and "loss" in task:
+        return ("held-out loss", f"{task['loss']:.4f} on {task['samples']} windows of --data set aside from training")
+    return ("held-out loss", "none: the data holds fewer than 10 windows of --seq-len, too few to set one aside")
+
+
+def _throughput_row(summary: dict) -> tuple[str, str]:
+    if summary["tokens_per_s"] is None:
+        return ("throughput", f"n/a (no step trained by this command) on {summary['device']}")
+    return ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s on {summary['device']}")
+
+
+def _steps_phrase(summary: dict) -> str:
+    trained = summary.get("steps_trained", summary["steps"])
+    return f"{trained} steps" + ("" if trained == summary["steps"] else f" (resumed: {summary['steps']} in all)")
+
+
 def format_summary(summary: dict) -> str:
-    task = summary["task"]
-    if task is None:
-        task_line = "n/a (custom data)"
-    else:
-        task_line = f"{task['digit_accuracy']:.1%} of answer digits, {task['key_accuracy']:.1%} of whole keys ({task['samples']} held-out samples)"
     rows = [
-        ("loss", f"{summary['final_loss']:.4f} (mean of the last steps; first steps: {summary['first_loss']:.4f})"),
-        ("pass-key accuracy", task_line),
-        ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s on {summary['device']}"),
-        ("measured peak memory", f"{format_bytes(summary['measured_peak_bytes'])} ({summary['measured_with']})"),
+        ("loss", f"{summary['final_loss']:.4f} (mean of the last steps; first steps: {summary['first_loss']:.4f})"
+                 if summary["final_loss"] is not None else "n/a (no step logged in this run directory)"),
+        _evaluation_row(summary["task"]),
+        _throughput_row(summary),
+        ("measured peak memory", f"{format_bytes(summary['measured_peak_bytes'])} ({summary['measured_with']})"
+                                 if summary.get("steps_trained", 1) else "n/a (no step trained by this command)"),
         ("simulated stock peak", f"{format_bytes(summary['simulated_stock_peak_bytes'])} (same model, no techniques, {summary['simulated_stock_setup']}, seq_len {summary['seq_len']:,})"),
-        ("wall time", f"{summary['seconds']:.0f} s for {summary['steps']} steps, strategy {summary['strategy']}"),
+        ("wall time", f"{summary['seconds']:.0f} s for {_steps_phrase(summary)}, strategy {summary['strategy']}"),
     ]
     if summary.get("processes", 1) > 1:
         rows[3] = (rows[3][0], rows[3][1] + f", the largest of {summary['processes']} processes")
     if summary.get("host_pool_bytes"):
-        rows.insert(4, ("host memory", f"{format_bytes(summary['host_pool_bytes'])} in the pinned pool of parked chunks"))
+        parked = format_bytes(summary["host_pool_bytes"])
+        if summary["device"].startswith("cpu"):  # one memory: the parked chunks add to the measured peak
+            rows.insert(4, ("parked chunks", f"{parked} (on a CPU run offload parks them in the same memory as the "
+                                             "device: the run's peak is up to the measured peak plus this)"))
+        else:
+            rows.insert(4, ("host memory", f"{parked} in the pinned pool of parked chunks"))
     notes = summary.get("strategy_notes") or {}
     if "memo_alpha" in notes:
         how = ("measured: one layer {:.3g} s, host link {:.3g} GB/s".format(notes["memo_layer_seconds"], notes["memo_host_bandwidth"] / 1e9)
@@ -548,8 +701,3 @@ def format_summary(summary: dict) -> str:
         rows.append(("memo alpha", f"{notes['memo_alpha']:.3f} of the other activations' tokens swapped ({how})"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
-
-
-def config_from_dict(values: dict) -> TrainConfig:
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in values.items() if k in known})

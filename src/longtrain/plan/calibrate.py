@@ -1,0 +1,133 @@
+"""``longtrain calibrate``: measure the time model's rates on the machine at hand.
+
+The planner predicts step time from a few rates (:class:`~longtrain.plan.time_model.MachineRates`);
+by default those measured on one H100. ``calibrate`` times each on this machine in
+seconds — a GEMM at long-context shapes, causal attention whole and in blocks, pinned
+host copies, the CPU's fused AdamW — and stores them per device name, where ``plan
+--rates`` and ``--strategy auto`` read them. Rates it cannot measure here (attention
+block kernels without a GPU, copies without pinned memory) keep the H100 defaults and
+are listed as such.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..errors import LongtrainError
+from .time_model import H100, MachineRates
+
+
+def store_dir() -> Path:
+    """Where calibrations live: ``$LONGTRAIN_CACHE/rates`` or ``~/.cache/longtrain/rates``."""
+    root = os.environ.get("LONGTRAIN_CACHE") or Path.home() / ".cache" / "longtrain"
+    return Path(root) / "rates"
+
+
+def device_name(device: torch.device) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{os.cpu_count()}-cores"
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-").lower()
+
+
+def _timed(fn: Callable[[], None], device: torch.device, repeat: int) -> float:
+    """Seconds per call of ``fn`` (after one warm-up call), measured with device events on CUDA."""
+    fn()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeat):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / repeat
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t0) / repeat
+
+
+def measure(device: torch.device, *, quick: bool = False, say: Callable[[str], None] = lambda _: None) -> tuple[MachineRates, list[str]]:
+    """The rates measured on ``device`` (and this host), and the names of those left at the H100 defaults."""
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    repeat = 3 if quick or not cuda else 10
+    measured = {}
+
+    n = (8192 if cuda else 1024) // (4 if quick else 1)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    say(f"matmul {n}×{n} ({dtype})")
+    measured["matmul"] = 2 * n**3 / _timed(lambda: torch.mm(a, b), device, repeat)
+
+    heads, head_dim = 32, 128
+    s = (16384 if cuda else 1024) // (4 if quick else 1)
+    q = torch.randn(1, heads, s, head_dim, device=device, dtype=dtype)
+    say(f"causal attention over {s:,} tokens")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    measured["fused_attention"] = 2 * heads * head_dim * s * s / _timed(lambda: sdpa(q, q, q, is_causal=True), device, repeat)
+
+    chunk = s // 4
+    qc = q[:, :, :chunk]
+    say(f"attention blocks of {chunk:,} × {chunk:,} tokens")
+    block = _timed(lambda: sdpa(qc, qc, qc), device, repeat)
+    measured["block_attention"] = 4 * heads * head_dim * chunk * chunk / block
+    # SeCO's blocks also merge partial results and accumulate a K/V gradient: the H100's ratio.
+    measured["chunkwise_attention"] = measured["block_attention"] * H100.chunkwise_attention / H100.block_attention
+
+    if cuda:
+        host = torch.empty(256 * 2**20 // (4 if quick else 1), dtype=torch.uint8, pin_memory=True)
+        on_device = torch.empty_like(host, device=device)
+        say("pinned host -> device copies")
+        measured["host_bandwidth"] = host.numel() / _timed(lambda: on_device.copy_(host, non_blocking=True), device, repeat)
+
+    count = 2**24 // (4 if quick else 1)
+    params = [torch.zeros(count)]
+    params[0].grad = torch.randn(count)
+    adam = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    say(f"fused CPU AdamW over {count / 1e6:.0f}M parameters")
+    measured["cpu_adam"] = count / _timed(adam.step, torch.device("cpu"), 3)
+
+    # MFU's peak: the H100's datasheet figure there, else what this machine's GEMM reached.
+    measured["peak"] = H100.peak if "h100" in device_name(device) else measured["matmul"]
+    rates = dataclasses.replace(H100, **measured)
+    kept = [f.name for f in dataclasses.fields(MachineRates) if f.name not in measured]
+    return rates, kept
+
+
+def save(rates: MachineRates, name: str) -> Path:
+    path = store_dir() / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(dataclasses.asdict(rates), indent=2))
+    os.replace(tmp, path)  # atomic: a reader sees the old calibration or the new one
+    return path
+
+
+def load(name_or_path: str) -> MachineRates:
+    """A stored calibration by device name (``longtrain calibrate`` prints it) or JSON path;
+    ``h100`` is the built-in default."""
+    if name_or_path.lower() == "h100":
+        return H100
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = store_dir() / f"{name_or_path}.json"
+    if not path.is_file():
+        known = sorted(p.stem for p in store_dir().glob("*.json")) if store_dir().is_dir() else []
+        raise LongtrainError(f"no calibration {name_or_path!r} (looked for {path}); run `longtrain calibrate` on that "
+                             f"machine, or use one of: h100{''.join(', ' + k for k in known)}")
+    try:
+        data = json.loads(path.read_text())
+        return dataclasses.replace(H100, **{k: float(v) for k, v in data.items()})
+    except (ValueError, TypeError) as exc:
+        raise LongtrainError(f"{path} is not a calibration written by `longtrain calibrate` ({exc}); run it again") from None
+
+
+def local_rates(device: torch.device) -> MachineRates:
+    """This machine's stored calibration, or the H100 defaults."""
+    path = store_dir() / f"{device_name(device)}.json"
+    return load(str(path)) if path.is_file() else H100

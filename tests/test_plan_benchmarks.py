@@ -1,0 +1,20 @@
+"""The planner's benchmarks run end to end at toy sizes (their GPU and full-scale runs are
+in docs/max_context.md and docs/planned_step.md)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("script", ["max_context.py", "planned_step.py"])
+def test_benchmark_smoke(script, tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert report["rows"] and all(row.get("strategy") for row in report["rows"])
