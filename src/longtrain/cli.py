@@ -246,7 +246,7 @@ def _add_plan(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype (default %(default)s)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs the sequence is split over (Ulysses sequence parallelism, "
                    "FSDP2-sharded states; default %(default)s)")
-    p.add_argument("--lora", action="store_true", help="plan LoRA training (adapters on the attention projections)")
+    p.add_argument("--lora", action="store_true", help="plan LoRA training (adapters on every linear layer but the head, as train --lora)")
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank with --lora (default %(default)s)")
     p.add_argument("--longest", action="store_true", help="also find the longest context each strategy reaches "
                    "(a second simulation per strategy)")

@@ -217,8 +217,11 @@ def _simulated(config_json: str, seq_len: int, strategy_json: str, dtype: str, b
 
     data = json.loads(config_json)
     config = AutoConfig.for_model(data.pop("model_type"), **data)
+    # One step suffices where no optimizer state lives on the device between steps (or where the
+    # optimizer creates it on the host in its first step); LoRA's adapters keep theirs on the device.
+    iterations = 1 if optimizer in ("none", "adamw-offload") else None
     report = simulate(config, seq_len, batch_size=batch, strategy=Strategy.from_json(strategy_json), optimizer=optimizer,
-                      dtype=dtype, iterations=1, lora_rank=lora_rank)
+                      dtype=dtype, iterations=iterations, lora_rank=lora_rank)
     return report.device_peak_bytes, report.peak.peak_host_bytes, dict(report.notes)
 
 
@@ -289,7 +292,8 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
     budgets = []
     grads = 0 if lora_rank else weights
     if weights + grads + state <= device_memory and optimizer_offload is not True:
-        budgets.append(_Budget(device_memory, host_memory, weights + state, state, 0, "none"))
+        # LoRA: the adapters' optimizer state is simulated with them (a fraction of a percent of the weights).
+        budgets.append(_Budget(device_memory, host_memory, weights + state, state, 0, optimizer if lora_rank else "none"))
     if optimizer_offload is not False and optimizer == "adamw" and not lora_rank and gpus == 1 and weights <= device_memory:
         masters = params * 4  # fp32 masters, two fp32 moments, a gradient buffer in the parameters' dtype
         budgets.append(_Budget(device_memory, host_memory, weights, 0, 3 * masters + params * item, "adamw-offload"))
@@ -324,11 +328,11 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
         bound = _bound(config, seq_len, strategy, budget, item, batch, gpus)
         if bound is not None:
             row = PlanRow(label, strategy.to_dict(), None, None, None, False, bound, None, None, None,
-                          optimizer_offload=budget.optimizer != "none", simulated=False)
+                          optimizer_offload=budget.optimizer == "adamw-offload", simulated=False)
         elif winner is not None and not exhaustive:
             row = PlanRow(label, strategy.to_dict(), None, None, None, False, None, None, None, None,
                           notes={"skipped": f"predicted slower than {winner}, which fits"},
-                          optimizer_offload=budget.optimizer != "none", simulated=False)
+                          optimizer_offload=budget.optimizer == "adamw-offload", simulated=False)
         else:
             say(f"simulating {label} at {seq_len:,} tokens")
             row = _evaluate(label, strategy, config, seq_len, dtype, budget, rates, batch, params, lora_rank)
@@ -363,7 +367,7 @@ def _bound(config, seq_len, strategy, budget: _Budget, item, batch, gpus) -> str
 
 
 def _evaluate(label, strategy, config, seq_len, dtype, budget: _Budget, rates, batch, params, lora_rank) -> PlanRow:
-    offloaded = budget.optimizer != "none"
+    offloaded = budget.optimizer == "adamw-offload"
     try:
         device, host, notes = simulate_step(config, seq_len, strategy, dtype, batch, budget.optimizer, lora_rank)
     except LongtrainError as exc:  # e.g. memo: the inputs and attention outputs alone exceed the host budget
@@ -430,7 +434,7 @@ def max_context(model, *, device_memory: int, host_memory: int, optimizer: str =
     weights, grads = params * item, (0 if lora_rank else params * item)
     budgets = []
     if weights + grads + state <= device_memory and optimizer_offload is not True:
-        budgets.append(_Budget(device_memory, host_memory, weights + state, state, 0, "none"))
+        budgets.append(_Budget(device_memory, host_memory, weights + state, state, 0, optimizer if lora_rank else "none"))
     if optimizer_offload is not False and optimizer == "adamw" and not lora_rank and weights <= device_memory:
         budgets.append(_Budget(device_memory, host_memory, weights, 0, 3 * params * 4 + params * item, "adamw-offload"))
     limits = []
