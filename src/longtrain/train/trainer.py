@@ -476,10 +476,6 @@ class Trainer:
         # Records past the checkpoint (or of a start without one) are redone: dropped with the first new one.
         log = MetricsLog(self.out / "metrics.jsonl", self.out / "tensorboard" if c.tensorboard else None,
                          after_step=self.step_index) if self.ranks.main else None
-        if self.task is not None and self.step_index == 0:  # the pass-key task: the accuracy training starts from
-            before = self.evaluate()
-            if before is not None and log is not None:
-                log.write({"step": 0, "eval": before})
         flops_per_sample = model_flops_per_sample(self.model, c.seq_len) if hasattr(self.model, "get_input_embeddings") else None
         peak_flops = device_peak_flops(self.device)
         tokens_per_step = c.seq_len * c.batch_size * c.grad_accum * self.ranks.data_parallel  # every group's
@@ -640,9 +636,6 @@ class Trainer:
             "first_loss": sum(losses[:window]) / window if losses else None,
             "final_loss": sum(losses[-window:]) / window if losses else None,
             "task": evaluation,
-            # The pass-key accuracy before the first step (logged as step 0 by a run that started from it).
-            "task_before": next((r["eval"] for r in read_metrics(self.out / "metrics.jsonl")
-                                 if r.get("step") == 0 and "eval" in r), None) if self.task is not None else None,
             "tokens_per_s": c.seq_len * c.batch_size * c.grad_accum * len(steady) / sum(steady) if steady else None,
             "measured_peak_bytes": peak_bytes,
             "measured_with": "cuda-allocator" if self.device.type == "cuda" else "tracked-storages",
@@ -661,13 +654,10 @@ class Trainer:
         return summary
 
 
-def _evaluation_row(task: dict | None, before: dict | None = None) -> tuple[str, str]:
+def _evaluation_row(task: dict | None) -> tuple[str, str]:
     if task is not None and "digit_accuracy" in task:
-        text = (f"{task['digit_accuracy']:.1%} of answer digits, {task['key_accuracy']:.1%} of whole keys "
-                f"({task['samples']} held-out samples)")
-        if before is not None:
-            text += f"; before training {before['digit_accuracy']:.1%} and {before['key_accuracy']:.1%}"
-        return ("pass-key accuracy", text + "; chance 10% of digits")
+        return ("pass-key accuracy", f"{task['digit_accuracy']:.1%} of answer digits, {task['key_accuracy']:.1%} of whole keys "
+                                     f"({task['samples']} held-out samples)")
     if task is not None and "loss" in task:
         return ("held-out loss", f"{task['loss']:.4f} on {task['samples']} windows of --data set aside from training")
     return ("held-out loss", "none: the data holds fewer than 10 windows of --seq-len, too few to set one aside")
@@ -688,7 +678,7 @@ def format_summary(summary: dict) -> str:
     rows = [
         ("loss", f"{summary['final_loss']:.4f} (mean of the last steps; first steps: {summary['first_loss']:.4f})"
                  if summary["final_loss"] is not None else "n/a (no step logged in this run directory)"),
-        _evaluation_row(summary["task"], summary.get("task_before")),
+        _evaluation_row(summary["task"]),
         _throughput_row(summary),
         ("measured peak memory", f"{format_bytes(summary['measured_peak_bytes'])} ({summary['measured_with']})"
                                  if summary.get("steps_trained", 1) else "n/a (no step trained by this command)"),
