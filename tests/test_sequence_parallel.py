@@ -132,11 +132,12 @@ def test_a_rank_that_dies_stops_the_others_within_the_collective_timeout(tmp_pat
 @pytest.mark.parametrize("engine,length", [("checkpoint+mst", 2048), ("fpdt64+offload+mst", 1024)])
 def test_the_simulated_share_of_one_rank_is_what_each_rank_holds(engine, length, tmp_path):
     """Exact CPU measurement of both ranks of a 2-process run (gloo, FSDP2) against the
-    simulator's one-rank share (fake process group, fake tensors): equal to the byte in
-    most runs; gloo completes FSDP's reduce-scatters on its own threads, so a buffer is
-    sometimes still alive at a rank's peak. Since MsT's head gradient became one GEMM per chunk
-    into a float32 buffer (issue 13) more of them can be in flight: up to 7% seen with
-    checkpoint+mst at 2048 tokens (rank peaks 5.48–5.87 MB), hence 7% — to be tightened."""
+    simulator's one-rank share (fake process group, fake tensors). Most runs equal it to the
+    byte. A collective's tensors are released by the C++ work object, which gloo's own thread
+    drops a moment after ``wait()`` returns, so a rank's peak sometimes still counts the last
+    collective's buffers (seen: +32,768 to +253,952 bytes). The largest such collective is one
+    layer's reduce-scatter: its input (the layer's unsharded gradients) and its output (this
+    rank's half), so the measured peak lies between the simulated one and that much above."""
     sys.path.insert(0, str(HERE))
     from sp_worker import strategy
 
@@ -144,7 +145,11 @@ def test_the_simulated_share_of_one_rank_is_what_each_rank_holds(engine, length,
     assert result.returncode == 0, result.stderr[-3000:]
     peaks = json.loads(out.read_text())["peaks"]
     simulated = lt.simulate("tiny-llama", length, strategy=strategy(engine, 2), dtype="float32", optimizer="adamw")
-    assert all(abs(peak - simulated.device_peak_bytes) <= 0.07 * simulated.device_peak_bytes for peak in peaks), peaks
+    layer = build_from_config(preset_config("tiny-llama"), torch.float32).model.layers[0]
+    layer_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+    in_flight = layer_bytes + layer_bytes // 2  # a reduce-scatter's input and this rank's output
+    assert all(simulated.device_peak_bytes <= peak <= simulated.device_peak_bytes + in_flight for peak in peaks), \
+        (peaks, simulated.device_peak_bytes, in_flight)
     single = lt.simulate("tiny-llama", length, strategy=lt.Strategy(checkpoint=True, mst=True), dtype="float32", optimizer="adamw")
     assert simulated.peak.device_bytes("optimizer_state") < 0.6 * single.peak.device_bytes("optimizer_state")
 
