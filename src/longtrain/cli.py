@@ -56,7 +56,9 @@ def _add_train(sub) -> None:
     p = sub.add_parser("train", help="fine-tune a causal LM (default: the built-in pass-key demo)",
                        description="Train a causal LM on long sequences. With no arguments, trains the embedded demo: "
                                    "a small Llama at 8K tokens on the built-in pass-key retrieval task.")
-    p.add_argument("--model", default=d.model, help="preset name (see `longtrain presets`) or local Hugging Face model directory")
+    p.add_argument("--model", default=d.model, help="preset name (see `longtrain presets`) or local Hugging Face model directory; "
+                   "the demo preset starts from the small pretrained model longtrain ships (docs/demo.md)")
+    p.add_argument("--from-scratch", action="store_true", help="start a preset from random weights, even the demo's")
     p.add_argument("--tokenizer", default=d.tokenizer, help="auto: a model directory's own tokenizer (presets: bytes); "
                    "bytes: the byte tokenizer; or a tokenizer directory")
     p.add_argument("--data", default=d.data, help="text/.jsonl file or directory; a tenth of its windows, up to "

@@ -96,7 +96,9 @@ _PRESETS: dict[str, tuple[str, dict]] = {
     "demo": ("llama", dict(
         vocab_size=260, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-        rope_theta=10000.0, tie_word_embeddings=False)),
+        # A large base leaves half the rotary pairs turning less than once in 8K tokens: the
+        # pretrained demo matches the pass key by content at any distance (docs/demo.md).
+        rope_theta=1_000_000.0, tie_word_embeddings=False)),
 }
 
 
@@ -105,6 +107,21 @@ def _normalize(name: str) -> str:
 
 
 _BY_NORMALIZED = {_normalize(name): name for name in _PRESETS}
+
+
+# Presets longtrain ships trained weights for, as package data: `longtrain train` starts
+# from them instead of a random initialization (--from-scratch for random weights). The
+# demo's were made by scripts/pretrain_demo.py; docs/demo.md says how and what they know.
+_PACKAGED = {"demo": "demo_checkpoint"}
+
+
+def packaged_checkpoint(name: str) -> str | None:
+    """The directory of the weights longtrain ships for preset ``name``, or None."""
+    from pathlib import Path
+
+    folder = _PACKAGED.get(resolve_preset(name) or "")
+    path = Path(__file__).resolve().parent.parent / folder if folder else None
+    return str(path) if path is not None and (path / "model.safetensors").is_file() else None
 
 
 def preset_names() -> list[str]:

@@ -20,10 +20,12 @@ MAX_SEED = 2**32 - 1  # data order and chunk draws seed generators with seed·10
 
 @dataclass
 class TrainConfig:
-    """Everything that defines a run. The defaults are the embedded demo: a small
-    Llama trained at 8K tokens on the built-in pass-key task, minutes on two CPU cores."""
+    """Everything that defines a run. The defaults are the embedded demo: the small
+    pretrained Llama longtrain ships, fine-tuned at 8K tokens on the built-in pass-key
+    task, minutes on two CPU cores (docs/demo.md)."""
 
     model: str = "demo"  # preset name or local Hugging Face model directory
+    from_scratch: bool = False  # a preset from random weights even where longtrain ships trained ones (the demo's)
     data: str | None = None  # text/JSONL file or directory; None = built-in pass-key task
     seq_len: int = 8192
     batch_size: int = 1
@@ -60,7 +62,7 @@ class TrainConfig:
     progress: bool = True
 
     # Settings a resumed run must share with the checkpoint it resumes (refused if changed).
-    IDENTITY = ("model", "data", "seq_len", "batch_size", "grad_accum", "seed", "lora", "lora_rank", "optimizer", "task_loss",
+    IDENTITY = ("model", "from_scratch", "data", "seq_len", "batch_size", "grad_accum", "seed", "lora", "lora_rank", "optimizer", "task_loss",
                 "packing", "sp", "tokenizer")
     # Settings a resumed run may change: applied from the checkpoint's step on, each change logged.
     # (The rest — where to write, how often to save or evaluate, the strategy, which change

@@ -29,6 +29,7 @@ from ..memory.flops import device_peak_flops, mfu, model_flops_per_sample
 from ..memory.measure import StepMemoryMeter
 from ..memory.units import format_bytes, physical_memory
 from ..models.loading import add_lora, build_from_config, is_model_dir, load_config, load_pretrained, parse_dtype
+from ..models.presets import packaged_checkpoint
 from ..optimizers import make_optimizer
 from ..optimizer_offload import HostAdamW, streaming
 from ..strategy import Strategy, applied_context, apply, engine_context, pinned_host_bytes, step as strategy_step
@@ -83,19 +84,27 @@ def _device(name: str) -> torch.device:
     return device
 
 
+def trained_weights(config: TrainConfig) -> str | None:
+    """Where a run's starting weights come from: a model directory, the weights longtrain
+    ships for a preset (the demo's), or None for a random initialization."""
+    if is_model_dir(config.model):
+        return config.model
+    return None if config.from_scratch else packaged_checkpoint(config.model)
+
+
 def build_model(config: TrainConfig, dtype: torch.dtype):
     """The model and tokenizer a config names, with LoRA when asked (strategy not applied)."""
-    model_config = load_config(config.model)
+    pretrained = trained_weights(config)
+    model_config = load_config(pretrained or config.model)
     max_pos = getattr(model_config, "max_position_embeddings", None)
-    pretrained = is_model_dir(config.model)
     if max_pos is not None and config.seq_len > max_pos:
-        if pretrained and not config.extend_context:
+        if pretrained == config.model and not config.extend_context:  # a user's model; a preset's grows
             raise LongtrainError(
                 f"--seq-len {config.seq_len:,} exceeds the model's max_position_embeddings ({max_pos:,}); "
                 "pass --extend-context to train beyond it (and set rope_scaling in its config.json for a pretrained model)"
             )
         model_config.max_position_embeddings = config.seq_len
-    tokenizer = load_tokenizer(config.model if pretrained else None, config.tokenizer)
+    tokenizer = load_tokenizer(pretrained, config.tokenizer)
     if model_config.vocab_size < tokenizer.vocab_size:
         raise LongtrainError(
             f"the model's vocabulary ({model_config.vocab_size}) is smaller than the tokenizer's ({tokenizer.vocab_size}); "
@@ -103,7 +112,7 @@ def build_model(config: TrainConfig, dtype: torch.dtype):
         )
     torch.manual_seed(config.seed)
     if pretrained:
-        model = load_pretrained(config.model, dtype)
+        model = load_pretrained(pretrained, dtype)
         model.config.max_position_embeddings = model_config.max_position_embeddings
     else:
         model = build_from_config(model_config, dtype)
@@ -476,6 +485,12 @@ class Trainer:
         # Records past the checkpoint (or of a start without one) are redone: dropped with the first new one.
         log = MetricsLog(self.out / "metrics.jsonl", self.out / "tensorboard" if c.tensorboard else None,
                          after_step=self.step_index) if self.ranks.main else None
+        if self.task is not None and self.step_index == 0 and trained_weights(c):  # the accuracy fine-tuning starts from
+            before = self.evaluate()
+            if before is not None and log is not None:
+                log.write({"step": 0, "eval": before})
+                print(f"longtrain train: starting from the weights in {trained_weights(c)}: pass-key accuracy "
+                      f"{before['digit_accuracy']:.1%} of answer digits before training (chance 10%)", flush=True)
         flops_per_sample = model_flops_per_sample(self.model, c.seq_len) if hasattr(self.model, "get_input_embeddings") else None
         peak_flops = device_peak_flops(self.device)
         tokens_per_step = c.seq_len * c.batch_size * c.grad_accum * self.ranks.data_parallel  # every group's
@@ -636,6 +651,9 @@ class Trainer:
             "first_loss": sum(losses[:window]) / window if losses else None,
             "final_loss": sum(losses[-window:]) / window if losses else None,
             "task": evaluation,
+            # The pass-key accuracy before the first step (logged as step 0 by a run that started from it).
+            "task_before": next((r["eval"] for r in read_metrics(self.out / "metrics.jsonl")
+                                 if r.get("step") == 0 and "eval" in r), None) if self.task is not None else None,
             "tokens_per_s": c.seq_len * c.batch_size * c.grad_accum * len(steady) / sum(steady) if steady else None,
             "measured_peak_bytes": peak_bytes,
             "measured_with": "cuda-allocator" if self.device.type == "cuda" else "tracked-storages",
@@ -654,10 +672,13 @@ class Trainer:
         return summary
 
 
-def _evaluation_row(task: dict | None) -> tuple[str, str]:
+def _evaluation_row(task: dict | None, before: dict | None = None) -> tuple[str, str]:
     if task is not None and "digit_accuracy" in task:
-        return ("pass-key accuracy", f"{task['digit_accuracy']:.1%} of answer digits, {task['key_accuracy']:.1%} of whole keys "
-                                     f"({task['samples']} held-out samples)")
+        text = (f"{task['digit_accuracy']:.1%} of answer digits, {task['key_accuracy']:.1%} of whole keys "
+                f"({task['samples']} held-out samples)")
+        if before is not None:
+            text += f"; before training {before['digit_accuracy']:.1%} and {before['key_accuracy']:.1%}"
+        return ("pass-key accuracy", text + "; chance 10% of digits")
     if task is not None and "loss" in task:
         return ("held-out loss", f"{task['loss']:.4f} on {task['samples']} windows of --data set aside from training")
     return ("held-out loss", "none: the data holds fewer than 10 windows of --seq-len, too few to set one aside")
@@ -678,7 +699,7 @@ def format_summary(summary: dict) -> str:
     rows = [
         ("loss", f"{summary['final_loss']:.4f} (mean of the last steps; first steps: {summary['first_loss']:.4f})"
                  if summary["final_loss"] is not None else "n/a (no step logged in this run directory)"),
-        _evaluation_row(summary["task"]),
+        _evaluation_row(summary["task"], summary.get("task_before")),
         _throughput_row(summary),
         ("measured peak memory", f"{format_bytes(summary['measured_peak_bytes'])} ({summary['measured_with']})"
                                  if summary.get("steps_trained", 1) else "n/a (no step trained by this command)"),
