@@ -44,16 +44,17 @@ def test_time_model_orders_what_each_strategy_recomputes():
 
 
 @pytest.mark.parametrize("keep", [False, True])
-def test_fpdt_peaks_extended_from_four_chunks_equal_the_full_simulation(keep):
+def test_a_planned_step_is_the_full_simulation_at_its_length(keep):
+    """Not a line through short lengths: the peak moves between phases as the length grows
+    (the end of backward, holding every gradient, at short lengths; the parked activations
+    at long ones), so an extension from two and four chunks fell below the real peak."""
     config = preset_config("llama3-8b", num_hidden_layers=2, hidden_size=256, intermediate_size=704, vocab_size=2048,
                            num_attention_heads=4, num_key_value_heads=2)
     strategy = lt.Strategy(engine="fpdt", engine_options={"chunk": 128, "offload": True, "keep_output": keep}, mst=True)
     for tokens in (1024, 1300):
         device, host, _ = simulate_step(config, tokens, strategy, "bfloat16")
         full = simulate(config, tokens, strategy=strategy, optimizer="none")
-        slack = 0.01 + (-tokens % 128) / tokens  # a partial last chunk is counted whole
-        assert 0 <= device / full.device_peak_bytes - 1 < slack  # never below the full simulation
-        assert 0 <= host / full.peak.peak_host_bytes - 1 < slack
+        assert (device, host) == (full.device_peak_bytes, full.peak.peak_host_bytes)
 
 
 def test_plan_ranks_what_fits_fastest_first_and_names_what_binds():

@@ -23,8 +23,8 @@ comes at once. Each candidate then gets a lower bound of its memory from what it
 (layer inputs, K/V, attention outputs: counted, not simulated); one whose bound does not
 fit is not simulated. The rest are simulated fastest-predicted first; once one fits,
 the slower ones are listed as such without simulating them (``exhaustive=True``
-simulates them all). FPDT's peaks, which repeat chunk by chunk, are extended from two and four
-chunks (:func:`simulate_step`), which makes a plan minutes instead of hours; simulations
+simulates them all). Each simulation covers the whole length (:func:`simulate_step`: the
+simulator extends per-phase peaks itself, about a minute per 8B candidate); simulations
 are cached in the process. ``longest=True`` adds, per
 strategy, the longest context it reaches (a second simulation at half the length, memory
 taken as linear in the length between and beyond).
@@ -227,27 +227,19 @@ def _simulated(config_json: str, seq_len: int, strategy_json: str, dtype: str, b
 
 def simulate_step(config, seq_len: int, strategy: Strategy, dtype: str, batch: int = 1, optimizer: str = "none",
                   lora_rank: int | None = None) -> tuple[int, int, dict]:
-    """(device peak, host peak, notes) of one step; with ``optimizer="none"`` without
-    optimizer state, with ``"adamw-offload"`` with its host state and streamed gradients.
+    """(device peak, host peak, notes) of one step at ``seq_len`` tokens; with
+    ``optimizer="none"`` without optimizer state, with ``"adamw-offload"`` with its host
+    state and streamed gradients.
 
-    FPDT's schedule repeats per chunk: its device peak is one chunk's working set plus
-    what grows with the length (token ids, targets: a line), and its host peak the
-    parked chunks (a line). So past four chunks it is simulated at two and four chunks
-    and the lines are extended to the length rounded up to whole chunks — minutes instead
-    of hours at 512K tokens, never below a full simulation, and above it by at most the partial chunk
-    (tests/test_planner.py). Other strategies are simulated
-    at the full length."""
+    Always the whole length: the simulator extends each phase's peak from a few layers and
+    chunks itself (plan/simulate.py), so a step of an 8B model costs about a minute at any
+    length. (A line through the peaks at two and four FPDT chunks, used here before,
+    underestimated long contexts: the peak moves from one phase to another as the length
+    grows — Llama-3-8B, fpdt:chunk=8192:segment=6 with the gradients on the device, 32.14 /
+    32.40 / 35.88 / 42.94 / 63.32 GiB at 16K / 32K / 128K / 256K / 512K tokens, 17 KB per
+    token at first and 84 KB at the end.)"""
     config_json = json.dumps(config.to_dict(), sort_keys=True, default=str)
-    chunk = getattr(strategy.engine_options, "chunk", None)
-    key = (strategy.to_json(), dtype, batch, optimizer, lora_rank)
-    if strategy.engine != "fpdt" or not chunk or seq_len <= 4 * chunk:
-        return _simulated(config_json, seq_len, *key)
-    short, long = 2 * chunk, 4 * chunk
-    d1, h1, _ = _simulated(config_json, short, *key)
-    d2, h2, notes = _simulated(config_json, long, *key)
-    whole = -(-seq_len // chunk) * chunk  # a last partial chunk counted whole: never below the real peak
-    scale = (whole - long) / (long - short)
-    return int(d2 + scale * (d2 - d1)), int(h2 + scale * (h2 - h1)), notes
+    return _simulated(config_json, seq_len, strategy.to_json(), dtype, batch, optimizer, lora_rank)
 
 
 @dataclass
