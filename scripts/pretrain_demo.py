@@ -126,9 +126,10 @@ def skipped_positions(batch: int, length: int, context: int, rng: random.Random)
     """Position ids for ``batch`` rows of ``length`` tokens that cover a ``context``-token
     window: each row splits at a random point and its second part jumps forward by a
     random skip (PoSE, Zhu et al. 2024). Rotary attention sees only relative positions, so
-    a model trained at 2K tokens this way has seen the distances of an 8K context — the
-    pretrained checkpoint then attends across 8K without first unlearning its short-range
-    habits (measured: plain positions trained at 256 tokens fail completely at 512)."""
+    a 256-token sample shows the distances of the whole window (measured: with plain
+    positions and rotary base 10,000 a model trained at 256 tokens fails completely at 512).
+    With ``context`` 8192 the checkpoint already finds the key at 8K; the shipped one uses
+    2,048 and leaves 8K to the demo's fine-tune."""
     positions = torch.arange(length).repeat(batch, 1)
     if context > length:
         for row in positions:
@@ -159,7 +160,8 @@ def main(argv=None) -> int:
         overrides[key] = json.loads(value)
     tokenizer = ByteTokenizer()
     config = preset_config("demo", **overrides)
-    # Stock attention: the skipped position ids are not packed documents.
+    # Stock attention (sdpa), as Hugging Face users load the checkpoint: longtrain's backend reads position
+    # ids for packed documents, which these skipped ones are not meant to be.
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().train()
@@ -206,8 +208,10 @@ def main(argv=None) -> int:
         step_loss = 0.0
         for weight, batch in micro_batches(step):
             positions = skipped_positions(*batch["input_ids"].shape, args.skip_positions_to, position_rng)
-            # An explicit mask: given position ids alone, transformers reads every jump as the start of a packed
-            # document and masks attention across it — the needle would be invisible past the skip.
+            # An explicit mask: without one, transformers' mask builder may read position-id jumps as packed
+            # documents (masking_utils.find_packed_sequence_indices) and mask attention across the skip. Not
+            # triggered on this path with transformers 5.23 (logits measured equal with and without), but
+            # version-dependent, and the needle must stay visible past the skip.
             loss = model(input_ids=batch["input_ids"], labels=batch["labels"], position_ids=positions,
                          attention_mask=torch.ones_like(batch["input_ids"]), use_cache=False).loss
             (weight * loss).backward()

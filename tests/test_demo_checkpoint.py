@@ -65,3 +65,11 @@ def test_the_pretraining_script_writes_a_model_directory_the_trainer_loads(tmp_p
     code = main(["train", "--model", str(out), "--seq-len", "1024", "--steps", "1", "--eval-samples", "1", "--no-progress",
                  "--out", str(tmp_path / "run")])
     assert code == 0, capsys.readouterr().err
+
+
+def test_from_scratch_with_a_model_directory_is_refused_in_one_line(tmp_path, capsys):
+    """A directory's weights are what it holds: --from-scratch would be silently ignored."""
+    code = main(["train", "--model", str(packaged_checkpoint("demo")), "--from-scratch", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--from-scratch starts a preset from random weights" in err
+    assert not (tmp_path / "run").exists()

@@ -8,6 +8,7 @@ are those of the published ``config.json`` files.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import LongtrainError
@@ -96,8 +97,8 @@ _PRESETS: dict[str, tuple[str, dict]] = {
     "demo": ("llama", dict(
         vocab_size=260, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-        # A large base leaves half the rotary pairs turning less than once in 8K tokens: the
-        # pretrained demo matches the pass key by content at any distance (docs/demo.md).
+        # A large base leaves 7 of a head's 16 rotary pairs turning less than once in 8K tokens:
+        # the pretrained demo can match the pass key by content at any distance (docs/demo.md).
         rope_theta=1_000_000.0, tie_word_embeddings=False)),
 }
 
@@ -117,8 +118,6 @@ _PACKAGED = {"demo": "demo_checkpoint"}
 
 def packaged_checkpoint(name: str) -> str | None:
     """The directory of the weights longtrain ships for preset ``name``, or None."""
-    from pathlib import Path
-
     folder = _PACKAGED.get(resolve_preset(name) or "")
     path = Path(__file__).resolve().parent.parent / folder if folder else None
     return str(path) if path is not None and (path / "model.safetensors").is_file() else None

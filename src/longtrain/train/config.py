@@ -147,6 +147,9 @@ def check_config(config: TrainConfig) -> None:
     _check_ranges(config)
     if config.resume and config.overwrite:
         raise LongtrainError("--resume and --overwrite contradict each other; pick one")
+    if config.from_scratch and os.path.isdir(config.model):
+        raise LongtrainError(f"--from-scratch starts a preset from random weights, but --model {config.model} is a model "
+                             "directory, whose weights are what it holds; drop --from-scratch or name a preset")
     if config.resume and config.resume_from:
         raise LongtrainError("--resume continues --out's latest checkpoint and --resume-from a given one; pick one")
 
