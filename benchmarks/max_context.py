@@ -2,27 +2,31 @@
 with 128 GB of host memory: full fine-tuning with AdamW (its state on the device, or in
 host memory with fp32 master weights) and LoRA — writes docs/max_context.{json,md}.
 
-    python benchmarks/max_context.py            # about 10-20 minutes on 2 CPU cores (simulations cached per process)
+    python benchmarks/max_context.py            # about half an hour on 2 CPU cores (a process per model)
     python benchmarks/max_context.py --smoke    # tiny model, seconds (CI)
 
 Each machine × model × mode row is the longest context of any candidate strategy
-(:func:`longtrain.plan.planner.max_context`: two short simulations per candidate, the
-memory lines solved for the limits), the strategy that reaches it, what binds there,
-and the predicted step time at that length with the H100 rates. The anchors quoted
-beside are their authors' figures on their hardware, not reruns.
+(:func:`longtrain.plan.longest.max_context`: a search over whole-length simulations per
+candidate — FPDT exact to the chunk, the others to within 1/64 — that reports a length
+that fits and names what binds just beyond it), the strategy that reaches it, and the
+predicted step time at that length with the H100 rates. The anchors quoted beside are
+their authors' figures on their hardware, not reruns.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_report  # noqa: E402
 
 from longtrain.memory.units import parse_bytes  # noqa: E402
-from longtrain.plan.planner import max_context  # noqa: E402
+from longtrain.plan.longest import max_context  # noqa: E402
 
 MACHINES = {"1×H100 80 GB + 128 GB host": ("80GiB", "128GB"), "1×H200 141 GB + 128 GB host": ("139GiB", "128GB")}
 MODES = {
@@ -38,37 +42,54 @@ ANCHORS = {
 }
 
 
+def rows_of(model: str, smoke: bool) -> list[dict]:
+    """Every machine × mode row of one model (one process: its simulations are shared)."""
+    machines = {"tiny": ("4MiB", "4MiB")} if smoke else MACHINES
+    modes = {"full, AdamW (either place)": {"optimizer_offload": None}} if smoke else MODES
+    rows = []
+    for machine, (device, host) in machines.items():
+        for mode, options in modes.items():
+            print(f"{model}, {machine}, {mode} ...", file=sys.stderr, flush=True)
+            started = time.perf_counter()
+            try:
+                limits = max_context(model, device_memory=parse_bytes(device), host_memory=parse_bytes(host),
+                                     chunks=(256,) if smoke else (8192,), **options)
+            except Exception as exc:  # noqa: BLE001 - a mode this build cannot plan is reported, not fatal
+                rows.append({"model": model, "machine": machine, "mode": mode, "tokens": None, "strategy": None,
+                             "binds": f"not planned: {exc}", "step_s": None, "anchor": ANCHORS.get((model, machine, mode))})
+                continue
+            best = limits[0]
+            print(f"{model}, {machine}, {mode}: {best.tokens:,} tokens ({best.name}; {best.binds}) "
+                  f"in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+            rows.append({"model": model, "machine": machine, "mode": mode, "tokens": f"{best.tokens:,}",
+                         "strategy": best.name, "binds": f"{best.binds} beyond it", "step_s": best.step_seconds,
+                         "anchor": ANCHORS.get((model, machine, mode)),
+                         "others": {limit.name: limit.tokens for limit in limits[1:]}})
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=None, help="directory for the report (default docs/)")
     args = parser.parse_args(argv)
     models = ["tiny-llama"] if args.smoke else ["llama3-8b", "qwen2-7b"]
-    machines = {"tiny": ("64MiB", "64MiB")} if args.smoke else MACHINES
-    modes = {"full, AdamW (either place)": {"optimizer_offload": None}} if args.smoke else MODES
-    rows = []
-    for model in models:
-        for machine, (device, host) in machines.items():
-            for mode, options in modes.items():
-                print(f"{model}, {machine}, {mode} ...", file=sys.stderr, flush=True)
-                try:
-                    limits = max_context(model, device_memory=parse_bytes(device), host_memory=parse_bytes(host),
-                                         **({"probe": 1024, "chunks": (256,)} if args.smoke else {}), **options)
-                except Exception as exc:  # noqa: BLE001 - a mode this build cannot plan is reported, not fatal
-                    rows.append({"model": model, "machine": machine, "mode": mode, "tokens": None, "strategy": None,
-                                 "binds": f"not planned: {exc}", "step_s": None, "anchor": ANCHORS.get((model, machine, mode))})
-                    continue
-                best = limits[0]
-                rows.append({"model": model, "machine": machine, "mode": mode, "tokens": f"{best.tokens:,}",
-                             "strategy": best.name, "binds": best.binds, "step_s": best.step_seconds,
-                             "anchor": ANCHORS.get((model, machine, mode))})
+    if len(models) > 1:  # a process per model, at most one per core
+        import multiprocessing
+
+        with concurrent.futures.ProcessPoolExecutor(min(len(models), os.cpu_count() or 1),
+                                                    mp_context=multiprocessing.get_context("spawn")) as pool:
+            rows = [row for rows in pool.map(rows_of, models, [args.smoke] * len(models)) for row in rows]
+    else:
+        rows = rows_of(models[0], args.smoke)
     columns = [("model", "model"), ("machine", "machine"), ("mode", "training"), ("tokens", "longest context"),
                ("strategy", "strategy"), ("binds", "binds there"), ("step_s", "predicted s/step (H100 rates)"),
                ("anchor", "anchors (their figures)")]
     notes = """Simulated, not measured: the longest context of any candidate strategy of `longtrain plan`
-(memory simulated on fake tensors at two short lengths per candidate and extended along its line,
-the device side with the allocator's fragmentation margin measured on the H100; host memory 128 GB =
-119.2 GiB; the H200's usable memory taken as 139 GiB). Step times from the time model at the H100 rates
+(FPDT at 8K-token chunks with checkpoint segments, with and without offload; checkpointing + MsT;
+Memo + MsT), found by a search over whole-length simulations on fake tensors (plan/longest.py: FPDT
+exact to the chunk, the others within 1/64), the device side with the allocator's fragmentation margin
+measured on the H100; host memory 128 GB = 119.2 GiB; the H200's usable memory taken as 139 GiB). Step times from the time model at the H100 rates
 (not yet checked on a GPU for these lengths). Confirm a row with `longtrain plan --model M --seq-len N
 --device-memory D --host-memory H [--optimizer-offload | --lora]`."""
     write_report("max_context_smoke" if args.smoke else "max_context", "Longest context per machine (planner)", columns,

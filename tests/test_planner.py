@@ -2,10 +2,13 @@
 extension against full simulations, the ranking and verdicts, and the command line."""
 
 import pytest
+import torch
 
 import longtrain as lt
 from longtrain.cli import main
 from longtrain.models.presets import preset_config
+from longtrain.plan import planner
+from longtrain.plan.longest import overflow
 from longtrain.plan.planner import plan, simulate_step
 from longtrain.plan.simulate import simulate
 from longtrain.plan.time_model import step_time
@@ -106,7 +109,8 @@ def test_segments_cost_one_more_forward_of_the_inner_layers():
 
 
 def test_plan_command_line(capsys):
-    assert main(["plan", "--model", "tiny-llama", "--seq-len", "2K", "--device-memory", "1GiB", "--host-memory", "1GB"]) == 0
+    assert main(["plan", "--model", "tiny-llama", "--seq-len", "2K", "--device-memory", "1GiB", "--host-memory", "1GB",
+                 "--jobs", "1"]) == 0
     assert "fastest that fits" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "--model", "tiny-llama", "--seq-len", "2K", "--device-memory", "lots", "--host-memory", "1GB"])
@@ -117,6 +121,33 @@ def test_plan_command_line(capsys):
     assert "nothing fits 1,048,576 tokens" in capsys.readouterr().out
     assert main(tight + ["--no-optimizer-offload"]) == 2  # weights, gradients and AdamW alone exceed 20 GiB
     assert main(tight + ["--gpus", "0"]) == 2
+    assert main(tight + ["--jobs", "0"]) == 2
+
+
+def test_a_plan_simulated_in_worker_processes_is_the_plan_simulated_here():
+    """`longtrain plan` simulates candidates in a process per core (an 8B candidate takes a
+    minute of one); the rows must not depend on where they were simulated."""
+    def rows(workers):
+        planner._SIMULATIONS.clear()
+        planner._CURVES.clear()
+        result = plan("tiny-llama", 2048, device_memory=2**30, host_memory=2**30, exhaustive=True, workers=workers)
+        return [(r.name, r.device_bytes, r.host_bytes, r.fits, r.step_seconds) for r in result.rows]
+
+    here = rows(1)
+    assert len(here) >= 4 and rows(2) == here
+
+
+def test_plan_longest_is_the_search_of_each_fitting_row():
+    result = plan("tiny-llama", 1024, device_memory=2**24, host_memory=2**24, longest=True, optimizer_offload=False)
+    row = result.best
+    assert row.longest >= 1024 and row.longest_binds in ("device memory", "host memory")
+    strategy = lt.Strategy.from_dict(row.strategy)
+    config = planner.load_config("tiny-llama")
+    config.max_position_embeddings = 2 * 1024  # as plan() sets it: the same simulations
+    budget = planner.budgets_for(config, device_memory=2**24, host_memory=2**24, optimizer="adamw",
+                                 dtype=torch.bfloat16, optimizer_offload=False)[1][0]
+    device, host, _ = planner.simulate_step(config, row.longest, strategy, "bfloat16")
+    assert overflow(strategy, budget, device, host)[0] <= 0
 
 
 def test_train_with_strategy_auto_uses_the_plans_winner(tmp_path, capsys):

@@ -15,7 +15,8 @@ import longtrain as lt
 from longtrain.cli import main
 from longtrain.models.loading import add_lora, build_from_config, default_dtype
 from longtrain.models.presets import preset_config
-from longtrain.plan.simulate import _layer_axis, _scaled_strategy, build_fake_model, run_training_steps, simulate
+from longtrain.plan.simulate import (_layer_axis, _scaled_strategy, build_fake_model, chunk_curve, run_training_steps,
+                                     simulate)
 from longtrain.techniques.memo import memo_alpha
 
 # name -> (layers, tokens, strategy, engine, LoRA rank). Chunked engines: 7 chunks of 16
@@ -50,6 +51,27 @@ def test_extrapolated_simulation_equals_the_full_one(case):
     assert _close(fast.peak.host_bytes_at_peak, full.peak.host_bytes_at_peak)
     assert (fast.parameters, fast.trainable_parameters) == (full.parameters, full.trainable_parameters)
     assert sum(fast.peak.device_bytes(c) for c in fast.peak.by_category) == fast.device_peak_bytes
+
+
+@pytest.mark.parametrize("engine, optimizer", [("fpdt:chunk=16:offload=true:segment=2", "none"),
+                                               ("fpdt:chunk=16", "adamw-offload")])
+def test_a_chunk_curve_is_the_simulation_at_every_length(engine, optimizer):
+    """The longest-context search evaluates the curve instead of simulating each length: at
+    every whole-chunk length it must give simulate()'s figures to the byte (same small
+    simulations), and grow convexly (each place's peak is affine in the chunks)."""
+    config = preset_config("tiny-llama", num_hidden_layers=4)
+    strategy = lt.Strategy.parse("mst", engine=engine)
+    curve = chunk_curve(config, strategy, optimizer=optimizer, dtype="float32", iterations=1)
+    assert curve is not None and curve.chunk == 16
+    for chunks in (curve.fewest, curve.fewest + 5):
+        full = simulate(config, chunks * 16, strategy=strategy, optimizer=optimizer, dtype="float32", iterations=1)
+        assert curve.peaks(chunks) == (full.device_peak_bytes, full.peak.peak_host_bytes), chunks
+        assert curve.report(chunks).by_category == full.peak.by_category
+    device = [curve.peaks(c)[0] for c in range(curve.fewest, curve.fewest + 30)]
+    steps = [b - a for a, b in zip(device, device[1:])]
+    assert all(y >= x for x, y in zip(steps, steps[1:])) and steps[-1] > 0
+    with pytest.raises(ValueError, match="starts at"):
+        curve.peaks(curve.fewest - 1)
 
 
 def test_layer_pattern_and_memo_budget_of_the_small_simulations():

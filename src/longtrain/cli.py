@@ -259,6 +259,8 @@ def _add_plan(sub) -> None:
                    "than the fastest that fits")
     p.add_argument("--rates", default="h100", help="the time model's rates: h100 (built in, default), or a device name "
                    "or JSON file written by `longtrain calibrate`")
+    p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
+                   help="candidates simulated at once, a process each (default: one per core, at most 4: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_run_plan)
 
@@ -269,7 +271,7 @@ def _run_plan(args) -> int:
     if args.seq_len < 2:
         raise LongtrainError(f"--seq-len must be at least 2, got {args.seq_len}")
     progress = None if args.json else (lambda line: print(f"  {line} ...", file=sys.stderr, flush=True))
-    for flag, value in (("--gpus", args.gpus), ("--lora-rank", args.lora_rank)):
+    for flag, value in (("--gpus", args.gpus), ("--lora-rank", args.lora_rank), ("--jobs", args.jobs)):
         if value < 1:
             raise LongtrainError(f"{flag} must be a positive count, got {value}")
     from .plan.calibrate import load
@@ -278,7 +280,7 @@ def _run_plan(args) -> int:
     result = plan(args.model, args.seq_len, device_memory=args.device_memory, host_memory=args.host_memory,
                   optimizer=args.optimizer, dtype=args.dtype, longest=args.longest, progress=progress, gpus=args.gpus,
                   lora_rank=args.lora_rank if args.lora else None, exhaustive=args.exhaustive,
-                  optimizer_offload=args.optimizer_offload, rates=rates, rates_name=args.rates)
+                  optimizer_offload=args.optimizer_offload, rates=rates, rates_name=args.rates, workers=args.jobs)
     print(result.to_json() if args.json else result.table())
     return 0 if result.best is not None else 1
 

@@ -32,8 +32,8 @@ taken as linear in the length between and beyond).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import functools
 import json
 from dataclasses import dataclass, field
 from typing import Callable
@@ -208,38 +208,77 @@ def _state_bytes(config, optimizer: str, dtype: torch.dtype) -> tuple[int, int]:
     return params, per * params * torch.tensor([], dtype=dtype).element_size()
 
 
-@functools.lru_cache(maxsize=256)
-def _simulated(config_json: str, seq_len: int, strategy_json: str, dtype: str, batch: int = 1,
-               optimizer: str = "none", lora_rank: int | None = None):
-    from transformers import AutoConfig
+_SIMULATIONS: dict[tuple, tuple[int, int, dict]] = {}  # simulate_step's results in this process
+_CURVES: dict[tuple, object] = {}  # chunk_curve's results (a ChunkCurve or None) in this process
 
-    from .simulate import simulate
 
-    data = json.loads(config_json)
-    config = AutoConfig.for_model(data.pop("model_type"), **data)
+def _key(config, seq_len, strategy: Strategy, dtype, batch, optimizer, lora_rank) -> tuple:
+    return (json.dumps(config.to_dict(), sort_keys=True, default=str), seq_len, strategy.to_json(), str(dtype), batch,
+            optimizer, lora_rank)
+
+
+def _iterations(optimizer: str) -> int | None:
     # One step suffices where no optimizer state lives on the device between steps (or where the
     # optimizer creates it on the host in its first step); LoRA's adapters keep theirs on the device.
-    iterations = 1 if optimizer in ("none", "adamw-offload") else None
-    report = simulate(config, seq_len, batch_size=batch, strategy=Strategy.from_json(strategy_json), optimizer=optimizer,
-                      dtype=dtype, iterations=iterations, lora_rank=lora_rank)
-    return report.device_peak_bytes, report.peak.peak_host_bytes, dict(report.notes)
+    return 1 if optimizer in ("none", "adamw-offload") else None
+
+
+def chunk_curve_of(config, strategy: Strategy, dtype: str, batch: int = 1, optimizer: str = "none",
+                   lora_rank: int | None = None, progress: Callable[[str], None] | None = None):
+    """:func:`~longtrain.plan.simulate.chunk_curve` of a planned step (cached in the process):
+    the peaks at every length of whole chunks from one set of small simulations."""
+    from .simulate import chunk_curve
+
+    key = _key(config, 0, strategy, dtype, batch, optimizer, lora_rank)
+    if key not in _CURVES:
+        _CURVES[key] = chunk_curve(config, strategy, batch_size=batch, optimizer=optimizer, dtype=dtype,
+                                   lora_rank=lora_rank, iterations=_iterations(optimizer), progress=progress)
+    return _CURVES[key]
 
 
 def simulate_step(config, seq_len: int, strategy: Strategy, dtype: str, batch: int = 1, optimizer: str = "none",
                   lora_rank: int | None = None) -> tuple[int, int, dict]:
     """(device peak, host peak, notes) of one step at ``seq_len`` tokens; with
     ``optimizer="none"`` without optimizer state, with ``"adamw-offload"`` with its host
-    state and streamed gradients.
+    state and streamed gradients. Cached in the process.
 
     Always the whole length: the simulator extends each phase's peak from a few layers and
     chunks itself (plan/simulate.py), so a step of an 8B model costs about a minute at any
-    length. (A line through the peaks at two and four FPDT chunks, used here before,
-    underestimated long contexts: the peak moves from one phase to another as the length
-    grows — Llama-3-8B, fpdt:chunk=8192:segment=6 with the gradients on the device, 32.14 /
-    32.40 / 35.88 / 42.94 / 63.32 GiB at 16K / 32K / 128K / 256K / 512K tokens, 17 KB per
-    token at first and 84 KB at the end.)"""
-    config_json = json.dumps(config.to_dict(), sort_keys=True, default=str)
-    return _simulated(config_json, seq_len, strategy.to_json(), dtype, batch, optimizer, lora_rank)
+    length; a chunked engine at a length of whole chunks reads its
+    :func:`chunk_curve_of`, which shares those small simulations between lengths. (A line
+    through the peaks at two and four FPDT chunks, used here before, underestimated long
+    contexts: the peak moves from one phase to another as the length grows — Llama-3-8B,
+    fpdt:chunk=8192:segment=6 with the gradients on the device, 32.14 / 32.40 / 35.88 /
+    42.94 / 63.32 GiB at 16K / 32K / 128K / 256K / 512K tokens, 17 KB per token at first
+    and 84 KB at the end.)"""
+    key = _key(config, seq_len, strategy, dtype, batch, optimizer, lora_rank)
+    if key not in _SIMULATIONS:
+        _SIMULATIONS[key] = _simulate_step(config, seq_len, strategy, dtype, batch, optimizer, lora_rank)
+    return _SIMULATIONS[key]
+
+
+def _simulate_step(config, seq_len, strategy: Strategy, dtype, batch, optimizer, lora_rank) -> tuple[int, int, dict]:
+    from .simulate import _chunk_axis, simulate
+
+    axis = _chunk_axis(config, seq_len, strategy)
+    if axis is not None and axis.offset == 0 and axis.target >= axis.first + 3:
+        curve = chunk_curve_of(config, strategy, dtype, batch, optimizer, lora_rank)
+        if curve is not None and axis.target >= curve.fewest:
+            device, host = curve.peaks(axis.target)
+            return device, host, curve.notes
+    config = copy.deepcopy(config)
+    report = simulate(config, seq_len, batch_size=batch, strategy=strategy, optimizer=optimizer, dtype=dtype,
+                      iterations=_iterations(optimizer), lora_rank=lora_rank)
+    return report.device_peak_bytes, report.peak.peak_host_bytes, dict(report.notes)
+
+
+def _simulate_elsewhere(config_json: str, seq_len: int, strategy_json: str, dtype, batch, optimizer, lora_rank):
+    """simulate_step in a worker process (plan's ``jobs``)."""
+    from transformers import AutoConfig
+
+    data = json.loads(config_json)
+    config = AutoConfig.for_model(data.pop("model_type"), **data)
+    return _simulate_step(config, seq_len, Strategy.from_json(strategy_json), dtype, batch, optimizer, lora_rank)
 
 
 @dataclass
@@ -254,33 +293,19 @@ class _Budget:
     optimizer: str  # what the simulation runs: "none" (state added) or "adamw-offload"
 
 
-def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer: str = "adamw",
-         dtype: str = "bfloat16", rates: MachineRates = H100, longest: bool = False, batch: int = 1,
-         gpus: int = 1, lora_rank: int | None = None, exhaustive: bool = False,
-         optimizer_offload: bool | None = None, rates_name: str = "h100",
-         progress: Callable[[str], None] | None = None) -> Plan:
-    """Rank the candidate strategies for ``model`` (preset, directory or config) at
-    ``seq_len`` tokens on ``gpus`` devices of ``device_memory`` bytes each (sequence
-    parallel over them when more than one) with ``host_memory`` bytes of host memory in
-    all (module docstring). ``lora_rank``: train LoRA adapters of that rank instead of
-    every weight. ``optimizer_offload``: AdamW's state only in host memory (True), only on
-    the device (False), or both weighed (None)."""
-    say = progress or (lambda _: None)
-    if gpus < 1:
-        raise LongtrainError(f"--gpus must be a positive count, got {gpus}")
-    config = load_config(model)
-    config.max_position_embeddings = max(getattr(config, "max_position_embeddings", 0) or 0, 2 * seq_len)
-    torch_dtype = parse_dtype(dtype)
-    item = torch.tensor([], dtype=torch_dtype).element_size()
-    params, state = _state_bytes(config, optimizer, torch_dtype)
+def budgets_for(config, *, device_memory: int, host_memory: int, optimizer: str, dtype: torch.dtype,
+                lora_rank: int | None = None, gpus: int = 1, optimizer_offload: bool | None = None
+                ) -> tuple[int, list[_Budget]]:
+    """(parameter count, the places for the optimizer's state that the machine allows:
+    the device, host memory, or both) — or a one-line error when the model states alone
+    cannot fit."""
+    item = torch.tensor([], dtype=dtype).element_size()
+    params, state = _state_bytes(config, optimizer, dtype)
     if lora_rank:  # adapters are a fraction of a percent of the weights: their gradients and state are simulated
         state = 0
     # Under sequence parallelism FSDP2 shards parameters, gradients and optimizer state over the GPUs.
     weights = params * item // gpus
     state //= gpus
-    name = model if isinstance(model, str) else getattr(config, "name_or_path", "") or config.model_type
-    result = Plan(name, seq_len, device_memory, host_memory, optimizer, str(torch_dtype).replace("torch.", ""), [],
-                  gpus, lora_rank, rates_name)
     budgets = []
     grads = 0 if lora_rank else weights
     if weights + grads + state <= device_memory and optimizer_offload is not True:
@@ -298,6 +323,35 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
             f"exceed the device's {format_bytes(device_memory)} by {format_bytes(weights + grads + state - device_memory)}; "
             "no activation strategy helps — shard them over more GPUs (--gpus), train LoRA (--lora), or use a smaller optimizer"
         )
+    return params, budgets
+
+
+def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer: str = "adamw",
+         dtype: str = "bfloat16", rates: MachineRates = H100, longest: bool = False, batch: int = 1,
+         gpus: int = 1, lora_rank: int | None = None, exhaustive: bool = False,
+         optimizer_offload: bool | None = None, rates_name: str = "h100", workers: int = 1,
+         progress: Callable[[str], None] | None = None) -> Plan:
+    """Rank the candidate strategies for ``model`` (preset, directory or config) at
+    ``seq_len`` tokens on ``gpus`` devices of ``device_memory`` bytes each (sequence
+    parallel over them when more than one) with ``host_memory`` bytes of host memory in
+    all (module docstring). ``lora_rank``: train LoRA adapters of that rank instead of
+    every weight. ``optimizer_offload``: AdamW's state only in host memory (True), only on
+    the device (False), or both weighed (None). ``workers``: processes simulating
+    candidates at once (the command line uses one per core, up to 4)."""
+    from .longest import longest_context
+
+    say = progress or (lambda _: None)
+    if gpus < 1:
+        raise LongtrainError(f"--gpus must be a positive count, got {gpus}")
+    config = load_config(model)
+    config.max_position_embeddings = max(getattr(config, "max_position_embeddings", 0) or 0, 2 * seq_len)
+    torch_dtype = parse_dtype(dtype)
+    item = torch.tensor([], dtype=torch_dtype).element_size()
+    params, budgets = budgets_for(config, device_memory=device_memory, host_memory=host_memory, optimizer=optimizer,
+                                  dtype=torch_dtype, lora_rank=lora_rank, gpus=gpus, optimizer_offload=optimizer_offload)
+    name = model if isinstance(model, str) else getattr(config, "name_or_path", "") or config.model_type
+    result = Plan(name, seq_len, device_memory, host_memory, optimizer, str(torch_dtype).replace("torch.", ""), [],
+                  gpus, lora_rank, rates_name)
     sp = {"degree": gpus} if gpus > 1 else None
     jobs = []
     for label, strategy in candidates(seq_len, host_memory, config.num_hidden_layers).items():
@@ -315,27 +369,86 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
                                   trainable=params)
             jobs.append((predicted.seconds, label + (" · optimizer in host memory" if offloaded else ""), strategy, budget))
     jobs.sort(key=lambda job: job[0])
+    bounds = [_bound(config, seq_len, strategy, budget, item, batch, gpus) for _, _, strategy, budget in jobs]
+    to_simulate = [i for i, bound in enumerate(bounds) if bound is None]
     winner = None
-    for _, label, strategy, budget in jobs:
-        bound = _bound(config, seq_len, strategy, budget, item, batch, gpus)
-        if bound is not None:
-            row = PlanRow(label, strategy.to_dict(), None, None, None, False, bound, None, None, None,
-                          optimizer_offload=budget.optimizer == "adamw-offload", simulated=False)
-        elif winner is not None and not exhaustive:
-            row = PlanRow(label, strategy.to_dict(), None, None, None, False, None, None, None, None,
-                          notes={"skipped": f"predicted slower than {winner}, which fits"},
-                          optimizer_offload=budget.optimizer == "adamw-offload", simulated=False)
-        else:
-            say(f"simulating {label} at {seq_len:,} tokens")
-            row = _evaluate(label, strategy, config, seq_len, dtype, budget, rates, batch, params, lora_rank)
-            if longest and row.device_bytes is not None:
-                row.longest, row.longest_binds = _longest(row, strategy, config, seq_len, dtype, budget, batch, lora_rank)
-            if row.fits and winner is None:
-                winner = label
-        result.rows.append(row)
+    with _Simulations(workers) as simulations:
+        for i, (_, label, strategy, budget) in enumerate(jobs):
+            offloaded = budget.optimizer == "adamw-offload"
+            args = (config, seq_len, strategy, dtype, batch, budget.optimizer, lora_rank)
+            if bounds[i] is not None:
+                row = PlanRow(label, strategy.to_dict(), None, None, None, False, bounds[i], None, None, None,
+                              optimizer_offload=offloaded, simulated=False)
+            elif winner is not None and not exhaustive and not simulations.started(args):
+                row = PlanRow(label, strategy.to_dict(), None, None, None, False, None, None, None, None,
+                              notes={"skipped": f"predicted slower than {winner}, which fits"},
+                              optimizer_offload=offloaded, simulated=False)
+            else:
+                # The next candidates start in the other workers while this one is simulated.
+                ahead = to_simulate[to_simulate.index(i):][:workers]
+                for j in ahead:
+                    _, other, other_strategy, other_budget = jobs[j]
+                    if simulations.start((config, seq_len, other_strategy, dtype, batch, other_budget.optimizer,
+                                          lora_rank)):
+                        say(f"simulating {other} at {seq_len:,} tokens")
+                row = _evaluate(label, strategy, config, seq_len, budget, rates, batch, params,
+                                lambda: simulations.result(args))
+                if longest and row.device_bytes is not None:
+                    row.longest, row.longest_binds = longest_context(config, strategy, budget, dtype, batch=batch,
+                                                                     lora_rank=lora_rank, start=seq_len, label=label,
+                                                                     progress=say)
+                if row.fits and winner is None:
+                    winner = label
+            result.rows.append(row)
     result.rows.sort(key=lambda r: (not r.fits, not r.simulated,
                                     r.step_seconds if r.fits else (r.reserved_bytes or float("inf"))))
     return result
+
+
+class _Simulations:
+    """The planned candidates' simulations (:func:`simulate_step`), in ``workers`` processes
+    when more than one: an 8B candidate takes a minute of one core, so a plan on two cores
+    answers in about half the time. Results are cached in this process as simulate_step's."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.futures: dict[tuple, object] = {}
+        self.executor = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.executor is not None:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+
+    def started(self, args) -> bool:
+        return _key(*args) in self.futures or _key(*args) in _SIMULATIONS
+
+    def start(self, args) -> bool:
+        """Start simulating ``args`` (simulate_step's) in a worker; False if started or known already."""
+        if self.started(args):
+            return False
+        if self.workers > 1:
+            if self.executor is None:
+                import concurrent.futures
+                import multiprocessing
+
+                # spawn: a fresh interpreter, not a fork of one that may hold threads.
+                self.executor = concurrent.futures.ProcessPoolExecutor(
+                    self.workers, mp_context=multiprocessing.get_context("spawn"))
+            config, seq_len, strategy, *rest = args
+            config_json = json.dumps(config.to_dict(), default=str)
+            self.futures[_key(*args)] = self.executor.submit(_simulate_elsewhere, config_json, seq_len,
+                                                             strategy.to_json(), *rest)
+        return True
+
+    def result(self, args) -> tuple[int, int, dict]:
+        key = _key(*args)
+        future = self.futures.pop(key, None)
+        if future is not None and key not in _SIMULATIONS:
+            _SIMULATIONS[key] = future.result()
+        return simulate_step(*args)
 
 
 def _rebuilt(strategy: Strategy, sequence_parallel=None, **techniques) -> Strategy:
@@ -358,15 +471,23 @@ def _bound(config, seq_len, strategy, budget: _Budget, item, batch, gpus) -> str
     return None
 
 
-def _evaluate(label, strategy, config, seq_len, dtype, budget: _Budget, rates, batch, params, lora_rank) -> PlanRow:
+def _reserved(strategy: Strategy, budget: _Budget, device: int) -> int:
+    """What must fit the device: the simulated peak (``device``, without on-device
+    optimizer state) with that state, and what a step allocates and frees times the
+    allocator's fragmentation margin."""
+    return int(budget.persistent + _margin(strategy) * (device + budget.device_state - budget.persistent))
+
+
+def _evaluate(label, strategy, config, seq_len, budget: _Budget, rates, batch, params, simulated) -> PlanRow:
+    """The plan's row of one candidate; ``simulated()`` gives its simulate_step figures."""
     offloaded = budget.optimizer == "adamw-offload"
     try:
-        device, host, notes = simulate_step(config, seq_len, strategy, dtype, batch, budget.optimizer, lora_rank)
+        device, host, notes = simulated()
     except LongtrainError as exc:  # e.g. memo: the inputs and attention outputs alone exceed the host budget
         return PlanRow(label, strategy.to_dict(), None, None, None, False, str(exc), None, None, None,
                        optimizer_offload=offloaded)
+    reserved = _reserved(strategy, budget, device)
     device += budget.device_state
-    reserved = int(budget.persistent + _margin(strategy) * (device - budget.persistent))
     binds = []
     if reserved > budget.device_memory:
         binds.append(f"device memory: needs {format_bytes(reserved)}, {format_bytes(reserved - budget.device_memory)} over")
@@ -377,92 +498,3 @@ def _evaluate(label, strategy, config, seq_len, dtype, budget: _Budget, rates, b
     return PlanRow(label, strategy.to_dict(), device, reserved, host, not binds, "; ".join(binds) or None,
                    predicted.seconds, batch * seq_len / predicted.seconds, predicted.mfu(rates.peak), notes,
                    optimizer_offload=offloaded)
-
-
-def _longest(row: PlanRow, strategy, config, seq_len, dtype, budget: _Budget, batch, lora_rank):
-    """Longest context by the line through the peaks at ``seq_len`` / 2 and ``seq_len``."""
-    half = max(2, seq_len // 2)
-    try:
-        device_half, host_half, _ = simulate_step(config, half, strategy, dtype, batch, budget.optimizer, lora_rank)
-    except LongtrainError:
-        return None, None
-    margin = _margin(strategy)
-    device_slope = margin * (row.device_bytes - budget.device_state - device_half) / (seq_len - half)  # reserved bytes per token
-    host_slope = (row.host_bytes - host_half) / (seq_len - half)
-    by_device = seq_len + (budget.device_memory - row.reserved_bytes) / device_slope if device_slope > 0 else float("inf")
-    by_host = seq_len + (budget.host_memory - row.host_bytes) / host_slope if host_slope > 0 else float("inf")
-    if by_device == by_host == float("inf"):
-        return None, "no limit found"
-    return int(max(0, min(by_device, by_host))), "device memory" if by_device <= by_host else "host memory"
-
-
-@dataclass
-class ContextLimit:
-    name: str
-    tokens: int  # the longest context that fits (whole chunks for FPDT), 0 if none
-    binds: str  # what stops it there
-    step_seconds: float | None  # predicted at that length
-    optimizer_offload: bool
-
-
-def max_context(model, *, device_memory: int, host_memory: int, optimizer: str = "adamw", dtype: str = "bfloat16",
-                rates: MachineRates = H100, lora_rank: int | None = None, optimizer_offload: bool | None = None,
-                probe: int = 65536, chunks: tuple[int, ...] = CHUNKS,
-                progress: Callable[[str], None] | None = None) -> list[ContextLimit]:
-    """The longest context each candidate reaches on this machine, longest first.
-
-    Memory grows linearly with the length for every candidate (flash attention keeps no
-    s×s scores; FPDT's peaks repeat per chunk): each is simulated at two short lengths
-    (``probe`` / 2 and ``probe`` tokens; FPDT at two and four chunks, as
-    :func:`simulate_step` does) and the lines solved for the device (with the
-    fragmentation margin) and host limits. Confirm a limit with :func:`plan` at that length."""
-    say = progress or (lambda _: None)
-    config = load_config(model)
-    torch_dtype = parse_dtype(dtype)
-    item = torch.tensor([], dtype=torch_dtype).element_size()
-    params, state = _state_bytes(config, optimizer, torch_dtype)
-    if lora_rank:
-        state = 0
-    weights, grads = params * item, (0 if lora_rank else params * item)
-    budgets = []
-    if weights + grads + state <= device_memory and optimizer_offload is not True:
-        budgets.append(_Budget(device_memory, host_memory, weights + state, state, 0, optimizer if lora_rank else "none"))
-    if optimizer_offload is not False and optimizer == "adamw" and not lora_rank and weights <= device_memory:
-        budgets.append(_Budget(device_memory, host_memory, weights, 0, 3 * params * 4 + params * item, "adamw-offload"))
-    limits = []
-    for label, strategy in candidates(2**40, host_memory, config.num_hidden_layers, every_chunk=True, chunks=chunks).items():
-        options = strategy.engine_options
-        if strategy.engine == "fpdt" and (options.keep_output or options.segment == 1 or options.chunk > 16384):
-            continue  # parks more (or a larger chunk's working set) than a segmented schedule: never the longer context
-        for budget in budgets:
-            offloaded = budget.optimizer == "adamw-offload"
-            if offloaded and "memo" in strategy.techniques:
-                memo = dataclasses.replace(strategy.techniques["memo"], host_memory=max(1, host_memory - budget.host_state))
-                strategy = _rebuilt(strategy, memo=memo)
-            name = label + (" · optimizer in host memory" if offloaded else "")
-            chunk = getattr(strategy.engine_options, "chunk", None)
-            short, long = (2 * chunk, 4 * chunk) if chunk else (probe // 2, probe)
-            config.max_position_embeddings = max(getattr(config, "max_position_embeddings", 0) or 0, 2 * long)
-            say(f"simulating {name} at {short:,} and {long:,} tokens")
-            try:
-                d1, h1, _ = simulate_step(config, short, strategy, dtype, 1, budget.optimizer, lora_rank)
-                d2, h2, _ = simulate_step(config, long, strategy, dtype, 1, budget.optimizer, lora_rank)
-            except LongtrainError as exc:
-                limits.append(ContextLimit(name, 0, str(exc), None, offloaded))
-                continue
-            margin = _margin(strategy)
-            reserved = lambda d: budget.persistent + margin * (d + budget.device_state - budget.persistent)  # noqa: E731
-            r1, r2 = reserved(d1), reserved(d2)
-            by_device = long + (device_memory - r2) * (long - short) / (r2 - r1) if r2 > r1 else float("inf")
-            by_host = long + (host_memory - h2) * (long - short) / (h2 - h1) if h2 > h1 else float("inf")
-            if r2 > device_memory and r1 > device_memory or h1 > host_memory:
-                tokens, binds = 0, "device memory" if r1 > device_memory else "host memory"
-            else:
-                tokens = int(min(by_device, by_host))
-                binds = "device memory" if by_device <= by_host else "host memory"
-            if chunk:
-                tokens = tokens // chunk * chunk  # whole chunks: a partial last one costs a whole one
-            seconds = step_time(config, tokens, strategy, rates, optimizer_offload=offloaded,
-                                trainable=params).seconds if tokens else None
-            limits.append(ContextLimit(name, tokens, binds, seconds, offloaded))
-    return sorted(limits, key=lambda r: -r.tokens)

@@ -365,7 +365,8 @@ def simulate(
 
     result = None
     if not (exact or fragmentation):
-        result = _extrapolate(config, seq_len, strategy, functools.partial(run, warm_start=warm_start), say)
+        fitted = _fit(config, seq_len, strategy, functools.partial(run, warm_start=warm_start), say)
+        result = fitted.simulated(strategy) if fitted is not None else None
     if result is None:
         trace = [] if fragmentation else None
         started = time.perf_counter()
@@ -384,6 +385,70 @@ def simulate(
     )
 
 
+@dataclass
+class ChunkCurve:
+    """A chunked engine's simulated step as a function of its length in whole chunks
+    (:func:`chunk_curve`): at ``chunks`` ≥ :attr:`fewest` the figures
+    :func:`simulate` gives at ``chunks × chunk`` tokens, without simulating again —
+    both come from the same small simulations (module docstring). Each place's peak is
+    affine in the number of chunks, so the device and host peaks (the largest of them)
+    are convex piecewise-linear functions of the length."""
+
+    chunk: int
+    fewest: int  # below this many chunks simulate() simulates the length itself
+    strategy: Strategy
+    model: str
+    _fitted: _Fitted = field(repr=False)
+
+    def peaks(self, chunks: int) -> tuple[int, int]:
+        """(device peak, host peak) in bytes of a step of ``chunks`` whole chunks."""
+        if chunks < self.fewest:
+            raise ValueError(f"the curve starts at {self.fewest} chunks, got {chunks}")
+        layers = self._fitted.layers
+        device, host, _ = self._fitted.peaks(layers.target if layers is not None else 0, chunks)
+        return device, host
+
+    @property
+    def notes(self) -> dict:
+        """What the techniques chose (memo's α), as in :attr:`SimulationReport.notes`."""
+        fitted = self._fitted
+        return dict(fitted.sims[max(fitted.fit)].notes)
+
+    def report(self, chunks: int) -> MemoryReport:
+        """The whole report (the categories at the device peak) at ``chunks`` whole chunks."""
+        if chunks < self.fewest:
+            raise ValueError(f"the curve starts at {self.fewest} chunks, got {chunks}")
+        return self._fitted.simulated(self.strategy, chunks).report
+
+
+def chunk_curve(model: str | PretrainedConfig, strategy: Strategy | str, *, batch_size: int = 1,
+                optimizer: str = "adamw", dtype: str | torch.dtype = "bfloat16", lora_rank: int | None = None,
+                iterations: int | None = None, progress: Callable[[str], None] | None = None) -> ChunkCurve | None:
+    """The peaks of ``strategy``'s chunked engine at every length of whole chunks from a
+    few small simulations (a minute for an 8B model): what a search for the longest
+    context evaluates instead of a simulation per length. None where the figures are not
+    extrapolated along chunks (sequence parallelism; a pattern that never settles)."""
+    strategy = Strategy.parse(strategy)
+    if strategy.engine not in _CHUNKED or strategy.sequence_parallel is not None:
+        return None
+    chunk = strategy.engine_options.chunk
+    # Far more chunks than the small simulations hold, so that the chunk axis is extrapolated;
+    # the length itself only sets the target, which the curve replaces.
+    seq_len = chunk * 2**20
+    config = load_config(model)
+    config.max_position_embeddings = max(getattr(config, "max_position_embeddings", 0) or 0, seq_len)
+    config.use_cache = False
+    warm_start = iterations is None and "memo" not in strategy.techniques
+    run = functools.partial(_simulate_once, batch_size=batch_size, optimizer=optimizer, dtype=parse_dtype(dtype),
+                            lora_rank=lora_rank, iterations=iterations or (1 if optimizer == "none" else 2),
+                            grad_accum=1, warm_start=warm_start)
+    fitted = _fit(config, seq_len, strategy, run, progress or (lambda _: None))
+    if fitted is None or fitted.chunks is None:
+        return None
+    name = model if isinstance(model, str) else getattr(config, "name_or_path", "") or config.model_type
+    return ChunkCurve(chunk, fitted.chunks.first + 3, strategy, name, fitted)
+
+
 # ---- one simulation -------------------------------------------------------------------------
 
 @dataclass
@@ -395,6 +460,7 @@ class _Simulated:
     method: str = "exact: every layer at the whole length"
     phases: dict | None = None  # stable place label -> (device peak, its time, host peak) (_stable_phases)
     tracker: MemoryTracker | None = None  # for breakdowns at a phase's peak
+    tokens: int | None = None  # the sequence length simulated (set by _fit)
 
 
 def _simulate_once(config, seq_len: int, strategy: Strategy, *, batch_size, optimizer, dtype, lora_rank, iterations,
@@ -677,9 +743,63 @@ def _close(x: int, y: int) -> bool:
     return abs(x - y) <= CHECK_TOLERANCE * max(abs(x), abs(y))
 
 
-def _extrapolate(config, seq_len: int, strategy: Strategy, run, say) -> _Simulated | None:
-    """The full-scale figures from a few small simulations (module docstring), or None when
-    there is nothing to extrapolate or the pattern never settled."""
+@dataclass
+class _Fitted:
+    """The small simulations a step's figures are extrapolated from (:func:`_fit`): the
+    places' peaks through the ``fit`` points at (``a``, ``b``) repeats of each axis,
+    checked one repeat beyond on each."""
+
+    sims: dict
+    fit: list
+    a: int
+    b: int
+    layers: _Axis | None
+    chunks: _Axis | None
+
+    def peaks(self, u: int, v: int):
+        """(device peak, host peak, label of the device peak) at ``u`` layer and ``v`` chunk repeats."""
+        return _peaks_at(self.sims, self.fit, self.a, self.b, u, v)
+
+    def simulated(self, strategy: Strategy, chunks: int | None = None) -> _Simulated:
+        """The figures of the whole model, at the target number of chunks or at ``chunks``."""
+        sims, fit, a, b, layers = self.sims, self.fit, self.a, self.b, self.layers
+        if chunks is not None and self.chunks is None:
+            raise ValueError("only a chunked engine's figures extend to another number of chunks")
+        axis = dataclasses.replace(self.chunks, target=chunks) if chunks is not None else self.chunks
+        target = (layers.target if layers is not None else 0, axis.target if axis is not None else 0)
+        device, host, where = self.peaks(*target)
+        # The breakdown of the device peak: each category at the winning place, extrapolated.
+        breakdowns = {p: sims[p].tracker.report(at=sims[p].phases[where][1]) for p in fit}
+        figures = _bilinear({p: (*_categories(r), r.host_bytes_at_peak, sims[p].parameters, sims[p].trainable)
+                             for p, r in breakdowns.items()}, a, b, *target)
+        by_category, rest = {}, list(figures)
+        for category in CATEGORIES:
+            by_category[category] = {DEVICE: rest.pop(0), HOST: rest.pop(0)}
+        host_at_peak, parameters, trainable = rest
+        largest = breakdowns[max(fit)]
+        report = MemoryReport(device, host_at_peak, max(host, host_at_peak), by_category, largest.largest)
+        notes = dict(sims[max(fit)].notes)
+        memo = strategy.techniques.get("memo")
+        if memo is not None and "memo_host_budget" in notes:
+            from ..techniques.memo import default_host_budget
+
+            notes["memo_host_budget"] = memo.host_memory or default_host_budget()
+        seq_len = axis.value(axis.target) if axis is not None else sims[max(fit)].tokens
+        _check_host_budget(strategy, report, seq_len)
+        parts = []
+        if layers is not None:
+            parts.append(f"{layers.value(a)}, {layers.value(a + 1)} layers (checked at {layers.value(a + 2)})")
+        if axis is not None:
+            parts.append(f"{axis.value(b):,}, {axis.value(b + 1):,} tokens (checked at {axis.value(b + 2):,}; "
+                         f"chunks of {axis.unit:,})")
+        method = f"extrapolated from {len(sims)} small simulations: " + " × ".join(parts) + "; --exact: the whole model"
+        return _Simulated(report, parameters, trainable, notes, method)
+
+
+def _fit(config, seq_len: int, strategy: Strategy, run, say) -> _Fitted | None:
+    """The small simulations the full-scale figures are extrapolated from, fitted and
+    checked (module docstring), or None when there is nothing to extrapolate or the
+    pattern never settled."""
     layers, chunks = _layer_axis(config, strategy), _chunk_axis(config, seq_len, strategy)
     if layers is None and chunks is None:
         return None
@@ -698,6 +818,7 @@ def _extrapolate(config, seq_len: int, strategy: Strategy, run, say) -> _Simulat
             say(f"[{n}/{len(todo)}] simulating {n_layers} layers at {tokens:,} tokens")
             sims[(u, v)] = run(_with_layers(config, n_layers) if layers is not None else config, tokens,
                                _scaled_strategy(strategy, config, n_layers), places=places)
+            sims[(u, v)].tokens = tokens
             say(f"[{n}/{len(todo)}] {n_layers} layers at {tokens:,} tokens: {time.perf_counter() - started:.1f} s")
 
     for attempt in range(_SHIFTS + 1):
@@ -714,44 +835,17 @@ def _extrapolate(config, seq_len: int, strategy: Strategy, run, say) -> _Simulat
         unsettled = {p for p in fit + [layer_check, chunk_check]
                      if p is not None and not _reproduces(sims, fit, a, b, p, exactly=p in fit)}
         if not unsettled:
-            break
+            return _Fitted(sims, fit, a, b, layers, chunks)
         fit_failed = any(p in fit for p in unsettled)
         shift_layers = layers is not None and (layer_check in unsettled or fit_failed)
         shift_chunks = chunks is not None and (chunk_check in unsettled or fit_failed)
         if attempt == _SHIFTS or (shift_layers and not layers.extrapolated) or (shift_chunks and not chunks.extrapolated):
-            say("the repeating pattern did not settle in the small simulations: simulating the whole model")
-            return None
+            break
         say("the repeating pattern has not settled yet: simulating one repeat more")
         layers = layers.shifted() if shift_layers else layers
         chunks = chunks.shifted() if shift_chunks else chunks
-
-    target = (layers.target if layers is not None else 0, chunks.target if chunks is not None else 0)
-    device, host, where = _peaks_at(sims, fit, a, b, *target)
-    # The breakdown of the device peak: each category at the winning place, extrapolated.
-    breakdowns = {p: sims[p].tracker.report(at=sims[p].phases[where][1]) for p in fit}
-    figures = _bilinear({p: (*_categories(r), r.host_bytes_at_peak, sims[p].parameters, sims[p].trainable)
-                         for p, r in breakdowns.items()}, a, b, *target)
-    by_category, rest = {}, list(figures)
-    for category in CATEGORIES:
-        by_category[category] = {DEVICE: rest.pop(0), HOST: rest.pop(0)}
-    host_at_peak, parameters, trainable = rest
-    largest = breakdowns[max(fit)]
-    report = MemoryReport(device, host_at_peak, max(host, host_at_peak), by_category, largest.largest)
-    notes = dict(sims[max(fit)].notes)
-    memo = strategy.techniques.get("memo")
-    if memo is not None and "memo_host_budget" in notes:
-        from ..techniques.memo import default_host_budget
-
-        notes["memo_host_budget"] = memo.host_memory or default_host_budget()
-    _check_host_budget(strategy, report, seq_len)
-    parts = []
-    if layers is not None:
-        parts.append(f"{layers.value(a)}, {layers.value(a + 1)} layers (checked at {layers.value(a + 2)})")
-    if chunks is not None:
-        parts.append(f"{chunks.value(b):,}, {chunks.value(b + 1):,} tokens (checked at {chunks.value(b + 2):,}; "
-                     f"chunks of {chunks.unit:,})")
-    method = f"extrapolated from {len(sims)} small simulations: " + " × ".join(parts) + "; --exact: the whole model"
-    return _Simulated(report, parameters, trainable, notes, method)
+    say("the repeating pattern did not settle in the small simulations: simulating the whole model")
+    return None
 
 
 def _categories(report: MemoryReport) -> tuple[int, ...]:

@@ -1,0 +1,199 @@
+"""The longest context a strategy trains on a machine: a search over whole-length
+simulations (``longtrain plan --longest``, :func:`max_context`, docs/max_context.md).
+
+A step's device and host peaks are convex in the length: each place of the step's
+repeating pattern peaks at an affine function of the number of chunks (and, in the
+unchunked engines, of tokens), and the peak is the largest of them. So the set of lengths
+that fit is an interval from zero, and its end is found by bracketing and refining:
+
+- **chunked engines (FPDT)**: :func:`~longtrain.plan.planner.chunk_curve_of` gives the
+  whole-length simulation at every length of whole chunks from one set of small
+  simulations, so the search is a bisection over the number of chunks, exact to the chunk;
+- **the others (checkpointing, Memo)**: each length is simulated (:func:`simulate_step`,
+  seconds to a minute); the bracket is refined where the chord through its ends crosses
+  the limit — for a convex overflow the chord's root lies at or below the true one, so
+  it usually fits, and one more simulation a step beyond usually closes the bracket —
+  to within 1/64 of the length (1,024 tokens at least).
+
+The length reported always fits by a whole-length simulation, and one step beyond does
+not. (Extending the line through two short simulations, as an earlier version did,
+overestimated: the peak moves between places as the length grows, e.g. 17 KB per token
+at 16K tokens and 84 KB at 512K for Llama-3-8B under FPDT with segments.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..errors import LongtrainError
+from ..models.loading import load_config, parse_dtype
+from ..strategy import Strategy
+from .planner import (CHUNKS, _Budget, _rebuilt, _reserved, budgets_for, candidates, chunk_curve_of, parked_bytes,
+                      simulate_step)
+from .time_model import H100, MachineRates, step_time
+
+GRANULE = 1024  # unchunked lengths are searched in multiples of this many tokens
+LIMIT = 2**31  # no search goes beyond this many tokens
+_INFEASIBLE = float("inf")
+
+
+def overflow(strategy: Strategy, budget: _Budget, device: int, host: int) -> tuple[int, str]:
+    """(bytes over the tighter of the device and host limits — negative: to spare — and
+    which one) of a simulated step (``device`` without on-device optimizer state)."""
+    over_device = _reserved(strategy, budget, device) - budget.device_memory
+    over_host = host - budget.host_memory
+    return (over_device, "device memory") if over_device >= over_host else (over_host, "host memory")
+
+
+def search(over: Callable[[int], tuple[float, str]], start: int, granule: int, limit: int = LIMIT,
+           exact: bool = False) -> tuple[int, str]:
+    """The largest multiple of ``granule`` at which ``over`` (convex in the length: bytes
+    over the limit, and what binds) is at most zero — to within 1/64 of it, or exactly
+    with ``exact`` (for an ``over`` that costs nothing) — and what binds at the next length
+    tried beyond it; (0, what binds) where even ``granule`` does not fit. Starts at
+    ``start``."""
+    seen: dict[int, tuple[float, str]] = {}
+
+    def f(length: int) -> float:
+        if length not in seen:
+            seen[length] = over(length)
+        return seen[length][0]
+
+    def up(x: float) -> int:
+        return -(-int(math.ceil(x)) // granule) * granule
+
+    def step(lo: int) -> int:
+        return granule if exact else max(granule, lo // 64 // granule * granule)
+
+    def beyond_line(a: int, b: int) -> int | None:
+        """Where the line through two fitting lengths a < b crosses zero (rounded up): by
+        convexity nothing fits there."""
+        if f(b) <= f(a):
+            return None
+        return up(b + (b - a) * -f(b) / (f(b) - f(a)))
+
+    fitting: list[int] = []
+    length = min(limit, max(granule, start // granule * granule))
+    lo, hi = (length, None) if f(length) <= 0 else (None, length)
+    while lo is None:  # halve until something fits
+        length = max(granule, hi // 2 // granule * granule)
+        if length == hi:
+            return 0, seen[hi][1]
+        lo, hi = (length, hi) if f(length) <= 0 else (None, length)
+    fitting.append(lo)
+    while hi is None:  # out until something does not fit
+        if lo >= limit:
+            return lo, "no limit below 2^31 tokens"
+        crossing = beyond_line(*fitting[-2:]) if len(fitting) > 1 else None
+        length = min(limit, max(lo + granule, min(16 * lo, crossing) if crossing else 2 * lo))
+        if f(length) <= 0:
+            lo = length
+            fitting.append(lo)
+        else:
+            hi = length
+    while hi - lo > step(lo):
+        # Alternately from above (the line through the last two fitting lengths) and from
+        # below (the chord of the bracket, whose root lies at or below the true one).
+        crossing = beyond_line(*fitting[-2:]) if len(fitting) > 1 else None
+        if crossing is not None and lo + step(lo) <= crossing < hi:
+            x = crossing
+        else:
+            f_lo, f_hi = f(lo), f(hi)
+            chord = lo + (hi - lo) * (-f_lo / (f_hi - f_lo) if f_hi != _INFEASIBLE else 0.5)
+            x = min(max(int(chord) // granule * granule, lo + granule), hi - granule)
+        if f(x) <= 0:
+            lo = x
+            fitting.append(lo)
+        else:
+            hi = x
+    return lo, seen[hi][1]
+
+
+def longest_context(config, strategy: Strategy, budget: _Budget, dtype: str, *, batch: int = 1,
+                    lora_rank: int | None = None, start: int | None = None, label: str | None = None,
+                    progress: Callable[[str], None] | None = None) -> tuple[int, str]:
+    """(the longest context ``strategy`` trains within ``budget``, what binds one step
+    beyond it) — module docstring. ``start``: a length to begin near (default: half
+    the bound from what the strategy parks)."""
+    say = progress or (lambda _: None)
+    label = label or strategy.name
+    item = torch.tensor([], dtype=parse_dtype(dtype)).element_size()
+    chunk = getattr(strategy.engine_options, "chunk", None) if strategy.engine == "fpdt" else None
+    curve = None
+    if chunk and strategy.sequence_parallel is None:
+        say(f"simulating {label} at every length of whole {chunk:,}-token chunks")
+        curve = chunk_curve_of(config, strategy, dtype, batch, budget.optimizer, lora_rank)
+
+    def over(length: int) -> tuple[float, str]:
+        if curve is not None and length // chunk >= curve.fewest:
+            return overflow(strategy, budget, *curve.peaks(length // chunk))
+        say(f"simulating {label} at {length:,} tokens")
+        try:
+            device, host, _ = simulate_step(config, length, strategy, dtype, batch, budget.optimizer, lora_rank)
+        except LongtrainError as exc:  # e.g. Memo: what it must swap exceeds the host budget
+            return _INFEASIBLE, str(exc)
+        return overflow(strategy, budget, device, host)
+
+    granule = chunk or GRANULE
+    if start is None:
+        start = _parked_bound(config, strategy, budget, item, batch) // 2
+        if curve is not None:
+            start = max(start, curve.fewest * chunk)
+    return search(over, start, granule, exact=curve is not None)
+
+
+def _parked_bound(config, strategy: Strategy, budget: _Budget, item: int, batch: int) -> int:
+    """The length at which what ``strategy`` parks alone fills its side (device or host):
+    an upper bound of the longest context."""
+    per_token = parked_bytes(config, 2**20, strategy, item, batch) / 2**20
+    offload = getattr(strategy.engine_options, "offload", False) or "memo" in strategy.techniques
+    room = budget.host_memory - budget.host_state if offload else budget.device_memory - budget.persistent
+    if per_token <= 0:
+        return 2**20
+    return int(max(GRANULE, min(LIMIT, room / per_token)))
+
+
+@dataclass
+class ContextLimit:
+    name: str
+    tokens: int  # the longest context that fits (whole chunks for FPDT), 0 if none
+    binds: str  # what stops it one step beyond
+    step_seconds: float | None  # predicted at that length
+    optimizer_offload: bool
+
+
+def max_context(model, *, device_memory: int, host_memory: int, optimizer: str = "adamw", dtype: str = "bfloat16",
+                rates: MachineRates = H100, lora_rank: int | None = None, optimizer_offload: bool | None = None,
+                chunks: tuple[int, ...] = CHUNKS[:2], progress: Callable[[str], None] | None = None) -> list[ContextLimit]:
+    """The longest context each candidate strategy of :func:`~longtrain.plan.planner.plan`
+    reaches on this machine (:func:`longest_context`), longest first. FPDT runs with
+    checkpoint segments only (the other variants park more) at ``chunks``-token chunks
+    (larger chunks have larger working sets: never the longer context)."""
+    say = progress or (lambda _: None)
+    config = load_config(model)
+    config.max_position_embeddings = max(getattr(config, "max_position_embeddings", 0) or 0, LIMIT)
+    params, budgets = budgets_for(config, device_memory=device_memory, host_memory=host_memory, optimizer=optimizer,
+                                  dtype=parse_dtype(dtype), lora_rank=lora_rank, optimizer_offload=optimizer_offload)
+    limits = []
+    for label, strategy in candidates(LIMIT, host_memory, config.num_hidden_layers, every_chunk=True,
+                                      chunks=chunks).items():
+        options = strategy.engine_options
+        if strategy.engine == "fpdt" and (options.keep_output or options.segment == 1):
+            continue  # parks more than the segmented schedule at the same chunk: never the longer context
+        for budget in budgets:
+            offloaded = budget.optimizer == "adamw-offload"
+            if offloaded and "memo" in strategy.techniques:  # Memo's host budget: what the optimizer leaves
+                memo = dataclasses.replace(strategy.techniques["memo"], host_memory=max(1, host_memory - budget.host_state))
+                strategy = _rebuilt(strategy, memo=memo)
+            name = label + (" · optimizer in host memory" if offloaded else "")
+            say(f"longest context of {name}")
+            tokens, binds = longest_context(config, strategy, budget, dtype, lora_rank=lora_rank, label=name, progress=say)
+            seconds = step_time(config, tokens, strategy, rates, optimizer_offload=offloaded,
+                                trainable=params).seconds if tokens else None
+            limits.append(ContextLimit(name, tokens, binds, seconds, offloaded))
+    return sorted(limits, key=lambda r: -r.tokens)

@@ -1,0 +1,84 @@
+"""The longest-context search (plan/longest.py): the length it reports fits by a
+whole-length simulation and the next one does not; on convex overflows it needs few
+evaluations."""
+
+import math
+
+import pytest
+import torch
+
+import longtrain as lt
+from longtrain.models.presets import preset_config
+from longtrain.plan.longest import longest_context, max_context, overflow, search
+from longtrain.plan.planner import _Budget, _reserved, budgets_for, simulate_step
+from longtrain.plan.simulate import simulate
+
+CONVEX = {
+    "a line": lambda n: 3.0 * n - 1_000_000,
+    "a kink (the peak moves to another place)": lambda n: max(1.0 * n - 200_000, 9.0 * n - 2_500_000),
+    "a curve": lambda n: n * n / 1e6 - 150_000,
+}
+
+
+@pytest.mark.parametrize("name", CONVEX)
+@pytest.mark.parametrize("start", [1024, 100_000, 5_000_000])
+def test_search_ends_where_a_convex_overflow_crosses_zero(name, start):
+    calls = []
+
+    def over(n):
+        calls.append(n)
+        return CONVEX[name](n), "device memory"
+
+    true_end = max(n for n in range(1024, 3_000_000, 1024) if CONVEX[name](n) <= 0)
+    found, binds = search(over, start, 1024)
+    assert CONVEX[name](found) <= 0 and found % 1024 == 0 and binds == "device memory"
+    assert true_end - true_end // 64 - 1024 <= found <= true_end
+    assert len(calls) <= 12, calls  # each call is a simulation of up to a minute
+    assert search(lambda n: (CONVEX[name](n), "x"), start, 1024, exact=True)[0] == true_end
+
+
+def test_search_says_when_nothing_fits_or_nothing_binds():
+    assert search(lambda n: (1.0, "host memory"), 4096, 1024) == (0, "host memory")
+    assert search(lambda n: (-1.0, "-"), 4096, 1024, limit=2**20) == (2**20, "no limit below 2^31 tokens")
+    # A simulation that refuses (Memo over its host budget) counts as not fitting.
+    assert search(lambda n: (math.inf if n > 5000 else -1.0, "refused"), 1024, 1024) == (4096, "refused")
+
+
+def _peaks(config, tokens, strategy) -> tuple[int, int]:
+    report = simulate(config, tokens, strategy=strategy, optimizer="none", dtype="float32", iterations=1)
+    return report.device_peak_bytes, report.peak.peak_host_bytes
+
+
+@pytest.mark.parametrize("spec, engine, aim", [("mst", "fpdt:chunk=16:offload=true:segment=2", 640),
+                                               ("checkpoint,mst", None, 3000)])
+def test_the_longest_context_fits_and_one_step_more_does_not(spec, engine, aim):
+    """Whole-length simulations (simulate(), not the curve the search reads) on both sides
+    of the limit found: FPDT to the chunk, the others to within 1/64."""
+    config = preset_config("tiny-llama", num_hidden_layers=2)
+    strategy = lt.Strategy.parse(spec, engine=engine)
+    # A device just large enough for `aim` tokens (the allocator's margin included).
+    needs = _reserved(strategy, _Budget(0, 0, 0, 0, 0, "none"), _peaks(config, aim, strategy)[0])
+    budget = _Budget(needs + 100, 2**40, 0, 0, 0, "none")
+    found, binds = longest_context(config, strategy, budget, "float32")
+    assert binds == "device memory"
+    step = 16 if engine else max(1024, found // 64)
+    fits = lambda n: overflow(strategy, budget, *_peaks(config, n, strategy))[0] <= 0  # noqa: E731
+    assert fits(found) and not fits(found + step)
+    if engine:
+        assert found == aim  # 40 whole chunks: the budget is what they need plus 100 bytes
+
+
+def test_max_context_ranks_every_candidate_longest_first():
+    config = preset_config("tiny-llama", num_hidden_layers=2)
+    limits = max_context(config, device_memory=2**23, host_memory=2**23, chunks=(256,), optimizer_offload=False)
+    assert [limit.tokens for limit in limits] == sorted((limit.tokens for limit in limits), reverse=True)
+    assert {limit.name.split(",")[0] for limit in limits} >= {"checkpoint", "memo", "fpdt:chunk=256:offload:segment=2"}
+    best = limits[0]
+    assert best.tokens > 0 and best.step_seconds > 0 and best.binds in ("device memory", "host memory")
+    params, (budget,) = budgets_for(config, device_memory=2**23, host_memory=2**23, optimizer="adamw",
+                                    dtype=torch.bfloat16, optimizer_offload=False)
+    assert params > 0 and budget.optimizer == "none"
+    strategy = lt.Strategy.parse("checkpoint,mst")
+    row = next(limit for limit in limits if limit.name == "checkpoint,mst")
+    device, host, _ = simulate_step(config, row.tokens, strategy, "bfloat16")
+    assert overflow(strategy, budget, device, host)[0] <= 0
