@@ -89,7 +89,9 @@ def main(argv=None) -> None:
 (FPDT at 8K-token chunks with checkpoint segments, with and without offload; checkpointing + MsT;
 Memo + MsT), found by a search over whole-length simulations on fake tensors (plan/longest.py: FPDT
 exact to the chunk, the others within 1/64), the device side with the allocator's fragmentation margin
-measured on the H100; host memory 128 GB = 119.2 GiB; the H200's usable memory taken as 139 GiB). Step times from the time model at the H100 rates
+measured on the H100; host memory 128 GB = 119.2 GiB; the H200's usable memory taken as 139 GiB).
+"Either place" weighs AdamW on the device (bf16 moments, no fp32 masters) against AdamW in host memory
+(fp32 masters and moments) and reports the longer; `others` in the JSON lists every candidate's limit. Step times from the time model at the H100 rates
 (not yet checked on a GPU for these lengths). Confirm a row with `longtrain plan --model M --seq-len N
 --device-memory D --host-memory H [--optimizer-offload | --lora]`."""
     write_report("max_context_smoke" if args.smoke else "max_context", "Longest context per machine (planner)", columns,

@@ -190,7 +190,7 @@ class Plan:
         if limits:
             lines += ["what does not fit:"] + limits + [""]
         if skipped:
-            lines += [f"{len(skipped)} slower candidate(s) not simulated ({skipped[0].notes['skipped']}); "
+            lines += [f"{len(skipped)} candidate(s) not simulated ({skipped[0].notes['skipped']}); "
                       "--exhaustive simulates them", ""]
         return "\n".join(lines + [
             self.verdict(), "memory simulated (device × the allocator's measured fragmentation margin); "
@@ -354,7 +354,13 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
                   gpus, lora_rank, rates_name)
     sp = {"degree": gpus} if gpus > 1 else None
     jobs = []
-    for label, strategy in candidates(seq_len, host_memory, config.num_hidden_layers).items():
+    usual = candidates(seq_len, host_memory, config.num_hidden_layers)
+    # FPDT with more than 32 chunks costs host time per chunk: tried only when nothing with
+    # fewer fits (after every usual candidate), since smaller chunks reach longer contexts.
+    every = candidates(seq_len, host_memory, config.num_hidden_layers, every_chunk=True)
+    fallback = {label for label, strategy in every.items()
+                if label not in usual and strategy.engine_options.chunk < seq_len}
+    for label, strategy in {**usual, **{label: every[label] for label in fallback}}.items():
         if sp is not None:
             if "memo" in strategy.techniques:  # Memo does not run under sequence parallelism yet
                 continue
@@ -367,8 +373,11 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
                 strategy = _rebuilt(strategy, memo=memo)
             predicted = step_time(config, seq_len, strategy, rates, batch=batch, optimizer_offload=offloaded,
                                   trainable=params)
-            jobs.append((predicted.seconds, label + (" · optimizer in host memory" if offloaded else ""), strategy, budget))
-    jobs.sort(key=lambda job: job[0])
+            jobs.append((label in fallback, predicted.seconds, label + (" · optimizer in host memory" if offloaded else ""),
+                         strategy, budget))
+    jobs.sort(key=lambda job: job[:2])
+    many = {job[2] for job in jobs if job[0]}
+    jobs = [job[1:] for job in jobs]
     bounds = [_bound(config, seq_len, strategy, budget, item, batch, gpus) for _, _, strategy, budget in jobs]
     to_simulate = [i for i, bound in enumerate(bounds) if bound is None]
     winner = None
@@ -381,7 +390,8 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
                               optimizer_offload=offloaded, simulated=False)
             elif winner is not None and not exhaustive and not simulations.started(args):
                 row = PlanRow(label, strategy.to_dict(), None, None, None, False, None, None, None, None,
-                              notes={"skipped": f"predicted slower than {winner}, which fits"},
+                              notes={"skipped": f"{winner} fits with fewer chunks" if label in many
+                                     else f"predicted slower than {winner}, which fits"},
                               optimizer_offload=offloaded, simulated=False)
             else:
                 # The next candidates start in the other workers while this one is simulated.
