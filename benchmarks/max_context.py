@@ -45,7 +45,7 @@ ANCHORS = {
 def rows_of(model: str, smoke: bool) -> list[dict]:
     """Every machine × mode row of one model (one process: its simulations are shared)."""
     machines = {"tiny": ("4MiB", "4MiB")} if smoke else MACHINES
-    modes = {"full, AdamW (either place)": {"optimizer_offload": None}} if smoke else MODES
+    modes = {"full, AdamW on the device": {"optimizer_offload": False}} if smoke else MODES
     rows = []
     for machine, (device, host) in machines.items():
         for mode, options in modes.items():

@@ -5,12 +5,11 @@ evaluations."""
 import math
 
 import pytest
-import torch
 
 import longtrain as lt
 from longtrain.models.presets import preset_config
-from longtrain.plan.longest import longest_context, max_context, overflow, search
-from longtrain.plan.planner import _Budget, _reserved, budgets_for, simulate_step
+from longtrain.plan.longest import longest_context, overflow, search
+from longtrain.plan.planner import _Budget, _reserved
 from longtrain.plan.simulate import simulate
 
 CONVEX = {
@@ -66,19 +65,3 @@ def test_the_longest_context_fits_and_one_step_more_does_not(spec, engine, aim):
     assert fits(found) and not fits(found + step)
     if engine:
         assert found == aim  # 40 whole chunks: the budget is what they need plus 100 bytes
-
-
-def test_max_context_ranks_every_candidate_longest_first():
-    config = preset_config("tiny-llama", num_hidden_layers=2)
-    limits = max_context(config, device_memory=2**23, host_memory=2**23, chunks=(256,), optimizer_offload=False)
-    assert [limit.tokens for limit in limits] == sorted((limit.tokens for limit in limits), reverse=True)
-    assert {limit.name.split(",")[0] for limit in limits} >= {"checkpoint", "memo", "fpdt:chunk=256:offload:segment=2"}
-    best = limits[0]
-    assert best.tokens > 0 and best.step_seconds > 0 and best.binds in ("device memory", "host memory")
-    params, (budget,) = budgets_for(config, device_memory=2**23, host_memory=2**23, optimizer="adamw",
-                                    dtype=torch.bfloat16, optimizer_offload=False)
-    assert params > 0 and budget.optimizer == "none"
-    strategy = lt.Strategy.parse("checkpoint,mst")
-    row = next(limit for limit in limits if limit.name == "checkpoint,mst")
-    device, host, _ = simulate_step(config, row.tokens, strategy, "bfloat16")
-    assert overflow(strategy, budget, device, host)[0] <= 0

@@ -18,3 +18,8 @@ def test_benchmark_smoke(script, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert report["rows"] and all(row.get("strategy") for row in report["rows"])
+    if script == "max_context.py":  # the longest of every candidate's limit (plan/longest.py), the others beside it
+        row = report["rows"][0]
+        best = int(row["tokens"].replace(",", ""))
+        assert best > 0 and row["binds"].endswith("beyond it")
+        assert {"checkpoint,mst", "memo,mst"} <= set(row["others"]) and max(row["others"].values()) <= best

@@ -59,7 +59,7 @@ def test_a_chunk_curve_is_the_simulation_at_every_length(engine, optimizer):
     """The longest-context search evaluates the curve instead of simulating each length: at
     every whole-chunk length it must give simulate()'s figures to the byte (same small
     simulations), and grow convexly (each place's peak is affine in the chunks)."""
-    config = preset_config("tiny-llama", num_hidden_layers=4)
+    config = preset_config("tiny-llama", num_hidden_layers=2)
     strategy = lt.Strategy.parse("mst", engine=engine)
     curve = chunk_curve(config, strategy, optimizer=optimizer, dtype="float32", iterations=1)
     assert curve is not None and curve.chunk == 16
