@@ -135,6 +135,10 @@ def test_a_plan_simulated_in_worker_processes_is_the_plan_simulated_here():
 
     here = rows(1)
     assert len(here) >= 4 and rows(2) == here
+    # Once one fits, no more are started: at most the window of two already running.
+    planner._SIMULATIONS.clear()
+    result = plan("tiny-llama", 2048, device_memory=2**30, host_memory=2**30, workers=2)
+    assert result.best is not None and sum(r.simulated for r in result.rows) <= 2
 
 
 def test_plan_longest_is_the_search_of_each_fitting_row():

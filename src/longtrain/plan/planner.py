@@ -390,12 +390,13 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
                               optimizer_offload=offloaded, simulated=False)
             elif winner is not None and not exhaustive and not simulations.started(args):
                 row = PlanRow(label, strategy.to_dict(), None, None, None, False, None, None, None, None,
-                              notes={"skipped": f"{winner} fits with fewer chunks" if label in many
+                              notes={"skipped": f"over 32 chunks, and {winner} fits" if label in many
                                      else f"predicted slower than {winner}, which fits"},
                               optimizer_offload=offloaded, simulated=False)
             else:
-                # The next candidates start in the other workers while this one is simulated.
-                ahead = to_simulate[to_simulate.index(i):][:workers]
+                # The next candidates start in the other workers while this one is simulated —
+                # until one fits: then only those already started are waited for.
+                ahead = to_simulate[to_simulate.index(i):][:workers] if winner is None or exhaustive else []
                 for j in ahead:
                     _, other, other_strategy, other_budget = jobs[j]
                     if simulations.start((config, seq_len, other_strategy, dtype, batch, other_budget.optimizer,
