@@ -436,7 +436,9 @@ def chunk_curve(model: str | PretrainedConfig, strategy: Strategy | str, *, batc
     # the length itself only sets the target, which the curve replaces.
     seq_len = chunk * 2**20
     config = load_config(model)
-    config.max_position_embeddings = max(getattr(config, "max_position_embeddings", 0) or 0, seq_len)
+    # Positions for the small simulations (a few chunks); memory does not depend on this
+    # setting in the supported families (rotary angles are computed per position).
+    config.max_position_embeddings = max(getattr(config, "max_position_embeddings", 0) or 0, 64 * chunk)
     config.use_cache = False
     warm_start = iterations is None and "memo" not in strategy.techniques
     run = functools.partial(_simulate_once, batch_size=batch_size, optimizer=optimizer, dtype=parse_dtype(dtype),
