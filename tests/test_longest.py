@@ -38,7 +38,7 @@ def test_search_ends_where_a_convex_overflow_crosses_zero(name, start):
 
 def test_search_says_when_nothing_fits_or_nothing_binds():
     assert search(lambda n: (1.0, "host memory"), 4096, 1024) == (0, "host memory")
-    assert search(lambda n: (-1.0, "-"), 4096, 1024, limit=2**20) == (2**20, "no limit below 2^31 tokens")
+    assert search(lambda n: (-1.0, "-"), 4096, 1024, limit=2**20) == (2**20, "no limit below 1,048,576 tokens")
     # A simulation that refuses (Memo over its host budget) counts as not fitting.
     assert search(lambda n: (math.inf if n > 5000 else -1.0, "refused"), 1024, 1024) == (4096, "refused")
 

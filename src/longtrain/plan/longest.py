@@ -88,7 +88,7 @@ def search(over: Callable[[int], tuple[float, str]], start: int, granule: int, l
     fitting.append(lo)
     while hi is None:  # out until something does not fit
         if lo >= limit:
-            return lo, "no limit below 2^31 tokens"
+            return lo, f"no limit below {limit:,} tokens"
         crossing = beyond_line(*fitting[-2:]) if len(fitting) > 1 else None
         length = min(limit, max(lo + granule, min(16 * lo, crossing) if crossing else 2 * lo))
         if f(length) <= 0:

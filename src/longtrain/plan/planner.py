@@ -23,11 +23,11 @@ comes at once. Each candidate then gets a lower bound of its memory from what it
 (layer inputs, K/V, attention outputs: counted, not simulated); one whose bound does not
 fit is not simulated. The rest are simulated fastest-predicted first; once one fits,
 the slower ones are listed as such without simulating them (``exhaustive=True``
-simulates them all). Each simulation covers the whole length (:func:`simulate_step`: the
-simulator extends per-phase peaks itself, about a minute per 8B candidate); simulations
-are cached in the process. ``longest=True`` adds, per
-strategy, the longest context it reaches (a second simulation at half the length, memory
-taken as linear in the length between and beyond).
+simulates them all), ``workers`` at a time in processes of their own. Each simulation
+covers the whole length (:func:`simulate_step`: the simulator extends per-phase peaks
+itself, about a minute per 8B candidate); simulations are cached in the process.
+``longest=True`` adds, per simulated strategy, the longest context it reaches (a search:
+:mod:`longtrain.plan.longest`).
 """
 
 from __future__ import annotations
@@ -360,6 +360,7 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
     every = candidates(seq_len, host_memory, config.num_hidden_layers, every_chunk=True)
     fallback = {label for label, strategy in every.items()
                 if label not in usual and strategy.engine_options.chunk < seq_len}
+    many = set()  # the candidates' names with over 32 chunks
     for label, strategy in {**usual, **{label: every[label] for label in fallback}}.items():
         if sp is not None:
             if "memo" in strategy.techniques:  # Memo does not run under sequence parallelism yet
@@ -373,11 +374,11 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
                 strategy = _rebuilt(strategy, memo=memo)
             predicted = step_time(config, seq_len, strategy, rates, batch=batch, optimizer_offload=offloaded,
                                   trainable=params)
-            jobs.append((label in fallback, predicted.seconds, label + (" · optimizer in host memory" if offloaded else ""),
-                         strategy, budget))
-    jobs.sort(key=lambda job: job[:2])
-    many = {job[2] for job in jobs if job[0]}
-    jobs = [job[1:] for job in jobs]
+            name = label + (" · optimizer in host memory" if offloaded else "")
+            if label in fallback:
+                many.add(name)
+            jobs.append((predicted.seconds, name, strategy, budget))
+    jobs.sort(key=lambda job: (job[1] in many, job[0]))
     bounds = [_bound(config, seq_len, strategy, budget, item, batch, gpus) for _, _, strategy, budget in jobs]
     to_simulate = [i for i, bound in enumerate(bounds) if bound is None]
     winner = None

@@ -355,12 +355,8 @@ def simulate(
     config.use_cache = False
     torch_dtype = parse_dtype(dtype)
     strategy = Strategy.parse(strategy)
-    # The small simulations start from the optimizer's state (one measured step) where that
-    # is the steady state: not where a technique decides at its first step (memo's α).
-    warm_start = iterations is None and "memo" not in strategy.techniques
-    iterations = iterations or (1 if optimizer == "none" else 2)
-    run = functools.partial(_simulate_once, batch_size=batch_size, optimizer=optimizer, dtype=torch_dtype,
-                            lora_rank=lora_rank, iterations=iterations, grad_accum=grad_accum)
+    run, warm_start = _runner(strategy, batch_size=batch_size, optimizer=optimizer, dtype=torch_dtype,
+                              lora_rank=lora_rank, iterations=iterations, grad_accum=grad_accum)
     say = progress or (lambda _: None)
 
     result = None
@@ -397,7 +393,6 @@ class ChunkCurve:
     chunk: int
     fewest: int  # below this many chunks simulate() simulates the length itself
     strategy: Strategy
-    model: str
     _fitted: _Fitted = field(repr=False)
 
     def peaks(self, chunks: int) -> tuple[int, int]:
@@ -440,15 +435,24 @@ def chunk_curve(model: str | PretrainedConfig, strategy: Strategy | str, *, batc
     # setting in the supported families (rotary angles are computed per position).
     config.max_position_embeddings = max(getattr(config, "max_position_embeddings", 0) or 0, 64 * chunk)
     config.use_cache = False
-    warm_start = iterations is None and "memo" not in strategy.techniques
-    run = functools.partial(_simulate_once, batch_size=batch_size, optimizer=optimizer, dtype=parse_dtype(dtype),
-                            lora_rank=lora_rank, iterations=iterations or (1 if optimizer == "none" else 2),
-                            grad_accum=1, warm_start=warm_start)
-    fitted = _fit(config, seq_len, strategy, run, progress or (lambda _: None))
+    run, warm_start = _runner(strategy, batch_size=batch_size, optimizer=optimizer, dtype=parse_dtype(dtype),
+                              lora_rank=lora_rank, iterations=iterations, grad_accum=1)
+    fitted = _fit(config, seq_len, strategy, functools.partial(run, warm_start=warm_start), progress or (lambda _: None))
     if fitted is None or fitted.chunks is None:
         return None
-    name = model if isinstance(model, str) else getattr(config, "name_or_path", "") or config.model_type
-    return ChunkCurve(chunk, fitted.chunks.first + 3, strategy, name, fitted)
+    return ChunkCurve(chunk, fitted.chunks.first + 3, strategy, fitted)
+
+
+def _runner(strategy: Strategy, *, batch_size, optimizer, dtype, lora_rank, iterations, grad_accum):
+    """(one simulation of a step — :func:`_simulate_once` with the run's settings — and
+    whether the small simulations may warm-start the optimizer)."""
+    # The small simulations start from the optimizer's state (one measured step) where that
+    # is the steady state: not where a technique decides at its first step (memo's α).
+    warm_start = iterations is None and "memo" not in strategy.techniques
+    run = functools.partial(_simulate_once, batch_size=batch_size, optimizer=optimizer, dtype=dtype,
+                            lora_rank=lora_rank, iterations=iterations or (1 if optimizer == "none" else 2),
+                            grad_accum=grad_accum)
+    return run, warm_start
 
 
 # ---- one simulation -------------------------------------------------------------------------
