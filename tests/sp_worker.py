@@ -9,7 +9,6 @@ tests/test_sequence_parallel.py."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
@@ -157,15 +156,7 @@ def main(out: str, cases: str) -> None:
         if dist.get_rank() == 0:
             with open(out, "w") as f:
                 json.dump(result, f)
-        dist.barrier()  # nobody tears down a connection a peer still uses
-        dist.destroy_process_group()
-        # Skip interpreter finalization: once in CI a rank aborted at exit ("terminate called
-        # without an active exception") after its work was done — gloo's threads can still hold
-        # a collective's work object, whose tensors are freed while Python shuts down
-        # (pytorch/pytorch#179291).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        _leave()
     if cases in ("die", "mismatch"):
         try:
             failures(cases)
@@ -182,8 +173,18 @@ def main(out: str, cases: str) -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f, indent=2)
+    _leave()
+
+
+def _leave() -> None:
+    """Tear down, then skip interpreter finalization as the command line does: once in CI
+    a rank aborted at exit ("terminate called without an active exception") after its work
+    was done (gloo's threads can hold a collective's work object, pytorch/pytorch#179291)."""
+    from longtrain.parallel.distributed import exit_process
+
     dist.barrier()  # nobody tears down a connection a peer still uses
     dist.destroy_process_group()
+    exit_process(0)
 
 
 if __name__ == "__main__":

@@ -353,22 +353,27 @@ def _quiet_third_party() -> None:
 
 
 def _leave_process_group(code: int) -> None:
-    """Under torchrun a failed rank leaves at once (see parallel.distributed.exit_process)."""
-    if "torch.distributed" not in sys.modules:  # nothing to leave, and no reason to import torch to say so
+    """Under torchrun a rank leaves at once, failed or done (see parallel.distributed.exit_process)."""
+    if "longtrain.parallel.distributed" not in sys.modules:  # no process group was joined: nothing to leave
         return
-    import torch.distributed as dist
+    from .parallel.distributed import exit_process, joined
 
-    if dist.is_available() and dist.is_initialized():
-        from .parallel.distributed import exit_process
-
+    if joined():
         exit_process(code)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_third_party()
+    # Before anything allocates on a GPU: chunked steps fragment the default allocator's
+    # segments (docs/speed.md); a user's own PYTORCH_ALLOC_CONF wins.
+    from .memory.allocator import prefer_expandable_segments
+
+    prefer_expandable_segments()
     try:
-        return args.run(args)
+        code = args.run(args)
+        _leave_process_group(code)
+        return code
     except LongtrainError as exc:
         print(f"longtrain: error: {exc}", file=sys.stderr)
         _leave_process_group(2)

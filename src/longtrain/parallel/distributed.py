@@ -20,6 +20,7 @@ from ..errors import LongtrainError
 
 DEFAULT_TIMEOUT_S = 600.0
 # What gloo and NCCL say when a peer died, hung or the network broke.
+_joined = False  # this process started a process group from torchrun's environment (init_from_env)
 _PEER_FAILURE = ("Timed out", "timed out", "Connection reset", "Connection closed", "connection closed", "NCCL", "gloo",
                  "Broken pipe", "peer")
 
@@ -29,9 +30,11 @@ def init_from_env(device: torch.device | None = None, timeout_s: float | None = 
     NCCL on CUDA) and return (rank, world size); a plain process is rank 0 of 1.
     ``timeout_s`` (default: ``LONGTRAIN_COLLECTIVE_TIMEOUT`` seconds, else 600) bounds
     every collective."""
+    global _joined
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return 0, 1
+    _joined = True
     if not dist.is_initialized():
         backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
         timeout = timeout_s if timeout_s is not None else float(os.environ.get("LONGTRAIN_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT_S))
@@ -49,14 +52,22 @@ def sum_over_data_parallel(count: int, degree: int, device) -> int:
     return int(round(float(total) / degree))
 
 
+def joined() -> bool:
+    """Whether this process joined a run's process group (even one torn down since)."""
+    return _joined or (dist.is_available() and dist.is_initialized())
+
+
 def exit_process(code: int) -> None:
-    """End this process with ``code`` after a failure. With a process group whose peers
-    may be gone, the normal interpreter exit can abort inside the communication
-    library's teardown ("terminate called without an active exception"): leave at once
-    (checkpoints are committed atomically; nothing is lost)."""
+    """End this process with ``code``, after a failure or after the run's work (its
+    checkpoints, final model and summary) is done. In a process that joined a process
+    group the normal interpreter exit can abort inside the communication library's
+    teardown ("terminate called without an active exception": after a failure when peers
+    are gone, and even after a clean ``destroy_process_group`` when gloo's threads still
+    hold a collective's work object, pytorch/pytorch#179291): leave at once, skipping
+    interpreter finalization (checkpoints are committed atomically; nothing is lost)."""
     import sys
 
-    if dist.is_available() and dist.is_initialized():
+    if joined():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

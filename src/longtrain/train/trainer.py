@@ -26,6 +26,7 @@ from ..engines.batch import count_label_tokens
 from ..engines.backprop import forward_loss
 from ..errors import LongtrainError, writing
 from ..memory.flops import device_peak_flops, mfu, model_flops_per_sample
+from ..memory.allocator import allocator_setting
 from ..memory.measure import StepMemoryMeter
 from ..memory.units import format_bytes, physical_memory
 from ..models.loading import add_lora, build_from_config, is_model_dir, load_config, load_pretrained, parse_dtype
@@ -495,7 +496,7 @@ class Trainer:
         peak_flops = device_peak_flops(self.device)
         tokens_per_step = c.seq_len * c.batch_size * c.grad_accum * self.ranks.data_parallel  # every group's
         trainable = list(_trainable(self.model).values())
-        peak_bytes, step_times = 0, []
+        peak_bytes, reserved_bytes, step_times = 0, 0, []
         bar = tqdm(total=c.steps, initial=self.step_index, disable=not (c.progress and self.ranks.main), desc="train", unit="step", dynamic_ncols=True)
         start = time.perf_counter()
         try:
@@ -529,6 +530,9 @@ class Trainer:
                         "step": self.step_index, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                         "tokens_per_s": tokens_per_step / seconds, "step_seconds": seconds, "peak_bytes": peak.peak_bytes,
                     }
+                    if peak.reserved_bytes is not None:
+                        record["reserved_bytes"] = peak.reserved_bytes
+                        reserved_bytes = max(reserved_bytes, peak.reserved_bytes)
                     if flops_per_sample and peak_flops:
                         per_rank = flops_per_sample * c.batch_size * c.grad_accum * self.ranks.data_parallel / self.ranks.world_size
                         record["mfu"] = mfu(per_rank, seconds, peak_flops)
@@ -547,7 +551,7 @@ class Trainer:
             bar.close()
             if log is not None:
                 log.close()
-        return self._finish(peak_bytes, step_times, start)
+        return self._finish(peak_bytes, reserved_bytes, step_times, start)
 
     def _at_the_end(self, resume: Path) -> dict:
         """A run resumed at its last step: nothing to train. If it was stopped after its
@@ -563,13 +567,14 @@ class Trainer:
         if finished:
             self.ranks.close()
             return {}
-        return self._finish(0, [], time.perf_counter())
+        return self._finish(0, 0, [], time.perf_counter())
 
-    def _finish(self, peak_bytes: int, step_times: list[float], start: float) -> dict:
+    def _finish(self, peak_bytes: int, reserved_bytes: int, step_times: list[float], start: float) -> dict:
         """Evaluate, write final/, metrics.png and summary.json (rank 0); the summary."""
         c = self.config
         model = self.full_model()
         peak_bytes = int(self.ranks.max(peak_bytes))  # under layer groups: the largest rank's
+        reserved_bytes = int(self.ranks.max(reserved_bytes))
         if model is None:  # a rank other than 0 of several: rank 0 evaluates and reports
             self.ranks.close()
             return {}
@@ -580,7 +585,7 @@ class Trainer:
         base_config = self.model.get_base_model().config if c.lora else self.model.config  # before LoRA is merged
         self._save_final(model)
         self._plot()
-        summary = self._summary(evaluation, peak_bytes, step_times, time.perf_counter() - start, base_config)
+        summary = self._summary(evaluation, peak_bytes, reserved_bytes, step_times, time.perf_counter() - start, base_config)
         self.ranks.close()
         return summary
 
@@ -635,7 +640,7 @@ class Trainer:
         peft_model.save_pretrained(final / "adapter", save_embedding_layers=False)
         peft_model.merge_and_unload().save_pretrained(final)
 
-    def _summary(self, evaluation, peak_bytes, step_times, seconds, base_config) -> dict:
+    def _summary(self, evaluation, peak_bytes, reserved_bytes, step_times, seconds, base_config) -> dict:
         from ..plan.simulate import simulate
 
         c = self.config
@@ -657,6 +662,9 @@ class Trainer:
             "tokens_per_s": c.seq_len * c.batch_size * c.grad_accum * len(steady) / sum(steady) if steady else None,
             "measured_peak_bytes": peak_bytes,
             "measured_with": "cuda-allocator" if self.device.type == "cuda" else "tracked-storages",
+            # What runs out on a GPU is the allocator's reservation (fragmentation included), and the setting that shapes it.
+            "measured_reserved_bytes": reserved_bytes if self.device.type == "cuda" else None,
+            "allocator": allocator_setting() if self.device.type == "cuda" else None,
             # Host memory longtrain parked chunks in (chunked attention's pinned pool).
             "host_pool_bytes": pinned_host_bytes(self.model),
             "simulated_stock_peak_bytes": stock.device_peak_bytes,
@@ -690,6 +698,14 @@ def _throughput_row(summary: dict) -> tuple[str, str]:
     return ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s on {summary['device']}")
 
 
+def _peak_text(summary: dict) -> str:
+    text = f"{format_bytes(summary['measured_peak_bytes'])} ({summary['measured_with']})"
+    if summary.get("measured_reserved_bytes"):  # CUDA: the reservation is what runs out
+        text += (f", {format_bytes(summary['measured_reserved_bytes'])} reserved "
+                 f"({summary['measured_reserved_bytes'] / max(1, summary['measured_peak_bytes']):.2f}×, allocator {summary['allocator']})")
+    return text
+
+
 def _steps_phrase(summary: dict) -> str:
     trained = summary.get("steps_trained", summary["steps"])
     return f"{trained} steps" + ("" if trained == summary["steps"] else f" (resumed: {summary['steps']} in all)")
@@ -701,8 +717,7 @@ def format_summary(summary: dict) -> str:
                  if summary["final_loss"] is not None else "n/a (no step logged in this run directory)"),
         _evaluation_row(summary["task"], summary.get("task_before")),
         _throughput_row(summary),
-        ("measured peak memory", f"{format_bytes(summary['measured_peak_bytes'])} ({summary['measured_with']})"
-                                 if summary.get("steps_trained", 1) else "n/a (no step trained by this command)"),
+        ("measured peak memory", _peak_text(summary) if summary.get("steps_trained", 1) else "n/a (no step trained by this command)"),
         ("simulated stock peak", f"{format_bytes(summary['simulated_stock_peak_bytes'])} (same model, no techniques, {summary['simulated_stock_setup']}, seq_len {summary['seq_len']:,})"),
         ("wall time", f"{summary['seconds']:.0f} s for {_steps_phrase(summary)}, strategy {summary['strategy']}"),
     ]
