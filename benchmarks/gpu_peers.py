@@ -68,7 +68,7 @@ from longtrain.memory.flops import device_peak_flops, model_flops_per_sample  # 
 from longtrain.memory.units import parse_tokens  # noqa: E402
 from longtrain.models.loading import build_from_config, default_dtype  # noqa: E402
 from longtrain.models.presets import preset_config  # noqa: E402
-from longtrain.strategy import pinned_host_bytes  # noqa: E402
+from longtrain.strategy import applied_context, pinned_host_bytes  # noqa: E402
 
 GIB = 2**30
 ROW_TAG = "GPU_PEERS_ROW "  # how an isolated case hands its row to the parent
@@ -135,6 +135,9 @@ CASES = [
     Case("lt:fpdt+keep+mst", "longtrain", lambda n: _fpdt(n, keep_output=True)),
     Case("lt:fpdt+offload+mst", "longtrain", lambda n: _fpdt(n, offload=True)),
     Case("lt:fpdt+offload+keep+mst", "longtrain", lambda n: _fpdt(n, offload=True, keep_output=True)),
+    # Memo: attention once, other activations swapped to host memory by token (alpha measured
+    # in the warm-up step), no layer recomputed where the host link hides the copies.
+    Case("lt:memo+mst", "longtrain", lambda n: lt.Strategy(memo=lt.Memo(), mst=True)),
     Case("lt:seco+checkpoint+mst", "longtrain",
          lambda n: lt.Strategy(engine="seco", engine_options={"chunk": _fpdt_chunk(n) // 2, "offload": True},
                                checkpoint=True, mst=True)),
@@ -203,7 +206,7 @@ def _empty_row(case: Case, length: int) -> dict:
     return {"tokens": length, "case": case.name, "status": "ok", "step_s": None, "tokens_per_s": None, "mfu_pct": None,
             "alloc_gib": None, "reserved_gib": None, "reserved_over_alloc": None, "host_peak_gib": None,
             "host_pinned_gib": None, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") or "default",
-            "attention_kernel": None}
+            "attention_kernel": None, "notes": None}
 
 
 def _kernel_of(config, device, dtype) -> str:
@@ -211,6 +214,18 @@ def _kernel_of(config, device, dtype) -> str:
 
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return attention_kernel(device, dtype, head_dim)
+
+
+def _strategy_notes(model) -> str | None:
+    """What a technique chose on this machine (Memo's alpha and the rates it measured)."""
+    context = applied_context(model)
+    notes = dict(context.notes) if context is not None else {}
+    if "memo_alpha" not in notes:
+        return None
+    text = f"memo alpha {notes['memo_alpha']:.2f}"
+    if notes.get("memo_measured"):
+        text += f" (layer {notes['memo_layer_seconds'] * 1e3:.0f} ms, host link {notes['memo_host_bandwidth'] / 1e9:.1f} GB/s)"
+    return text
 
 
 def _profile_step(one_step, device: torch.device, path: Path) -> None:
@@ -264,10 +279,13 @@ def run_case(case: Case, config, length: int, device: torch.device, dtype, repea
             row["reserved_over_alloc"] = row["reserved_gib"] / row["alloc_gib"]
         if case.kind == "longtrain":
             row["host_pinned_gib"] = pinned_host_bytes(model) / GIB
+            row["notes"] = _strategy_notes(model)
         if profile_dir is not None:
             _profile_step(one_step, device, Path(profile_dir) / f"{case.name.replace(':', '_')}_{length}.txt")
     except torch.OutOfMemoryError:
         row["status"] = "out of memory"
+    except lt.LongtrainError as error:  # e.g. Memo: what it keeps in host memory exceeds the host
+        row["status"] = "refused: " + str(error)[:160]
     finally:
         model = step = None  # drop the model before the next case builds its own
         gc.collect()
@@ -463,7 +481,7 @@ Not run: {'; '.join(skipped) or 'nothing'}."""
                ("tokens_per_s", "tokens/s"), ("vs_best_peer", "× best peer"), ("mfu_pct", "MFU %"),
                ("alloc_gib", "alloc GiB"), ("reserved_gib", "reserved GiB"), ("reserved_over_alloc", "reserved/alloc"),
                ("host_peak_gib", "host peak GiB"), ("host_pinned_gib", "pinned GiB"), ("alloc_conf", "alloc conf"),
-               ("attention_kernel", "kernel")]
+               ("attention_kernel", "kernel"), ("notes", "notes")]
     for r in rows:  # rows appended from an earlier version of this script may lack a column
         for key, _ in columns:
             r.setdefault(key, None)

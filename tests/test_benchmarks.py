@@ -19,8 +19,9 @@ def test_gpu_suite_smoke_runs_end_to_end_on_the_cpu():
     assert summary["parts"]["peers"]["exit_code"] == 0
     rows = json.loads((folder / "gpu_peers.json").read_text())["rows"]
     cases = {r["case"] for r in rows}
-    assert {"hf", "hf+offload", "lt:checkpoint+mst", "lt:fpdt+offload+mst", "lt:seco+checkpoint+mst"} <= cases
+    assert {"hf", "hf+offload", "lt:checkpoint+mst", "lt:fpdt+offload+mst", "lt:memo+mst", "lt:seco+checkpoint+mst"} <= cases
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["notes"].startswith("memo alpha ") for r in rows if r["case"] == "lt:memo+mst")  # what it chose, measured
     assert "Not run:" in (folder / "gpu_suite.md").read_text()
 
 
@@ -49,3 +50,19 @@ def test_gpu_peers_isolates_cases_and_stops_a_case_at_its_first_failure(tmp_path
     assert report["meta"]["longest_fit"]["lt:checkpoint+mst"] == {"longest_ok": None, "first_failure": 128}
     assert any("lt:checkpoint+mst at 256 tokens (out of memory at 128)" in s for s in report["meta"]["skipped"])
     assert "Longest length each case ran:" in (tmp_path / "gpu_peers.md").read_text()
+
+
+def test_a_case_longtrain_refuses_is_reported_as_refused_not_a_crash():
+    """Memo refuses a length whose kept activations exceed the host budget; the sweep
+    records the refusal (and, like an out-of-memory, tries no longer length)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_peers
+    import longtrain as lt
+
+    case = gpu_peers.Case("lt:memo-tiny-host", "longtrain", lambda n: lt.Strategy(memo=lt.Memo(host_memory=1024), mst=True))
+    config = gpu_peers._config("tiny-llama", [128])
+    row = gpu_peers.run_case(case, config, 128, torch.device("cpu"), torch.float32, repeats=1, warmup=0)
+    assert row["status"].startswith("refused: memo keeps every layer's input and attention output in host memory")
+    assert gpu_peers.longest_fit([row])["lt:memo-tiny-host"] == {"longest_ok": None, "first_failure": 128}
