@@ -141,6 +141,27 @@ def test_a_plan_simulated_in_worker_processes_is_the_plan_simulated_here():
     assert result.best is not None and sum(r.simulated for r in result.rows) <= 2
 
 
+def test_a_worker_hands_back_the_chunk_curves_it_made():
+    """A worker's FPDT simulation reads a chunk curve; the parent gets it (peaks only,
+    pickled as between processes) so `plan --longest` searches it without simulating again."""
+    import json
+    import pickle
+
+    config = planner.load_config("tiny-llama")
+    strategy = lt.Strategy.parse("mst", engine="fpdt:chunk=128:segment=2")
+    planner._CURVES.clear()
+    result, curves = planner._simulate_elsewhere(json.dumps(config.to_dict(), default=str), 2048, strategy.to_json(),
+                                                 "bfloat16", 1, "none", None)
+    (key, light), = curves.items()
+    full = planner._CURVES[key]
+    light = pickle.loads(pickle.dumps(light))
+    assert light.fewest == full.fewest and light.notes == full.notes
+    assert all(light.peaks(n) == full.peaks(n) for n in range(full.fewest, 64))
+    assert result[:2] == full.peaks(2048 // 128)
+    with pytest.raises(ValueError, match="peaks only"):
+        light.report(full.fewest)
+
+
 def test_plan_longest_is_the_search_of_each_fitting_row():
     result = plan("tiny-llama", 1024, device_memory=2**24, host_memory=2**24, longest=True, optimizer_offload=False)
     row = result.best

@@ -273,12 +273,15 @@ def _simulate_step(config, seq_len, strategy: Strategy, dtype, batch, optimizer,
 
 
 def _simulate_elsewhere(config_json: str, seq_len: int, strategy_json: str, dtype, batch, optimizer, lora_rank):
-    """simulate_step in a worker process (plan's ``jobs``)."""
+    """simulate_step in a worker process (plan's ``jobs``), and the chunk curves it made on
+    the way: the parent caches them, so ``--longest`` searches them without simulating again."""
     from transformers import AutoConfig
 
     data = json.loads(config_json)
     config = AutoConfig.for_model(data.pop("model_type"), **data)
-    return _simulate_step(config, seq_len, Strategy.from_json(strategy_json), dtype, batch, optimizer, lora_rank)
+    before = set(_CURVES)
+    result = _simulate_step(config, seq_len, Strategy.from_json(strategy_json), dtype, batch, optimizer, lora_rank)
+    return result, {key: curve and curve.peaks_only() for key, curve in _CURVES.items() if key not in before}
 
 
 @dataclass
@@ -459,7 +462,9 @@ class _Simulations:
         key = _key(*args)
         future = self.futures.pop(key, None)
         if future is not None and key not in _SIMULATIONS:
-            _SIMULATIONS[key] = future.result()
+            _SIMULATIONS[key], curves = future.result()
+            for curve_key, curve in curves.items():
+                _CURVES.setdefault(curve_key, curve)
         return simulate_step(*args)
 
 

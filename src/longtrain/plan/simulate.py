@@ -413,7 +413,16 @@ class ChunkCurve:
         """The whole report (the categories at the device peak) at ``chunks`` whole chunks."""
         if chunks < self.fewest:
             raise ValueError(f"the curve starts at {self.fewest} chunks, got {chunks}")
+        if any(sim.report is None for sim in self._fitted.sims.values()):
+            raise ValueError("this curve keeps the peaks only (peaks_only()); simulate again for the report")
         return self._fitted.simulated(self.strategy, chunks).report
+
+    def peaks_only(self) -> "ChunkCurve":
+        """The same curve without its simulations' reports and trackers (which hold the fake
+        model): what :meth:`peaks` and :attr:`notes` read, small and picklable — for
+        ``plan``'s worker processes to hand their curves back."""
+        sims = {p: dataclasses.replace(sim, report=None, tracker=None) for p, sim in self._fitted.sims.items()}
+        return dataclasses.replace(self, _fitted=dataclasses.replace(self._fitted, sims=sims))
 
 
 def chunk_curve(model: str | PretrainedConfig, strategy: Strategy | str, *, batch_size: int = 1,
