@@ -1,6 +1,7 @@
 """The command line asks CUDA's allocator for expandable segments (docs/speed.md: the
 reserved peak of offloaded chunked steps ran 1.3–1.4× the allocated one without them),
-and a user's own allocator setting is left alone."""
+and a user's own allocator setting is left alone; a CUDA run reports the reservation
+and the attention kernel its blocks ran."""
 
 import pytest
 
@@ -50,8 +51,9 @@ def test_a_cuda_summary_reports_the_reservation_and_the_setting():
     summary = {"final_loss": 1.0, "first_loss": 2.0, "task": None, "tokens_per_s": 100.0, "device": "cuda:0",
                "measured_peak_bytes": 40 * 2**30, "measured_with": "cuda-allocator", "measured_reserved_bytes": 42 * 2**30,
                "allocator": "expandable_segments:True", "simulated_stock_peak_bytes": 2**30, "simulated_stock_setup": "same setup",
-               "seq_len": 1024, "seconds": 10.0, "steps": 2, "strategy": "fpdt"}
+               "seq_len": 1024, "seconds": 10.0, "steps": 2, "strategy": "fpdt", "attention_kernel": "cudnn"}
     text = format_summary(summary)
+    assert "100 tokens/s on cuda:0 (attention kernel cudnn)" in text
     assert "40.00 GiB (cuda-allocator), 42.00 GiB reserved (1.05×, allocator expandable_segments:True)" in text
     cpu = dict(summary, device="cpu", measured_with="tracked-storages", measured_reserved_bytes=None, allocator=None)
-    assert "reserved" not in format_summary(cpu)
+    assert "reserved" not in format_summary(cpu) and "kernel" not in format_summary(cpu)

@@ -225,7 +225,7 @@ class Trainer:
         _check(config)
         self.config = config
         self.device = _device(config.device)
-        compute = parse_dtype(config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
+        compute = self.compute_dtype = parse_dtype(config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
         # The parameters' dtype: the compute dtype, or with --master-weights (FSDP2 mixed precision) their own.
         self.dtype = parse_dtype(config.master_weights) if config.master_weights else compute
         self.strategy = _strategy(config, compute, self.device)
@@ -665,6 +665,8 @@ class Trainer:
             # What runs out on a GPU is the allocator's reservation (fragmentation included), and the setting that shapes it.
             "measured_reserved_bytes": reserved_bytes if self.device.type == "cuda" else None,
             "allocator": allocator_setting() if self.device.type == "cuda" else None,
+            # The kernel of unmasked attention blocks (masks and soft-capping use explicit scores).
+            "attention_kernel": _attention_kernel(base_config, self.device, self.compute_dtype),
             # Host memory longtrain parked chunks in (chunked attention's pinned pool).
             "host_pool_bytes": pinned_host_bytes(self.model),
             "simulated_stock_peak_bytes": stock.device_peak_bytes,
@@ -692,10 +694,21 @@ def _evaluation_row(task: dict | None, before: dict | None = None) -> tuple[str,
     return ("held-out loss", "none: the data holds fewer than 10 windows of --seq-len, too few to set one aside")
 
 
+def _attention_kernel(config, device: torch.device, dtype: torch.dtype) -> str | None:
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:  # no attention (SSM-ResNet)
+        return None
+    from ..ops.attention_blocks import attention_kernel
+
+    return attention_kernel(device, dtype, getattr(config, "head_dim", None) or config.hidden_size // heads)
+
+
 def _throughput_row(summary: dict) -> tuple[str, str]:
     if summary["tokens_per_s"] is None:
         return ("throughput", f"n/a (no step trained by this command) on {summary['device']}")
-    return ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s on {summary['device']}")
+    kernel = f" (attention kernel {summary['attention_kernel']})" if summary.get("attention_kernel") and \
+        summary["device"].startswith("cuda") else ""
+    return ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s on {summary['device']}{kernel}")
 
 
 def _peak_text(summary: dict) -> str:
