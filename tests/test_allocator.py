@@ -57,3 +57,12 @@ def test_a_cuda_summary_reports_the_reservation_and_the_setting():
     assert "40.00 GiB (cuda-allocator), 42.00 GiB reserved (1.05×, allocator expandable_segments:True)" in text
     cpu = dict(summary, device="cpu", measured_with="tracked-storages", measured_reserved_bytes=None, allocator=None)
     assert "reserved" not in format_summary(cpu) and "kernel" not in format_summary(cpu)
+
+
+def test_metrics_plot_draws_the_reservation_beside_the_allocation(tmp_path):
+    pytest.importorskip("matplotlib")
+    from longtrain.train.plot import plot_metrics
+
+    records = [{"step": s, "loss": 3.0 - s / 10, "tokens_per_s": 100.0, "peak_bytes": 2**30, "reserved_bytes": 2**30 + s * 2**20}
+               for s in range(1, 5)] + [{"step": 4, "eval": {"loss": 2.9, "samples": 2}}]
+    assert plot_metrics(records, tmp_path / "metrics.png").stat().st_size > 0

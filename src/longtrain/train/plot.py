@@ -1,4 +1,5 @@
-"""``metrics.png``: loss, throughput and peak memory per step, beside ``metrics.jsonl``."""
+"""``metrics.png``: loss (and held-out loss), throughput and peak memory (on CUDA also the
+allocator's reservation) per step, beside ``metrics.jsonl``."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ def plot_metrics(records: list[dict], path: str | Path) -> Path | None:
     if held_out:
         axes[0].plot(*zip(*held_out), "o-", lw=1.2, label="held-out")
         axes[0].legend()
+    reserved = [(r["step"], r["reserved_bytes"] / 2**20) for r in steps if isinstance(r.get("reserved_bytes"), (int, float))]
+    if reserved:  # CUDA: the allocator's reservation, what runs out
+        axes[-1].plot(*zip(*reserved), lw=1.2, ls="--", label="reserved")
+        axes[-1].lines[0].set_label("allocated")
+        axes[-1].legend()
     axes[-1].set_xlabel("step")
     path = Path(path)
     with writing("the metrics plot", path):
