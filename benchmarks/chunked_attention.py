@@ -5,18 +5,18 @@
    K/V only, or K/V and layer inputs offloaded.
 2. The same at Llama-3-8B scale, simulated (bf16 weights and gradients on the device,
    optimizer state in host memory): device and host bytes per token, and the longest
-   context that fits one 80 GiB device with 120 GiB of host memory.
+   context that fits one 80 GiB device with 120 GiB of host memory (the planner's search).
 3. A chunk-size sweep at a fixed length: step time against device peak (CPU).
-4. On a GPU, when there is one: tokens/s of Llama-3-8B with and without offload
-   (side by side, same run) from 32K tokens up.
 
-Writes docs/chunked_attention_{memory,llama3_8b,chunk_sweep[,gpu]}.{json,md} and
+GPU step times are benchmarks/gpu_peers.py's. Writes
+docs/chunked_attention_{memory,llama3_8b,chunk_sweep}.{json,md} and
 docs/chunked_attention_memory.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 
@@ -67,39 +67,59 @@ def cpu_memory(lengths=(2048, 4096, 8192, 16384), chunk=1024) -> list[dict]:
 def llama3_8b(lengths=(8192, 16384, 32768), chunk=4096, device_budget=80 * GiB, host_budget=120 * GiB) -> list[dict]:
     """Simulated peaks at three lengths with two accumulated micro-batches (so the
     gradients are alive while the second one's forward parks its chunks — the steady
-    state of real training), bytes per token from the 16K→32K slope, and the longest
-    context both budgets allow. AdamW's state (two bf16 moments) lives in host memory.
+    state of real training), bytes per token from the 16K→32K slope; and the longest
+    context both budgets allow, searched (:func:`_longest`).
     """
     config = load_config("llama3-8b")
-    peaks, params = {}, 0
+    peaks = {}
     for name, strategy in _strategies(chunk).items():
         for n in lengths:
             t0 = time.perf_counter()
             report = simulate(config, n, strategy=strategy, optimizer="none", dtype="bfloat16", grad_accum=2)
             peaks[name, n] = (report.peak.peak_device_bytes, report.peak.peak_host_bytes)
-            params = report.parameters
             print(name, n, [p / GiB for p in peaks[name, n]], f"{time.perf_counter() - t0:.0f}s", flush=True)
     a, b = lengths[-2], lengths[-1]
 
     def slope(name, where):
         return (peaks[name, b][where] - peaks[name, a][where]) / (b - a)
 
-    optimizer_state = 2 * params * 2
-    growth = {name: (slope(name, 0), slope(name, 1)) for name in _strategies(chunk)}
     rows = []
-    for name, (dev, host) in growth.items():
-        base_device = peaks[name, b][0] - dev * b
-        base_host = peaks[name, b][1] - host * b
-        limits = {"device": (device_budget - base_device) / dev if dev > 0 else float("inf"),
-                  "host": (host_budget - optimizer_state - base_host) / host if host > 0 else float("inf")}
-        limited_by = min(limits, key=limits.get)
+    longest = _longest(config, chunk, device_budget, host_budget)
+    for name in _strategies(chunk):
         rows.append({
             "strategy": name, **{f"device_gib_{n // 1024}k": peaks[name, n][0] / GiB for n in lengths},
             "host_gib_32k": peaks[name, b][1] / GiB,
-            "device_bytes_per_token": round(dev), "host_bytes_per_token": round(host),
-            "longest_tokens": int(limits[limited_by]) // 1024 * 1024, "limited_by": limited_by,
+            "device_bytes_per_token": round(slope(name, 0)), "host_bytes_per_token": round(slope(name, 1)),
+            "longest_tokens": longest[name][0], "limited_by": longest[name][1],
         })
     return rows
+
+
+def _longest(config, chunk, device_budget, host_budget) -> dict[str, tuple[int, str]]:
+    """The longest context of each strategy as the product trains it, with AdamW's state
+    on the device or (``--optimizer-offload``, fp32 state and masters) in host memory,
+    whichever reaches further, with the planner's allocator margins: its search over
+    whole-length simulations (plan/longest.py). A line through two short lengths, as this
+    benchmark extended before, overestimates where the peak moves from one place of the
+    step to another as the length grows."""
+    from longtrain.plan.longest import LIMIT, longest_context
+    from longtrain.plan.planner import budgets_for
+
+    config = copy.deepcopy(config)
+    config.max_position_embeddings = max(config.max_position_embeddings, LIMIT)
+    _, budgets = budgets_for(config, device_memory=device_budget, host_memory=host_budget, optimizer="adamw",
+                             dtype=torch.bfloat16)
+    result = {}
+    for name, strategy in _strategies(chunk).items():
+        t0 = time.perf_counter()
+        for budget in budgets:
+            tokens, binds = longest_context(config, strategy, budget, "bfloat16", label=name,
+                                            progress=lambda line: print(f"  {line}", flush=True))
+            place = "AdamW in host memory" if budget.optimizer == "adamw-offload" else "AdamW on the device"
+            if name not in result or tokens > result[name][0]:
+                result[name] = (tokens, f"{binds} ({place})")
+        print(name, result[name], f"{time.perf_counter() - t0:.0f}s", flush=True)
+    return result
 
 
 def chunk_sweep(seq_len=8192, chunks=(256, 512, 1024, 2048, 4096, 8192), repeats=3) -> list[dict]:
@@ -177,11 +197,14 @@ def main() -> None:
              ("host_gib_32k", "host GiB 32K"), ("device_bytes_per_token", "device B/token"), ("host_bytes_per_token", "host B/token"),
              ("longest_tokens", "longest context"), ("limited_by", "limited by")],
             rows,
-            notes="bf16 weights and gradients on the device; AdamW's two moments (bf16, 4 bytes/parameter = 29.9 GiB) in host "
-                  "memory, charged to the 120 GiB host budget; batch 1 with two accumulated micro-batches (the gradients are "
-                  "alive while the second forward runs, as in real training); chunk 4,096 with MsT. Peaks are simulated (fake "
-                  "tensors, same tracker as the exact CPU measurement) at 8K/16K/32K; bytes per token are the 16K→32K slopes, "
-                  "and the longest context extends those lines to the budgets.",
+            notes="Peak columns: bf16 weights and gradients on the device, no optimizer state; batch 1 with two accumulated "
+                  "micro-batches (the gradients are alive while the second forward runs, as in real training); chunk 4,096 "
+                  "with MsT and `recompute_kv`. Peaks are simulated (fake "
+                  "tensors, same tracker as the exact CPU measurement) at 8K/16K/32K; bytes per token are the 16K→32K slopes. "
+                  "The longest context is the planner's search (plan/longest.py: whole-length simulations, the length found "
+                  "fits and one chunk or 1/64 more does not, with the planner's allocator margins) for training as the product "
+                  "does it, one micro-batch, AdamW's state on the device (bf16 moments) or with `--optimizer-offload` in host "
+                  "memory (fp32 state and masters), whichever reaches further; limited by: what binds one step beyond.",
             command=cmd)
     if "sweep" in parts:
         sweep_rows = chunk_sweep()
