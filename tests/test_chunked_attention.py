@@ -179,6 +179,28 @@ def test_cuda_kernel_argument_conventions_on_fake_cuda_tensors(monkeypatch):
         assert args[5].dtype == torch.float32  # the log-sum-exp the kernel expects
 
 
+def test_the_flash_backward_gets_a_dense_lse_for_each_query_block_of_a_longer_sequence(monkeypatch):
+    """Whole-sequence chunked attention hands each query block its rows of the sequence's
+    LSE: a strided slice when B·H > 1. FA2's CUDA backward indexes the LSE as a dense
+    (B, H, S) array without checking strides — it would read other heads' rows and give
+    wrong gradients silently. The CPU kernel honours strides, so the exactness tests pass
+    either way; this watches what the kernel is given (the same on both branches)."""
+    aten = torch.ops.aten
+    kernel = aten._scaled_dot_product_flash_attention_for_cpu_backward
+    lses = []
+
+    def spy(dout, q, k, v, out, lse, *args, **kwargs):
+        lses.append(lse)
+        return kernel(dout, q, k, v, out, lse, *args, **kwargs)
+
+    monkeypatch.setattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", spy)
+    q = torch.randn(2, 4, 64, 16, requires_grad=True)
+    k = torch.randn(2, 2, 64, 16, requires_grad=True)
+    chunked_attention(q, k, k, chunk=16).sum().backward()
+    assert len(lses) == 10  # 4 query chunks: 4 + 3 + 2 + 1 blocks
+    assert all(lse.is_contiguous() for lse in lses)
+
+
 # ---- which fused kernel a block runs (issue 13): chosen once per device, dtype, head dimension ----
 
 def _pretend_gpu(monkeypatch, capability=(9, 0), cudnn=90500):

@@ -261,6 +261,28 @@ def test_each_attention_kernel_gives_exact_blocks_in_bfloat16(kernel, forced_ker
         assert rel(got, want) < 2e-2
 
 
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+def test_whole_sequence_chunked_attention_with_several_heads_and_rows_on_each_kernel(kernel, forced_kernel):
+    """chunked_attention over 4 chunks, batch 2, 8 query / 2 K/V heads: each query block's
+    backward gets its rows of the sequence's LSE (FA2's kernel reads it as dense: a strided
+    slice gave other heads' rows). bf16 within bf16 error of float64 SDPA."""
+    if not _kernel_available(kernel):
+        pytest.skip(f"{kernel} attention is not available on this device")
+    from longtrain.ops.chunked_attention import chunked_attention
+
+    forced_kernel(kernel)
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    dout = torch.randn_like(q)
+    chunked_attention(q, k, v, chunk=512).backward(dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    F.scaled_dot_product_attention(q64, k64.repeat_interleave(4, 1), v64.repeat_interleave(4, 1),
+                                   is_causal=True).backward(dout.double())
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert float((got.double() - want).norm() / want.norm()) < 2e-2
+
+
 def test_auto_kernel_on_this_device_is_the_fastest_it_has():
     from longtrain.ops.attention_blocks import attention_kernel
 

@@ -121,6 +121,73 @@ def test_chunk_store_parks_in_host_memory_and_brings_back():
     assert store.host_bytes == 0 and len(store) == 0
 
 
+class _FakeCuda:
+    """Streams and events that log what they are asked (for the store's CUDA branch on a CPU)."""
+
+    def __init__(self, monkeypatch):
+        import contextlib
+
+        self.log, self.current = [], None
+        log = self.log
+
+        class Event:
+            def record(self, stream):
+                self.on = stream
+                log.append(("record", stream.name, self))
+
+        class Stream:
+            def __init__(self, name="side"):
+                self.name = name
+
+            def wait_stream(self, other):
+                log.append(("wait_stream", self.name, other.name))
+
+            def wait_event(self, event):
+                log.append(("wait_event", self.name, event))
+
+        self.main = Stream("main")
+
+        @contextlib.contextmanager
+        def stream(s):
+            yield
+
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.main)
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, s: None)
+
+
+def test_a_released_host_buffer_is_reused_only_after_its_copies_from_and_to_the_device(monkeypatch):
+    """On CUDA a parked chunk's host buffer is written by a copy on the to-host stream and
+    read by copies on the to-device stream. A chunk parked and never fetched (the last
+    chunk's K/V) is discarded while its write may be in flight: the buffer's release event
+    must follow that write too, and the next user — another step's store on other
+    streams — waits for it before writing (the streams are logged: no GPU needed)."""
+    from longtrain.memory.chunk_store import PinnedPool
+
+    cuda = _FakeCuda(monkeypatch)
+    pool = PinnedPool(pin=False)
+
+    def store(prefix):  # a store on "CUDA" with its two side streams
+        made = ChunkStore("cpu", offload=True, pool=pool)
+        made._cuda, made._to_host, made._to_device = True, torch.cuda.Stream(), torch.cuda.Stream()
+        made._to_host.name, made._to_device.name = prefix + "to_host", prefix + "to_device"
+        return made
+
+    first = store("")
+    first.put("kv", torch.ones(8))
+    written = first._entries["kv"].written
+    first.discard("kv")
+    release = [e for op, stream, e in cuda.log if op == "record" and stream == "to_device"][-1]
+    assert cuda.log.index(("wait_event", "to_device", written)) < cuda.log.index(("record", "to_device", release))
+    cuda.log.clear()
+    second = store("next_")
+    second.put("kv", torch.full((8,), 2.0))
+    assert ("wait_event", "next_to_host", release) in cuda.log
+    assert torch.equal(second._entries["kv"].host, torch.full((8,), 2.0))
+
+
 def test_host_budget_too_small_is_refused_before_the_step():
     model = build_from_config(preset_config("tiny-llama"), torch.float32)
     lt.apply(model, _fpdt(chunk=32, offload=True, host_memory="1KiB"))
@@ -221,6 +288,32 @@ def test_kept_attention_outputs_mean_attention_runs_forward_once():
     forward, backward = "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"
     assert counts[True][backward] == counts[False][backward] == counts[True][forward]
     assert counts[False][forward] == 2 * counts[True][forward]
+
+
+@pytest.mark.parametrize("options", [dict(keep_output=True), dict(segment=2)])
+def test_every_parked_tensor_a_step_reads_was_prefetched(options, monkeypatch):
+    """Layer inputs, rotary tables, final outputs, output gradients, kept attention outputs
+    and LSEs, K/V gradient sums: each is on its way back to the device before it is read. A
+    fetch started only when a tensor is read puts the copy on the critical path on a GPU
+    (on the CPU copies are synchronous, so only this bookkeeping shows it)."""
+    from longtrain.memory.chunk_store import ChunkStore
+
+    late = []
+    get = ChunkStore.get
+
+    def watching(self, key):
+        entry = self._entries.get(key)
+        if entry is not None and entry.host is not None and entry.device is None:
+            late.append(key)
+        return get(self, key)
+
+    monkeypatch.setattr(ChunkStore, "get", watching)
+    config = preset_config("tiny-llama")
+    config.num_hidden_layers = 3
+    model = build_from_config(config)
+    lt.apply(model, _fpdt(chunk=40, offload=True, **options))
+    lt.step(model, {"input_ids": torch.randint(3, 300, (2, 150), generator=torch.Generator().manual_seed(0))})
+    assert late == []
 
 
 @pytest.mark.parametrize("layers,segment", [(5, 2), (5, 3), (6, 2)])

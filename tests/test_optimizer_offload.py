@@ -172,3 +172,25 @@ def test_on_cuda_gradients_stream_on_a_side_stream_and_the_update_equals_fp32_ad
         optimizer.zero_grad()
         for p, r in zip(params, reference):
             assert torch.equal(p.detach().cpu(), r.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("strategy", [lt.Strategy(), lt.Strategy(engine="fpdt", engine_options={"chunk": 16})])
+def test_no_gradient_is_added_on_the_host_synchronously_for_an_untied_model(strategy, monkeypatch):
+    """Each parameter's gradient is copied once, after its last chunk: a second arrival
+    would be added on the host, synchronously (on a GPU, a stall of the backward thread).
+    FPDT's first layer used to hit it: its chunks' backward runs on through the embeddings."""
+    ours, _ = _pair("tiny-llama")
+    params = [p for p in ours.parameters() if p.requires_grad]
+    optimizer = HostAdamW(params, parameter_groups(ours, params))
+    added = []
+    flush = HostAdamW._flush
+
+    def counting(self, indices):
+        added.extend(i for i in indices if self._filled[i] and self.device_params[i].grad is not None)
+        return flush(self, indices)
+
+    monkeypatch.setattr(HostAdamW, "_flush", counting)
+    with streaming(optimizer, last=True), backward_on_another_thread():
+        lt.step(ours, padded_batch(ours.config.vocab_size, lengths=(61, 45)), strategy)
+    optimizer.finish_backward()
+    assert added == [] and all(optimizer._filled)

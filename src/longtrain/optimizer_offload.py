@@ -17,8 +17,10 @@ the same with plain PyTorch:
   (embeddings 0, decoder layer ``l`` at ``l + 1``, final norm and head at ``n + 1``) is
   complete once a gradient of a lower group arrives. Chunked engines accumulate a
   layer's gradient chunk by chunk, so a layer is never copied while its chunks are still
-  running; a gradient that arrives for a group already copied (tied embeddings, SeCO's
-  chunk-major order) is added to the host buffer, exactly but synchronously;
+  running (the first layer's group waits for the end of backward: each chunk's backward
+  runs on through the embeddings); a gradient that arrives for a group already copied (tied
+  embeddings, SeCO's chunk-major order) is added to the host buffer, exactly but
+  synchronously;
 - **weights streamed back**: after the CPU step the masters are rounded into the (now
   free) pinned buffers and copied to the device on a side stream, in buckets, so the
   CPU's update of one bucket overlaps the copy of the previous one.
@@ -107,7 +109,11 @@ class HostAdamW(torch.optim.AdamW):
         i = self._index[id(param)]
         group = self.order[i]
         # Backward has moved below every group above this one: their gradients are final.
-        for done in [g for g in self._pending if g > group]:
+        # Not the first layer's at an embeddings gradient: chunked engines run each chunk's
+        # backward on through its embeddings, so the first layer's later chunks are still to
+        # come (copied at that point, each would be added on the host, synchronously); its
+        # group moves at the end of backward.
+        for done in [g for g in self._pending if g > max(group, 1)]:
             self._flush(self._pending.pop(done))
         self._pending.setdefault(group, set()).add(i)
 

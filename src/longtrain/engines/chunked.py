@@ -149,6 +149,20 @@ class ChunkedRun:
                 chunk.append(leaf[:, a:b] if isinstance(leaf, torch.Tensor) else leaf)
         return tree_unflatten(chunk, spec)
 
+    def prefetch_inputs(self, layer: int, i: int) -> None:
+        """Start bringing what :meth:`run_layer` reads for chunk ``i`` of ``layer`` to the
+        device: its parked input and rotary tables (a fetch started only when they are read
+        would put the copy on the critical path)."""
+        if not 0 <= i < len(self.bounds) or not self.settings.prefetch:
+            return
+        if layer > 0:
+            self.store.prefetch(("x", layer, i))
+        if self._rotary is None:
+            self._rotary = self._compute_rotary()
+        for n, leaf in enumerate(self._rotary[0]):
+            if leaf is _PARKED:
+                self.store.prefetch(("rotary", i, n))
+
     def _compute_rotary(self):
         # The tables' dtype and device follow the embeddings' output, as in the model's forward.
         with torch.no_grad():

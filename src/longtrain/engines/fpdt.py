@@ -94,9 +94,10 @@ def forward_layer_major(run: ChunkedRun) -> torch.Tensor:
     parked = run.settings.offload_inputs
     chunks = range(len(run.bounds))
     for layer in range(len(run.layers)):
+        run.prefetch_inputs(layer, 0)
         for i in chunks:
-            for j in range(i + 1, min(i + 1 + ahead, len(run.bounds))):
-                store.prefetch(("x", layer, j))
+            for j in range(i + 1, i + 1 + ahead):
+                run.prefetch_inputs(layer, j)
             out = run.run_layer(layer, _layer_input(run, layer, i), i, "forward")
             store.put(("x", layer + 1, i), out, offload=parked)
         if run.settings.recompute_kv:
@@ -104,9 +105,11 @@ def forward_layer_major(run: ChunkedRun) -> torch.Tensor:
                 run.discard_kv(layer, i)
         if layer % run.settings.segment:  # inside a segment: backward recomputes this input
             for i in chunks:
-                store.pop(("x", layer, i))
+                store.discard(("x", layer, i))
     total = None
+    store.prefetch(("x", len(run.layers), 0))
     for i in chunks:
+        store.prefetch(("x", len(run.layers), i + 1))
         loss = run.chunk_loss(adapter.final_norm(store.get(("x", len(run.layers), i))), i)
         total = loss if total is None else total + loss
     return total
@@ -122,7 +125,9 @@ def backward_layer_major(run: ChunkedRun, grad_loss: torch.Tensor) -> None:
     parked = run.settings.offload_inputs
     chunks = range(len(run.bounds))
     # Head: gradient of each chunk's loss with respect to the last layer's output.
+    store.prefetch(("x", n, 0))
     for i in chunks:
+        store.prefetch(("x", n, i + 1))
         y = store.pop(("x", n, i)).detach().requires_grad_(True)
         torch.autograd.backward(run.chunk_loss(adapter.final_norm(y), i), grad_loss)
         store.put(("dy", i), y.grad, offload=parked)
@@ -136,14 +141,15 @@ def backward_layer_major(run: ChunkedRun, grad_loss: torch.Tensor) -> None:
             # Only the attention sub-block runs, outside the layer's forward: its weights
             # are gathered here when they are sharded (FSDP).
             with torch.no_grad(), gathered(run.layers[layer]):
+                run.prefetch_inputs(layer, 0)
                 for i in chunks:
+                    run.prefetch_inputs(layer, i + 1)
                     adapter.run_attention(run.layers[layer], _layer_input(run, layer, i), run.position_embeddings(i),
                                           run.call(i, "kv"))
+        # While chunk i is recomputed and backpropagated, what chunk i - 1 reads comes back.
+        _prefetch_backward(run, layer, chunks[-1])
         for i in reversed(chunks):
-            if i > 0 and layer > 0:
-                store.prefetch(("x", layer, i - 1))
-            if i > 0:
-                store.prefetch(("dy", i - 1))
+            _prefetch_backward(run, layer, i - 1)
             if layer > 0:
                 x = store.pop(("x", layer, i)).detach().requires_grad_(True)
             else:
@@ -152,6 +158,21 @@ def backward_layer_major(run: ChunkedRun, grad_loss: torch.Tensor) -> None:
             if layer > 0:
                 store.put(("dy", i), x.grad, offload=parked)
             run.discard_kv(layer, i)
+            if i > 0 and run.settings.prefetch:  # chunk i sent chunk i - 1's K/V its last gradient: back while i - 1 recomputes
+                store.prefetch(("dk", layer, i - 1))
+                store.prefetch(("dv", layer, i - 1))
+
+
+def _prefetch_backward(run: ChunkedRun, layer: int, i: int) -> None:
+    """Start bringing back what the backward of chunk ``i`` of ``layer`` reads: its input
+    and rotary tables, its output's gradient and (``keep_output``) its attention output and LSE."""
+    if i < 0 or not run.settings.prefetch:
+        return
+    run.prefetch_inputs(layer, i)
+    run.store.prefetch(("dy", i))
+    if run.settings.keep_output:
+        run.store.prefetch(("o", layer, i))
+        run.store.prefetch(("lse", layer, i))
 
 
 def _recompute_segment_inputs(run: ChunkedRun, first: int, top: int) -> None:
@@ -160,7 +181,9 @@ def _recompute_segment_inputs(run: ChunkedRun, first: int, top: int) -> None:
     store, parked, chunks = run.store, run.settings.offload_inputs, range(len(run.bounds))
     with torch.no_grad():
         for layer in range(first, top):
+            run.prefetch_inputs(layer, 0)
             for i in chunks:
+                run.prefetch_inputs(layer, i + 1)
                 store.put(("x", layer + 1, i), run.run_layer(layer, _layer_input(run, layer, i), i, "forward"), offload=parked)
             for i in chunks:  # its backward parks them again ("kv" mode), one layer at a time
                 run.discard_kv(layer, i)

@@ -170,7 +170,12 @@ class ChunkStore:
             return
         self.host_bytes -= entry.host.nbytes
         event = None
-        if self._cuda:  # the buffer may still feed an in-flight copy to the device
+        if self._cuda:
+            # The buffer may still feed an in-flight copy to the device, or (parked and never
+            # fetched: the last chunk's K/V) still be written by its copy from the device; the
+            # next user — perhaps another step's store, on other streams — waits for both.
+            if entry.written is not None:
+                self._to_device.wait_event(entry.written)
             event = torch.cuda.Event()
             event.record(self._to_device)
         self._pool.release(entry.host, event)

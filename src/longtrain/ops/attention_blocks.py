@@ -227,6 +227,10 @@ def _flash_forward(q, k, v, causal, scale):
 
 def _flash_backward(dout, q, k, v, out, lse, causal, scale):
     aten = torch.ops.aten
+    # Dense: a query block's rows of a longer sequence's LSE are a strided slice, and the CUDA
+    # kernel indexes the LSE as a dense (B, H, S) array without checking its strides (it
+    # would read other heads' rows). The CPU kernel honours strides; the copy is small.
+    lse = lse.contiguous()
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale

@@ -14,8 +14,9 @@ layer's forward and whose host bytes fit the host budget,
     α = min( (B·T_layer − S_in − S_attn) / S_others,
              (M_host / (n − keep_last) − S_in − S_attn) / S_others )  clipped to [0, 1],
 
-with the sizes S and one layer's forward time T_layer measured on the first layer of
-the first step (which runs with α = 0), and the host bandwidth B measured by one copy
+with the sizes S and one layer's forward time T_layer measured on the second layer of
+the first step (the first pays the kernels' one-time costs; both run with α = 0), and
+the host bandwidth B measured by one copy
 of that layer's input. Under the simulator (fake tensors) nothing can be timed: the
 layer time comes from its FLOPs at :data:`DEFAULT_FLOPS_PER_S` and the bandwidth is
 :data:`DEFAULT_HOST_BANDWIDTH`. The chosen α and what it came from are reported in the
@@ -159,8 +160,12 @@ class MemoLayers:
         if not isinstance(call, AttentionCall):
             raise LongtrainError("memo runs layers through longtrain's engines (longtrain.step or longtrain train)")
         batch, tokens = hidden.shape[:2]
-        measuring = self.alpha is None
-        alpha = 0.0 if measuring else self.alpha
+        # α is measured on the second layer of the first step (the first one where a model
+        # has one): the first layer pays the kernels' one-time costs (cuDNN's plans, lazy
+        # CUDA modules, cuBLAS heuristics), which would inflate its time and so α. Layers
+        # run with α = 0 until it is known.
+        measuring = self.alpha is None and index == min(1, self.layers - 1)
+        alpha = 0.0 if self.alpha is None else self.alpha
         split = min(tokens, max(0, round(alpha * tokens)))
         offload = self.options.offload and index < self.layers - self.options.keep_last
         record = LayerActivations(
