@@ -35,14 +35,15 @@ def test_too_late_once_cuda_allocated(clean_env):
     assert not allocator.prefer_expandable_segments(env) and env == {}
 
 
-def test_the_command_line_sets_it_before_it_runs(clean_env, capsys):
+def test_train_sets_it_before_it_builds_anything(clean_env, capsys):
     import os
 
-    assert main(["presets"]) == 0
+    refused = ["train", "--model", "no-such-preset", "--steps", "1"]  # refused after the setting, before a model
+    assert main(refused) == 2
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     clean_env.setenv("PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.8")
     clean_env.delenv("PYTORCH_CUDA_ALLOC_CONF")
-    assert main(["presets"]) == 0
+    assert main(refused) == 2
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
     capsys.readouterr()
 

@@ -105,7 +105,16 @@ def _add_train(sub) -> None:
     p.set_defaults(run=_run_train)
 
 
+def _prefer_expandable_segments() -> None:
+    """Before the command allocates on a GPU: chunked steps fragment the default allocator's
+    segments (docs/speed.md); a user's own PYTORCH_ALLOC_CONF wins."""
+    from .memory.allocator import prefer_expandable_segments
+
+    prefer_expandable_segments()
+
+
 def _run_train(args) -> int:
+    _prefer_expandable_segments()
     from .train.trainer import Trainer, config_from_dict, format_summary
 
     config = config_from_dict(vars(args))
@@ -295,6 +304,7 @@ def _add_calibrate(sub) -> None:
 
 
 def _run_calibrate(args) -> int:
+    _prefer_expandable_segments()  # its rates are the ones train then runs with
     import torch
 
     from .plan.calibrate import device_name, measure, save
@@ -365,11 +375,6 @@ def _leave_process_group(code: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_third_party()
-    # Before anything allocates on a GPU: chunked steps fragment the default allocator's
-    # segments (docs/speed.md); a user's own PYTORCH_ALLOC_CONF wins.
-    from .memory.allocator import prefer_expandable_segments
-
-    prefer_expandable_segments()
     try:
         code = args.run(args)
         _leave_process_group(code)
