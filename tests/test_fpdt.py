@@ -290,8 +290,8 @@ def test_kept_attention_outputs_mean_attention_runs_forward_once():
     assert counts[False][forward] == 2 * counts[True][forward]
 
 
-@pytest.mark.parametrize("options", [dict(keep_output=True), dict(segment=2)])
-def test_every_parked_tensor_a_step_reads_was_prefetched(options, monkeypatch):
+@pytest.mark.parametrize("engine,options", [("fpdt", dict(keep_output=True)), ("fpdt", dict(segment=2)), ("seco", {})])
+def test_every_parked_tensor_a_step_reads_was_prefetched(engine, options, monkeypatch):
     """Layer inputs, rotary tables, final outputs, output gradients, kept attention outputs
     and LSEs, K/V gradient sums: each is on its way back to the device before it is read. A
     fetch started only when a tensor is read puts the copy on the critical path on a GPU
@@ -311,7 +311,7 @@ def test_every_parked_tensor_a_step_reads_was_prefetched(options, monkeypatch):
     config = preset_config("tiny-llama")
     config.num_hidden_layers = 3
     model = build_from_config(config)
-    lt.apply(model, _fpdt(chunk=40, offload=True, **options))
+    lt.apply(model, lt.Strategy(engine=engine, engine_options=dict(chunk=40, offload=True, **options)))
     lt.step(model, {"input_ids": torch.randint(3, 300, (2, 150), generator=torch.Generator().manual_seed(0))})
     assert late == []
 

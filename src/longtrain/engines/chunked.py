@@ -101,6 +101,11 @@ class _LayerHistory:
 
     def take_grad(self):
         store, key = self.run.store, (self.layer, self.index)
+        if self.run.settings.prefetch:
+            # Chunk-major engines (SeCO) take the layer below's sum next, complete by now; in
+            # layer-major FPDT that entry does not exist yet (its schedule prefetches its own).
+            store.prefetch(("dk", self.layer - 1, self.index))
+            store.prefetch(("dv", self.layer - 1, self.index))
         if ("dk",) + key not in store:
             return None
         return store.pop(("dk",) + key), store.pop(("dv",) + key)

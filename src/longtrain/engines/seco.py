@@ -99,7 +99,11 @@ def backward_chunk_major(run: ChunkedRun, grad_loss: torch.Tensor, own_factor: f
     (SpaCO), only those chunks are recomputed."""
     for i in reversed(range(len(run.bounds))):
         if run.selected is None or i in run.selected:
-            # K/V gradients reach this chunk inside attend_chunk's backward (take_grad).
+            # K/V gradients reach this chunk inside attend_chunk's backward (take_grad, which
+            # brings back the layer below's while this one runs); the top layer's start now.
+            if run.settings.prefetch:
+                run.store.prefetch(("dk", len(run.layers) - 1, i))
+                run.store.prefetch(("dv", len(run.layers) - 1, i))
             torch.autograd.backward(_chunk_forward(run, i, "recompute"), grad_loss * own_factor)
         for layer in range(len(run.layers)):
             run.discard_kv(layer, i)
