@@ -181,6 +181,34 @@ def test_torchrun_training_with_sp_resumes_bit_for_bit_and_refuses_another_degre
     assert "written with sp=2 but this run has sp=1" in one.stderr
 
 
+def test_under_torchrun_each_process_takes_its_own_gpu_and_cpu_collectives_have_gloo(monkeypatch):
+    """On CUDA (patched: no GPU here) init_from_env makes the local rank's GPU the current
+    one before the group starts — FSDP2, device meshes and NCCL's object collectives use the
+    current device, GPU 0 on every rank otherwise — and starts NCCL for CUDA tensors beside
+    gloo for CPU ones (a gradient norm, pickled objects), which NCCL alone refuses."""
+    import torch.distributed as dist
+
+    from longtrain.parallel import distributed
+
+    calls = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(distributed, "_joined", False)
+    monkeypatch.setattr(dist, "is_initialized", lambda: "backend" in calls)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.setdefault("current", device))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: calls.setdefault("backend", backend))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    assert distributed.init_from_env(torch.device("cuda")) == (1, 2)
+    assert calls == {"current": torch.device("cuda", 1), "backend": "cpu:gloo,cuda:nccl"}
+    assert distributed.rank_device(torch.device("cuda")) == torch.device("cuda", 1)
+    with pytest.raises(lt.LongtrainError, match="would put every process on GPU 0"):
+        distributed.rank_device(torch.device("cuda", 0))
+    # NCCL's word for this process's own misuse is not another process's failure.
+    assert not distributed.is_peer_failure(RuntimeError("NCCL error in: ...: invalid usage (run with NCCL_DEBUG=WARN)"))
+    assert distributed.is_peer_failure(RuntimeError("[gloo] Connection closed by peer"))
+
+
 def test_simulate_command_line_takes_sp(capsys):
     from longtrain.cli import main
 

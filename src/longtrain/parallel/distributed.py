@@ -26,20 +26,38 @@ _PEER_FAILURE = ("Timed out", "timed out", "Connection reset", "Connection close
 
 
 def init_from_env(device: torch.device | None = None, timeout_s: float | None = None) -> tuple[int, int]:
-    """Initialize the default process group from torchrun's environment (gloo on CPU,
-    NCCL on CUDA) and return (rank, world size); a plain process is rank 0 of 1.
-    ``timeout_s`` (default: ``LONGTRAIN_COLLECTIVE_TIMEOUT`` seconds, else 600) bounds
-    every collective."""
+    """Initialize the default process group from torchrun's environment and return (rank,
+    world size); a plain process is rank 0 of 1. ``timeout_s`` (default:
+    ``LONGTRAIN_COLLECTIVE_TIMEOUT`` seconds, else 600) bounds every collective.
+
+    On CUDA the process first makes its own GPU (``device``'s, see :func:`rank_device`)
+    the current one — FSDP2, device meshes and NCCL's object collectives place tensors on
+    the current device, which is otherwise GPU 0 on every rank — and the group has two
+    backends: NCCL for CUDA tensors, gloo for CPU ones (scalars such as a gradient norm,
+    pickled objects, barriers), so code that works under gloo on the CPU works here too."""
     global _joined
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return 0, 1
     _joined = True
     if not dist.is_initialized():
-        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        backend = "gloo"
+        if device is not None and device.type == "cuda":
+            torch.cuda.set_device(rank_device(device))
+            backend = "cpu:gloo,cuda:nccl"
         timeout = timeout_s if timeout_s is not None else float(os.environ.get("LONGTRAIN_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT_S))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
+
+
+def rank_device(device: torch.device) -> torch.device:
+    """This process's CUDA device under torchrun: ``cuda:LOCAL_RANK`` (one GPU per process
+    on each node). ``cuda:N`` is refused with several processes: every rank would take GPU N."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and device.index is not None and device.index != local:
+        raise LongtrainError(f"--device {device} under torchrun would put every process on GPU {device.index}; "
+                             f"use --device cuda (or auto): each process takes the GPU of its local rank")
+    return torch.device("cuda", local if device.index is None else device.index)
 
 
 def sum_over_data_parallel(count: int, degree: int, device) -> int:
@@ -74,7 +92,13 @@ def exit_process(code: int) -> None:
     sys.exit(code)
 
 
+# What NCCL says about this process's own misuse (two ranks on one GPU, bad arguments): not a peer's failure.
+_OWN_FAULT = ("invalid usage", "ncclInvalidUsage", "ncclInvalidArgument", "Duplicate GPU")
+
+
 def is_peer_failure(error: BaseException) -> bool:
+    if any(s in str(error) for s in _OWN_FAULT):
+        return False
     dist_error = getattr(dist, "DistError", None)
     if dist_error is not None and isinstance(error, dist_error):
         return True

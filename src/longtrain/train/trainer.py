@@ -82,6 +82,10 @@ def _device(name: str) -> torch.device:
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise LongtrainError(f"--device {name} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s); "
                              "use cuda:0 ... or auto")
+    if device.type == "cuda":  # under torchrun: the local rank's GPU
+        from ..parallel.distributed import rank_device
+
+        device = rank_device(device)
     return device
 
 
@@ -388,8 +392,9 @@ class Trainer:
         self.optimizer.load_state_dict(_as_parameters_shards(self.optimizer, state["optimizer"]))
         self._continue_schedule(meta["step"], meta.get("settings", {}))
         torch.set_rng_state(state["rng"]["torch"])
-        if state["rng"]["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        if state["rng"]["cuda"] and torch.cuda.is_available():  # as many GPUs as this machine shows (a resume may see fewer)
+            for index, rng in enumerate(state["rng"]["cuda"][:torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(rng, index)
         random.setstate(state["rng"]["python"])
         self.step_index = meta["step"]
         self.samples_seen = meta["samples_seen"]
