@@ -23,7 +23,9 @@ per case. ``--append`` merges with the JSON already in the output folder, so a s
 be split into several commands (one per length group, each within 10 minutes) that build
 one report.
 
-Per case: ``--warmup`` steps (default 1; 0 from 128K on, where a step takes a minute),
+Per case: ``--warmup`` steps (default 1; 0 from 128K on, where a step takes a minute —
+then one 2K-token step takes the one-time costs that do not depend on the length, such as
+Triton's compiles for Liger; not for Memo, which fixes its alpha in its first step),
 then the median of ``--repeats`` steps (default 2; 1 from 128K on) timed with CUDA events; tokens/s; MFU =
 (6·s·P + 6·n·h·s²) / time / peak (dense bf16: 989 TFLOP/s on H100/H200); the allocator's
 peak allocated and reserved bytes of the timed steps and their ratio; the process's peak
@@ -64,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))  # the s
 from _report import DOCS, write_report  # noqa: E402
 
 import longtrain as lt  # noqa: E402
+from longtrain.memory.allocator import allocator_setting  # noqa: E402
 from longtrain.memory.flops import device_peak_flops, model_flops_per_sample  # noqa: E402
 from longtrain.memory.units import parse_tokens  # noqa: E402
 from longtrain.models.loading import build_from_config, default_dtype  # noqa: E402
@@ -72,7 +75,10 @@ from longtrain.strategy import applied_context, pinned_host_bytes  # noqa: E402
 
 GIB = 2**30
 ROW_TAG = "GPU_PEERS_ROW "  # how an isolated case hands its row to the parent
-LONG = 131072  # from here on a step takes about a minute: no warm-up step by default
+LONG = 131072  # from here on a step takes about a minute: no warm-up step at the length by default
+SHORT_WARMUP = 2048  # tokens of the short step that then takes the one-time costs
+STARTED = time.perf_counter()  # the time budget counts from here (imports included)
+COMMAND_LIMIT_S = 590  # no case may run past this many seconds of the whole command (10-minute calls)
 
 
 @dataclass(frozen=True)
@@ -82,12 +88,18 @@ class Case:
     make: Callable  # peer: (config, device, dtype) -> (model, step); longtrain: (length) -> Strategy
 
 
+_LIGER_PROBLEM: list[str] = []  # why liger-kernel cannot be used here, once known
+
+
 def _liger():
     try:
         from liger_kernel.transformers import apply_liger_kernel_to_llama  # noqa: F401
 
         return apply_liger_kernel_to_llama
-    except ImportError:
+    except Exception as error:  # noqa: BLE001 - not installed, or it does not import with this transformers
+        if not _LIGER_PROBLEM:
+            _LIGER_PROBLEM.append("not installed: pip install liger-kernel" if isinstance(error, ModuleNotFoundError)
+                                  else f"it does not import here: {type(error).__name__}: {str(error)[:120]}")
         return None
 
 
@@ -205,7 +217,7 @@ class _HostPeak:
 def _empty_row(case: Case, length: int) -> dict:
     return {"tokens": length, "case": case.name, "status": "ok", "step_s": None, "tokens_per_s": None, "mfu_pct": None,
             "alloc_gib": None, "reserved_gib": None, "reserved_over_alloc": None, "host_peak_gib": None,
-            "host_pinned_gib": None, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") or "default",
+            "host_pinned_gib": None, "alloc_conf": allocator_setting(),
             "attention_kernel": None, "notes": None}
 
 
@@ -214,6 +226,10 @@ def _kernel_of(config, device, dtype) -> str:
 
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return attention_kernel(device, dtype, head_dim)
+
+
+def _uses_memo(case: Case, length: int) -> bool:
+    return case.kind == "longtrain" and "memo" in case.make(length).techniques
 
 
 def _strategy_notes(model) -> str | None:
@@ -254,7 +270,6 @@ def run_case(case: Case, config, length: int, device: torch.device, dtype, repea
             model, step = case.make(config, device, dtype)
         else:
             model, step = _build_longtrain(config, device, dtype, case.make(length))
-            row["attention_kernel"] = _kernel_of(config, device, dtype)
         ids = torch.randint(0, config.vocab_size, (1, length), device=device)
         timer = _Timer(device)
 
@@ -262,6 +277,12 @@ def run_case(case: Case, config, length: int, device: torch.device, dtype, repea
             step(ids)
             model.zero_grad(set_to_none=True)
 
+        if not warmup and not _uses_memo(case, length):
+            # Long lengths time one step without a warm-up at their length: a short step first
+            # takes the one-time costs that do not depend on it (Triton's compiles for Liger,
+            # cuBLAS and cuDNN start-up). Not Memo: it fixes α in its first step, for that length.
+            step(ids[:, :min(length, SHORT_WARMUP)])
+            model.zero_grad(set_to_none=True)
         for _ in range(warmup):  # kernels and their plans, the pinned pool, the allocator's segments
             timer.time(one_step)
         if device.type == "cuda":
@@ -280,6 +301,9 @@ def run_case(case: Case, config, length: int, device: torch.device, dtype, repea
         if case.kind == "longtrain":
             row["host_pinned_gib"] = pinned_host_bytes(model) / GIB
             row["notes"] = _strategy_notes(model)
+            # After the steps, on this device's index: a kernel that failed at run time was dropped there.
+            here = torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device
+            row["attention_kernel"] = _kernel_of(config, here, dtype)
         if profile_dir is not None:
             _profile_step(one_step, device, Path(profile_dir) / f"{case.name.replace(':', '_')}_{length}.txt")
     except torch.OutOfMemoryError:
@@ -298,9 +322,9 @@ def _case_env(case: Case, args) -> dict:
     """Environment of an isolated case: the allocator setting and the attention kernel."""
     env = dict(os.environ)
     expandable = args.expandable_segments == "all" or (args.expandable_segments == "longtrain" and case.kind == "longtrain")
-    if expandable:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(
-            filter(None, [os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "expandable_segments:True"]))
+    if expandable:  # in the variable this PyTorch reads (the newer name wins where both are set)
+        name = "PYTORCH_ALLOC_CONF" if os.environ.get("PYTORCH_ALLOC_CONF") else "PYTORCH_CUDA_ALLOC_CONF"
+        env[name] = ",".join(filter(None, [os.environ.get(name), "expandable_segments:True"]))
     if args.attention_kernel and case.kind == "longtrain":
         env["LONGTRAIN_ATTENTION_KERNEL"] = args.attention_kernel
     return env
@@ -427,10 +451,10 @@ def main(argv=None) -> int:
         rows = [r for r in previous["rows"] if r["tokens"] not in lengths or r["case"] not in names]
         skipped = [s for s in previous["meta"].get("skipped", []) if not any(f" at {n:,} tokens" in s for n in lengths)]
     if _liger() is None and any("liger" in n for n in names):
-        note = "hf+liger cases (liger-kernel is not installed: pip install liger-kernel)"
+        note = f"hf+liger cases (liger-kernel {_LIGER_PROBLEM[0]})"
         skipped += [note] if note not in skipped else []
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    start = time.perf_counter()
+    start = STARTED
     for length in lengths:
         for name in names:
             case = BY_NAME[name]
@@ -445,7 +469,9 @@ def main(argv=None) -> int:
                 skipped.append(f"{name} at {length:,} tokens (time budget of {args.budget_s:.0f} s spent)")
                 continue
             if isolate:
-                row = run_isolated(case, length, args, timeout=left + 60)
+                # A case started near the end of the budget may overrun it by a minute, never the command's limit.
+                hard = min(args.budget_s + 50, COMMAND_LIMIT_S) - (time.perf_counter() - start)
+                row = run_isolated(case, length, args, timeout=max(1.0, min(left + 60, hard)))
             else:
                 row = run_case(case, config, length, device, dtype, args.repeats, args.warmup, args.profile)
             rows = [r for r in rows if (r["tokens"], r["case"]) != (length, name)] + [row]
@@ -456,6 +482,11 @@ def main(argv=None) -> int:
     _report(rows, skipped, out, model_name, dtype, device_name, args, argv)
     _plot(rows, out / "gpu_peers.png")
     print(f"gpu_peers: wrote {out}/gpu_peers.json, .md, .png")
+    broken = [f"{r['case']} at {r['tokens']:,}" for r in rows
+              if r["tokens"] in lengths and r["case"] in names and r["status"].startswith("failed")]
+    if broken:  # a crash, not a measured limit (out of memory, refused, timed out): the suite must say so
+        print(f"gpu_peers: FAILED: {'; '.join(broken)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -66,15 +68,26 @@ def environment() -> dict:
 
 
 def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int | None, float, str]:
-    """Run a part; (exit code or None on timeout, seconds, the output's tail)."""
+    """Run a part; (exit code or None on timeout, seconds, the output's tail). The part runs
+    in its own process group: at its limit the whole group gets SIGINT (pytest then writes
+    the results it has; gpu_peers keeps the rows it wrote), and 20 s later SIGKILL — a
+    case process of gpu_peers must not go on holding the GPU while the next part runs."""
     start = time.perf_counter()
     print("$ " + " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **SOURCE_ENV, **(env or {})}, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **SOURCE_ENV, **(env or {})})
-        code, output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        code, output = None, (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        output, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            output, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        code = None
+    output = output or ""
     print(output[-4000:], flush=True)
     return code, time.perf_counter() - start, output[-4000:]
 
@@ -117,11 +130,14 @@ def main(argv=None) -> int:
 
     if "cuda-tier" in skip:
         summary["skipped"].append("the CUDA tier (--skip)")
+    elif importlib.util.find_spec("pytest") is None:
+        summary["skipped"].append("the CUDA tier (pytest is not installed here: pip install pytest, or carry its wheel)")
     else:
         summary["parts"]["cuda_tier"] = cuda_tier(200, args.smoke, scratch)
 
     peers = [sys.executable, "benchmarks/gpu_peers.py", "--budget-s", "180"] + (
-        ["--smoke", "--out", str(scratch)] if args.smoke else ["--lengths", "16K", "--cases", SUITE_PEER_CASES])
+        ["--smoke", "--out", str(scratch)] if args.smoke  # --append: the full sweep's other lengths in docs/ stay
+        else ["--lengths", "16K", "--cases", SUITE_PEER_CASES, "--append"])
     adjoint = [sys.executable, "benchmarks/adjoint.py", "--only", "gpu"]
     for name, cmd, timeout in (("peers", peers, 260), ("adjoint", adjoint, 80)):
         if name in skip:
@@ -136,7 +152,7 @@ def main(argv=None) -> int:
         if code is None:
             summary["skipped"].append(f"the rest of {name} (its {timeout:.0f} s limit was reached)")
     peers_json = out / "gpu_peers.json"
-    if peers_json.exists():
+    if "peers" in summary["parts"] and peers_json.exists():
         summary["skipped"] += json.loads(peers_json.read_text())["meta"].get("skipped", [])
     summary["seconds"] = time.perf_counter() - start
     _write(summary, out)

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from ..errors import LongtrainError
+from ..memory.flops import device_peak_flops
 from .time_model import H100, MachineRates
 
 
@@ -92,8 +93,9 @@ def measure(device: torch.device, *, quick: bool = False, say: Callable[[str], N
     say(f"fused CPU AdamW over {count / 1e6:.0f}M parameters")
     measured["cpu_adam"] = count / _timed(adam.step, torch.device("cpu"), 3)
 
-    # MFU's peak: the H100's datasheet figure there, else what this machine's GEMM reached.
-    measured["peak"] = H100.peak if "h100" in device_name(device) else measured["matmul"]
+    # MFU's peak: the datasheet figure of a known GPU (H100, H200, ...: the trainer's and the
+    # benchmarks' MFU use the same), else what this machine's GEMM reached.
+    measured["peak"] = device_peak_flops(device) or measured["matmul"]
     rates = dataclasses.replace(H100, **measured)
     kept = [f.name for f in dataclasses.fields(MachineRates) if f.name not in measured]
     return rates, kept
