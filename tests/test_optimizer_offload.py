@@ -120,6 +120,19 @@ def test_offload_needs_adamw_and_one_process(capsys):
     assert code == 2 and "--optimizer-offload" in err and len(err.strip().splitlines()) == 1
 
 
+def test_offload_is_refused_when_several_processes_run(monkeypatch, capsys, tmp_path):
+    """Its clipping norm and state are one process's: with layer groups (the adjoint
+    engine over several processes) the norm would be wrong, so it is refused."""
+    from longtrain.train import trainer
+
+    monkeypatch.setattr(trainer.Ranks, "from_env", classmethod(lambda cls, device, sp=1: cls(0, 2, 1)))
+    monkeypatch.setattr(trainer, "check_distributed_engine", lambda ranks, engine: None)
+    code = main(["train", "--model", "tiny-llama", "--optimizer-offload", "--no-progress", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "2 processes were launched" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("strategy", ["checkpoint", "fpdt"])
 def test_simulated_offload_equals_the_cpu_measurement_and_moves_state_to_the_host(strategy):
     """The simulator runs the same optimizer on fake tensors: its device and host peaks equal

@@ -240,6 +240,10 @@ class Trainer:
             check_tensorboard()
         self.ranks = Ranks.from_env(self.device, config.sp)
         check_distributed_engine(self.ranks, self.strategy.engine)
+        if config.optimizer_offload and self.ranks.distributed:  # its clipping norm is this process's alone
+            raise LongtrainError(f"--optimizer-offload keeps AdamW's state in one process's host memory; {self.ranks.world_size} "
+                                 "processes were launched: run one process, or drop --optimizer-offload (layer groups "
+                                 "already split the optimizer state over the processes)")
 
         self.model, self.tokenizer = build_model(config, self.dtype)
         self.model.to(self.device).train()
