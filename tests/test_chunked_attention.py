@@ -353,3 +353,62 @@ def test_a_kernel_that_fails_at_run_time_hands_over_to_the_next(monkeypatch):
         with pytest.raises(torch.OutOfMemoryError):  # running out of memory is not a refusal
             monkeypatch.setattr(blocks, "_flash_forward", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("oom")))
             blocks.block_forward(q, q, q, scale=0.125, causal=True)
+
+
+def test_without_a_fused_kernel_kept_output_attention_never_forms_whole_sequence_scores():
+    """Memo's attention (forward once, backward from the kept output) where no fused kernel
+    runs — float32 on CUDA; forced here — works in blocks of explicit scores of at most
+    1024² per head, never one s×s block (128 GiB at 32K tokens and 32 heads), and gives
+    what the fused kernel gives."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from longtrain.ops.attention_blocks import set_attention_kernel
+    from longtrain.ops.causal_attention import MASKED_BLOCK, causal_attention_backward, causal_attention_forward
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Largest.largest = max(Largest.largest, t.numel())
+            return out
+
+    torch.manual_seed(0)
+    b, h, s, d = 1, 4, 3 * MASKED_BLOCK + 100, 16
+    q, dout = torch.randn(b, h, s, d), torch.randn(b, h, s, d)
+    k, v = torch.randn(b, 2, s, d), torch.randn(b, 2, s, d)
+    want = causal_attention_forward(q, k, v)
+    want_grads = causal_attention_backward(dout, q, k, v, *want)
+    set_attention_kernel("math")
+    try:
+        with Largest():
+            out, lse = causal_attention_forward(q, k, v)
+            grads = causal_attention_backward(dout, q, k, v, out, lse)
+    finally:
+        set_attention_kernel(None)
+    assert Largest.largest <= b * h * MASKED_BLOCK ** 2
+    torch.testing.assert_close(out, want[0], rtol=1e-4, atol=1e-5)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-4)
+
+
+def test_float32_sdpa_off_the_cpu_repeats_grouped_heads(monkeypatch):
+    """Off the CPU only SDPA's memory-efficient kernel takes float32, and not with grouped
+    K/V heads (enable_gqa would fall to the math kernel's s×s scores): K/V are repeated."""
+    from longtrain.ops import sdpa
+
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((q.dtype, q.shape[1], k.shape[1], kwargs.get("enable_gqa")))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", spy)
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.empty(1, 8, 64, 16, device="meta", dtype=dtype)
+        kv = torch.empty(1, 2, 64, 16, device="meta", dtype=dtype)
+        assert sdpa.sdpa_gqa(q, kv, kv, is_causal=True).shape == q.shape
+    assert seen == [(torch.float32, 8, 8, False), (torch.bfloat16, 8, 2, True)]

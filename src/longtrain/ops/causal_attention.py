@@ -79,7 +79,11 @@ class _FusedCausal(torch.autograd.Function):
 
 def _planner_for(q, mask, window, softcap, planner):
     if not needs_blocks(mask, window, softcap, q.shape[2]):
-        return None
+        if q.shape[2] <= MASKED_BLOCK or attention_kernel(q.device, q.dtype, q.shape[-1]) != "math":
+            return None  # one fused causal block
+        # No fused kernel (float32 on CUDA): explicit-score blocks of MASKED_BLOCK tokens,
+        # never one block of s×s scores (128 GiB at 32K tokens and 32 heads).
+        return planner if planner is not None else BlockPlanner(None, chunk_bounds(q.shape[2], MASKED_BLOCK))
     return planner if planner is not None else BlockPlanner(mask, chunk_bounds(q.shape[2], MASKED_BLOCK))
 
 

@@ -55,6 +55,8 @@ def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         try:
             torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
             return
+        except torch.OutOfMemoryError:  # not a missing GEMM: the step is out of memory
+            raise
         except (RuntimeError, TypeError) as error:  # an older PyTorch without the out_dtype GEMM
             _dtype_addmm_fails.add(acc.device)
             warnings.warn(f"addmm with out_dtype={acc.dtype} is not available on {acc.device} ({error}); the LM "

@@ -75,6 +75,11 @@ def sdpa_gqa(
     """
     if q.device.type == "cpu" and dropout_p == 0.0 and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return _CpuFlashGQA.apply(q, k, v, attn_mask, is_causal, scale)
+    if q.dtype == torch.float32 and k.shape[1] != q.shape[1]:
+        # Only SDPA's memory-efficient kernel takes float32 on CUDA, and not with grouped heads
+        # (enable_gqa would fall to the math kernel and its s×s scores): repeat K/V instead.
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = _repeat_heads(k, n_rep), _repeat_heads(v, n_rep)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
     )
