@@ -47,6 +47,8 @@ CUDA_STRATEGIES = {
     "spaco(every chunk)": lambda: lt.Strategy(engine="spaco", engine_options={"chunk": 256, "budget": 8}),
     "fpdt+offload,output-kept": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 300, "offload": True,
                                                                                    "keep_output": True}),
+    "fpdt+offload,segments": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 300, "offload": True,
+                                                                                "segment": 2}),
     "memo(α=0)": lambda: lt.Strategy(memo=lt.Memo(alpha=0.0, keep_last=0)),
     "memo(α=0.3)+mst": lambda: lt.Strategy(memo=lt.Memo(alpha=0.3, keep_last=1), mst=True),
     "memo(α=1)": lambda: lt.Strategy(memo=lt.Memo(alpha=1.0, keep_last=0)),
