@@ -60,10 +60,18 @@ def test_a_cuda_summary_reports_the_reservation_and_the_setting():
     assert "reserved" not in format_summary(cpu) and "kernel" not in format_summary(cpu)
 
 
-def test_metrics_plot_draws_the_reservation_beside_the_allocation(tmp_path):
+def test_metrics_plot_draws_the_reservation_beside_the_allocation(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
     from longtrain.train.plot import plot_metrics
 
+    drawn = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda figure, *a, **k: drawn.append(figure) or save(figure, *a, **k))
     records = [{"step": s, "loss": 3.0 - s / 10, "tokens_per_s": 100.0, "peak_bytes": 2**30, "reserved_bytes": 2**30 + s * 2**20}
                for s in range(1, 5)] + [{"step": 4, "eval": {"loss": 2.9, "samples": 2}}]
     assert plot_metrics(records, tmp_path / "metrics.png").stat().st_size > 0
+    memory = drawn[0].axes[-1]
+    assert [line.get_label() for line in memory.lines] == ["allocated", "reserved"]
+    assert list(memory.lines[1].get_ydata()) == [1025.0, 1026.0, 1027.0, 1028.0]  # MiB

@@ -142,9 +142,7 @@ class ChunkedRun:
 
     def position_embeddings(self, i: int):
         """Chunk ``i``'s rotary tables: slices of the whole sequence's, computed once."""
-        if self._rotary is None:
-            self._rotary = self._compute_rotary()
-        leaves, spec = self._rotary
+        leaves, spec = self._rotary_tables()
         a, b = self.bounds[i]
         chunk = []
         for n, leaf in enumerate(leaves):
@@ -162,11 +160,15 @@ class ChunkedRun:
             return
         if layer > 0:
             self.store.prefetch(("x", layer, i))
-        if self._rotary is None:
-            self._rotary = self._compute_rotary()
-        for n, leaf in enumerate(self._rotary[0]):
+        for n, leaf in enumerate(self._rotary_tables()[0]):
             if leaf is _PARKED:
                 self.store.prefetch(("rotary", i, n))
+
+    def _rotary_tables(self):
+        """(leaves, spec) of the whole sequence's rotary tables, computed on first use."""
+        if self._rotary is None:
+            self._rotary = self._compute_rotary()
+        return self._rotary
 
     def _compute_rotary(self):
         # The tables' dtype and device follow the embeddings' output, as in the model's forward.

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from ..errors import LongtrainError
 
 DEFAULT_TIMEOUT_S = 600.0
-# What gloo and NCCL say when a peer died, hung or the network broke.
 _joined = False  # this process started a process group from torchrun's environment (init_from_env)
+# What gloo and NCCL say when a peer died, hung or the network broke.
 _PEER_FAILURE = ("Timed out", "timed out", "Connection reset", "Connection closed", "connection closed", "NCCL", "gloo",
                  "Broken pipe", "peer")
 
