@@ -27,8 +27,12 @@ os.environ["LONGTRAIN_CACHE"] = tempfile.mkdtemp(prefix="longtrain-test-cache-")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs two workers on two cores: one thread each (the tiny models gain
-    # nothing from more, and two threads per worker oversubscribe the cores).
+    # nothing from more, and two threads per worker oversubscribe the cores). The processes
+    # tests start (benchmark smoke runs, torchrun ranks, the command line) inherit one
+    # thread too: with two OpenMP threads each beside a busy worker, their spinning threads
+    # made a 15-second smoke run take nearly three minutes.
     torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
