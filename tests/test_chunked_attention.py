@@ -412,3 +412,81 @@ def test_float32_sdpa_off_the_cpu_repeats_grouped_heads(monkeypatch):
         kv = torch.empty(1, 2, 64, 16, device="meta", dtype=dtype)
         assert sdpa.sdpa_gqa(q, kv, kv, is_causal=True).shape == q.shape
     assert seen == [(torch.float32, 8, 8, False), (torch.bfloat16, 8, 2, True)]
+
+
+def _documents(variant: str, s: int):
+    """(segments, key_valid) of two rows: packed documents, left and right padding."""
+    segments = torch.zeros(2, s, dtype=torch.long)
+    key_valid = torch.ones(2, s, dtype=torch.bool)
+    if "packed" in variant:
+        segments[0, 23:] = 1
+        segments[0, 50:] = 2
+        segments[1, 31:] = 1
+    if "left-padded" in variant:
+        key_valid[1, :9] = False
+    if "right-padded" in variant:  # padding queries still see their document's valid keys
+        key_valid[0, s - 6:] = False
+        key_valid[1, s - 11:] = False
+    if "padded-inside" in variant:  # padding in the middle of a document: not one run of keys
+        key_valid[0, 10:13] = False
+    return segments, key_valid
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("variant", ["packed", "left-padded", "right-padded", "packed+left-padded+right-padded",
+                                     "packed+padded-inside"])
+def test_documents_take_one_fused_call_each_and_equal_sdpa_in_float64(variant, kv_heads):
+    """Packed documents and left/right padding: each document is one fused causal call (and
+    one unmasked call for the padding queries after its last key) whose results are written,
+    never merged — exact against SDPA with the explicit mask; padding inside a document
+    falls back to masked blocks, exact too."""
+    from conftest import AttentionKernelCalls
+
+    from longtrain.ops.causal_attention import attention_plan
+    from longtrain.ops.masking import BlockPlanner, DocumentSpans
+
+    s = 77
+    g = torch.Generator().manual_seed(kv_heads)
+    q = torch.randn(2, 4, s, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, s, 8, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
+    segments, key_valid = _documents(variant, s)
+    mask = SequenceMask(segments, key_valid)
+    plan = attention_plan(q, mask, None, None)
+    inside = "inside" in variant
+    assert isinstance(plan, BlockPlanner if inside else DocumentSpans)
+    with AttentionKernelCalls() as kernels:
+        out = causal_attention(q, k, v, mask=mask)
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), grad)
+    ref = reference(q, k, v, None, segments, key_valid)
+    expected = torch.autograd.grad(ref, (q, k, v), grad)
+    assert rel(out, ref) <= TOL
+    assert max(rel(a, b) for a, b in zip(got, expected)) <= TOL
+    if not inside:
+        calls = sum(1 + (end > last) for _, _, _, last, end in plan.spans)
+        forward, backward = "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"
+        assert kernels.calls == {forward: calls, backward: calls}  # no explicit scores, no merges
+
+
+def test_document_spans_read_the_mask_once_and_know_when_not_to_apply():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from longtrain.ops.causal_attention import attention_plan
+    from longtrain.ops.masking import BlockPlanner, DocumentSpans, document_spans
+
+    s = 40
+    segments, key_valid = _documents("packed+left-padded+right-padded", s)
+    spans = document_spans(SequenceMask(segments, key_valid), limit=8)
+    # Row 0: documents 0:23 and 23:40 with its last 6 keys padding (the third starts past
+    # the end); row 1: 9 keys of left padding, then documents 0:31 and 31:40 padded from 29.
+    assert spans.spans == ((0, 0, 0, 23, 23), (0, 23, 23, 34, 40), (1, 0, 9, 29, 31))
+    assert spans.reach == max(end - first for _, _, first, _, end in spans.spans)
+    assert document_spans(SequenceMask(segments, key_valid), limit=2) is None  # too many documents: blocks
+    q = torch.zeros(2, 2, s, 8)
+    mask = SequenceMask(segments, key_valid)
+    assert isinstance(attention_plan(q, mask, spans.reach, None), DocumentSpans)  # the window hides nothing
+    assert isinstance(attention_plan(q, mask, spans.reach - 1, None), BlockPlanner)  # it cuts a document
+    assert isinstance(attention_plan(q, mask, None, 30.0), BlockPlanner)  # soft-capping: explicit scores
+    with FakeTensorMode():  # the simulator cannot read a mask: the blocked path, never less memory
+        fake = SequenceMask(torch.zeros(2, s, dtype=torch.long), torch.ones(2, s, dtype=torch.bool))
+        assert document_spans(fake, limit=8) is None

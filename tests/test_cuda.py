@@ -285,6 +285,41 @@ def test_whole_sequence_chunked_attention_with_several_heads_and_rows_on_each_ke
         assert float((got.double() - want).norm() / want.norm()) < 2e-2
 
 
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+def test_packed_and_padded_documents_take_one_fused_call_each_on_each_kernel(kernel, forced_kernel):
+    """Whole-sequence attention over packed documents with left and right padding: one
+    fused call per document (lengths no kernel tile divides, a query block after the last
+    key, grouped heads, batch 2), bf16 within bf16 error of float64 SDPA with the mask."""
+    if not _kernel_available(kernel):
+        pytest.skip(f"{kernel} attention is not available on this device")
+    from longtrain.ops.causal_attention import attention_plan, causal_attention
+    from longtrain.ops.masking import DocumentSpans, SequenceMask
+
+    forced_kernel(kernel)
+    torch.manual_seed(0)
+    s = 3001
+    segments = torch.zeros(2, s, dtype=torch.long, device="cuda")
+    segments[0, 1100:] = 1
+    segments[1, 2000:] = 1
+    key_valid = torch.ones(2, s, dtype=torch.bool, device="cuda")
+    key_valid[0, -77:] = False  # right padding: queries after the last key see the whole document
+    key_valid[1, :130] = False  # left padding: those queries see nothing
+    mask = SequenceMask(segments, key_valid)
+    q = torch.randn(2, 8, s, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2, s, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    assert isinstance(attention_plan(q, mask, None, None), DocumentSpans)
+    dout = torch.randn_like(q)
+    causal_attention(q, k, v, mask=mask).backward(dout)
+    pos = torch.arange(s, device="cuda")
+    allowed = ((pos[None, :] <= pos[:, None])[None] & (segments[:, :, None] == segments[:, None, :])
+               & key_valid[:, None, :])[:, None]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    F.scaled_dot_product_attention(q64, k64.repeat_interleave(4, 1), v64.repeat_interleave(4, 1),
+                                   attn_mask=allowed).nan_to_num(0.0).backward(dout.double())
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert float((got.double() - want).norm() / want.norm()) < 2e-2
+
+
 def test_auto_kernel_on_this_device_is_the_fastest_it_has():
     from longtrain.ops.attention_blocks import attention_kernel
 

@@ -22,10 +22,9 @@ import functools
 from transformers import AttentionInterface
 
 from ..errors import LongtrainError
-from ..ops.causal_attention import (MASKED_BLOCK, causal_attention, causal_attention_backward,
-                                   causal_attention_forward, needs_blocks)
-from ..ops.chunked_attention import chunk_bounds
-from ..ops.masking import BlockPlanner, SequenceMask
+from ..ops.causal_attention import (attention_plan, causal_attention, causal_attention_backward,
+                                   causal_attention_forward, needs_blocks, span_limit)
+from ..ops.masking import BlockPlanner, DocumentSpans, SequenceMask, document_spans
 from ..ops.sdpa import sdpa_gqa
 
 # The name must not contain "sdpa": transformers applies its SDPA support checks to any
@@ -55,22 +54,27 @@ class WholeSequenceAttention(AttentionCall):
 
     def __init__(self, mask: SequenceMask):
         self.mask = mask
-        self._block_planner: BlockPlanner | None = None  # block decisions, shared by every layer
+        # Read from the mask once per step and shared by every layer: the documents (fused
+        # calls per document) and the block decisions (masked blocks), each made when first needed.
+        self._spans: DocumentSpans | None | bool = False  # False: not looked at yet
+        self._block_planner: BlockPlanner | None = None
 
-    def _planner(self, q, window, softcap) -> BlockPlanner | None:
+    def _plan(self, q, window, softcap):
         if not needs_blocks(self.mask, window, softcap, q.shape[2]):
-            return None
-        if self._block_planner is None:
-            self._block_planner = BlockPlanner(self.mask, chunk_bounds(q.shape[2], MASKED_BLOCK))
-        return self._block_planner
+            return attention_plan(q, self.mask, window, softcap)
+        if self._spans is False:
+            self._spans = None if softcap else document_spans(self.mask, span_limit(q.shape[0], q.shape[2]))
+        plan = attention_plan(q, self.mask, window, softcap, spans=self._spans, planner=self._block_planner)
+        if isinstance(plan, BlockPlanner):
+            self._block_planner = plan
+        return plan
 
     def attend(self, module, q, k, v, *, scale, window, softcap):
         return causal_attention(q, k, v, mask=self.mask, window=window, scale=scale, softcap=softcap,
-                                planner=self._planner(q, window, softcap))
+                                plan=self._plan(q, window, softcap))
 
     def attend_keeping_output(self, module, q, k, v, *, scale, window, softcap):
-        settings = dict(mask=self.mask, window=window, scale=scale, softcap=softcap,
-                        planner=self._planner(q, window, softcap))
+        settings = dict(mask=self.mask, window=window, scale=scale, softcap=softcap, plan=self._plan(q, window, softcap))
         out, lse = causal_attention_forward(q, k, v, **settings)
         return out, lse, functools.partial(causal_attention_backward, **settings)
 

@@ -1,5 +1,6 @@
 """Whole-sequence causal attention: the fused kernel where nothing but causality masks,
-exact chunked blocks where documents, padding, a window or soft-capping do.
+one fused call per document where packed documents or padding do, exact chunked blocks
+where a window cuts inside a document or logits are soft-capped.
 
 The fused path is one causal block of :mod:`.attention_blocks`, so it runs the same
 kernel the chunked engines run (cuDNN on Hopper, FlashAttention-2 elsewhere on CUDA, the
@@ -8,29 +9,67 @@ heads, and saves what a flash kernel saves: q, k, v, the output and its LSE. Whe
 fused block kernel runs (float32 on CUDA) it is PyTorch's SDPA, whose memory-efficient
 kernel never holds the s×s scores.
 
+Packed documents and padding (:class:`~.masking.DocumentSpans`) take the same fused
+kernel once per document: a document attends only to itself, so its output, LSE and
+gradients are written, never merged or accumulated across blocks — the kernel's own
+float32 accumulation, as for a whole sequence, with no block-sized explicit scores and no
+per-block host work (a 128K-token sequence in 1,024-token blocks is ~8,000 block calls per
+layer, more host time than an H100 needs for the attention itself).
+
 One semantics for every path (:mod:`.masking`): a query sees earlier keys of its own
 document that are not padding, inside the window; a row with nothing to see gives 0.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Union
 
 import torch
 
-from .attention_blocks import attention_kernel, block_backward, block_forward
+from .attention_blocks import attention_kernel, block_backward, block_forward, lse_dtype
 from .chunked_attention import chunk_bounds, chunked_attention, chunked_backward, chunked_forward
-from .masking import BlockPlanner, SequenceMask
+from .masking import BlockPlanner, DocumentSpans, SequenceMask, document_spans
 from .sdpa import sdpa_gqa
 
 # Tokens per block when the sequence needs masks: bounds the (block × block) score
 # tile of the masked blocks, which are the only ones materialized.
 MASKED_BLOCK = 1024
 
+# How whole-sequence attention runs: None (one fused causal block), one fused block per
+# document (DocumentSpans) or blocks of MASKED_BLOCK tokens (BlockPlanner).
+Plan = Union[None, DocumentSpans, BlockPlanner]
+
 
 def needs_blocks(mask: SequenceMask | None, window: int | None, softcap: float | None, length: int) -> bool:
     """Whether attention over ``length`` tokens needs more than the fused causal kernel."""
     return not (mask is None or mask.trivial) or bool(softcap) or (window is not None and window < length)
+
+
+def span_limit(rows: int, length: int) -> int:
+    """The most documents worth a fused call each: 16 per row, or two per block of the
+    blocked path. Documents shorter than half a block on average are cheaper as a few
+    masked blocks (each holds many of them) than as thousands of tiny kernel launches."""
+    return rows * max(16, 2 * -(-length // MASKED_BLOCK))
+
+
+def attention_plan(q: torch.Tensor, mask: SequenceMask | None, window: int | None, softcap: float | None,
+                   spans: DocumentSpans | None = None, planner: BlockPlanner | None = None) -> Plan:
+    """How attention of ``q``'s tokens under ``mask``/``window``/``softcap`` runs. Callers
+    that run many layers over one mask pass the ``spans`` and ``planner`` they already made."""
+    length = q.shape[2]
+    fused = attention_kernel(q.device, q.dtype, q.shape[-1]) != "math"
+    if not needs_blocks(mask, window, softcap, length):
+        if length <= MASKED_BLOCK or fused:
+            return None  # one fused causal block
+        # No fused kernel (float32 on CUDA): explicit-score blocks of MASKED_BLOCK tokens,
+        # never one block of s×s scores (128 GiB at 32K tokens and 32 heads).
+        return planner if planner is not None else BlockPlanner(None, chunk_bounds(length, MASKED_BLOCK))
+    if fused and not softcap and mask is not None and not mask.trivial:
+        if spans is None:
+            spans = document_spans(mask, span_limit(q.shape[0], length))
+        if spans is not None and spans.fits_window(window):
+            return spans
+    return planner if planner is not None else BlockPlanner(mask, chunk_bounds(length, MASKED_BLOCK))
 
 
 def causal_attention(
@@ -42,20 +81,24 @@ def causal_attention(
     window: int | None = None,
     scale: float | None = None,
     softcap: float | None = None,
-    planner: BlockPlanner | None = None,
+    plan: Plan | str = "auto",
 ) -> torch.Tensor:
     """Attention of (B, H, S, D) queries over (B, H_kv, S, D) keys/values of the same
-    tokens. ``planner`` (for blocks of :data:`MASKED_BLOCK` tokens) may be passed by a
-    caller that runs many layers over one mask."""
+    tokens. ``plan``: :func:`attention_plan`'s answer, when a caller that runs many layers
+    over one mask already has it; ``"auto"`` works it out."""
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
     if not needs_blocks(mask, window, softcap, q.shape[2]):
         if attention_kernel(q.device, q.dtype, q.shape[-1]) == "math":
             # No fused block kernel (float32 on CUDA): PyTorch's SDPA picks its
             # memory-efficient kernel, where one explicit-score block would hold s×s scores.
             return sdpa_gqa(q, k, v, is_causal=q.shape[2] > 1, scale=scale)
-        scale = scale if scale is not None else q.shape[-1] ** -0.5
         return _FusedCausal.apply(q, k.to(q.dtype), v.to(q.dtype), scale)
+    if isinstance(plan, str):
+        plan = attention_plan(q, mask, window, softcap)
+    if isinstance(plan, DocumentSpans):
+        return _SpansAttention.apply(q, k.to(q.dtype), v.to(q.dtype), plan, scale)
     return chunked_attention(q, k, v, chunk=MASKED_BLOCK, window=window, mask=mask, scale=scale,
-                             softcap=softcap, planner=planner)
+                             softcap=softcap, planner=plan)
 
 
 class _FusedCausal(torch.autograd.Function):
@@ -75,37 +118,78 @@ class _FusedCausal(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+def spans_forward(q, k, v, spans: DocumentSpans, scale):
+    """Output and LSE of attention over ``spans``, one fused call per document (two where
+    queries follow its last valid key), without autograd."""
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
+    for row, start, first, last, end in spans.spans:
+        r = slice(row, row + 1)
+        keys, values = k[r, :, first:last], v[r, :, first:last]
+        out[r, :, first:last], lse[r, :, first:last] = block_forward(q[r, :, first:last], keys, values,
+                                                                       scale=scale, causal=True)
+        if end > last:  # queries after the last valid key (padding) see every valid key
+            out[r, :, last:end], lse[r, :, last:end] = block_forward(q[r, :, last:end], keys, values, scale=scale)
+    return out, lse
+
+
+def spans_backward(grad_out, q, k, v, out, lse, spans: DocumentSpans, scale):
+    """(dq, dk, dv) of :func:`spans_forward`: each document's slices written once."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for row, start, first, last, end in spans.spans:
+        r, own = slice(row, row + 1), slice(first, last)
+        keys, values = k[r, :, own], v[r, :, own]
+        dq[r, :, own], dk[r, :, own], dv[r, :, own] = block_backward(
+            grad_out[r, :, own], q[r, :, own], keys, values, out[r, :, own], lse[r, :, own].contiguous(),
+            scale=scale, causal=True)
+        if end > last:
+            tail = slice(last, end)
+            dq[r, :, tail], bk, bv = block_backward(grad_out[r, :, tail], q[r, :, tail], keys, values, out[r, :, tail],
+                                                    lse[r, :, tail].contiguous(), scale=scale)
+            dk[r, :, own] += bk
+            dv[r, :, own] += bv
+    return dq, dk, dv
+
+
+class _SpansAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, spans, scale):
+        out, lse = spans_forward(q, k, v, spans, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spans, ctx.scale = spans, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        return *spans_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.spans, ctx.scale), None, None
+
+
 # ---- attention whose output is kept (Memo): forward once, backward from the kept output ----
 
-def _planner_for(q, mask, window, softcap, planner):
-    if not needs_blocks(mask, window, softcap, q.shape[2]):
-        if q.shape[2] <= MASKED_BLOCK or attention_kernel(q.device, q.dtype, q.shape[-1]) != "math":
-            return None  # one fused causal block
-        # No fused kernel (float32 on CUDA): explicit-score blocks of MASKED_BLOCK tokens,
-        # never one block of s×s scores (128 GiB at 32K tokens and 32 heads).
-        return planner if planner is not None else BlockPlanner(None, chunk_bounds(q.shape[2], MASKED_BLOCK))
-    return planner if planner is not None else BlockPlanner(mask, chunk_bounds(q.shape[2], MASKED_BLOCK))
-
-
-def causal_attention_forward(q, k, v, *, mask=None, window=None, scale=None, softcap=None, planner=None):
+def causal_attention_forward(q, k, v, *, mask=None, window=None, scale=None, softcap=None, plan="auto"):
     """Output (B, H, S, D) and log-sum-exp (B, H, S) of :func:`causal_attention`,
     computed without autograd (the LSE is what an exact backward needs later)."""
     scale = scale if scale is not None else q.shape[-1] ** -0.5
+    plan = attention_plan(q, mask, window, softcap) if isinstance(plan, str) else plan
     with torch.no_grad():
-        planner = _planner_for(q, mask, window, softcap, planner)
-        if planner is None:  # one causal block over the whole sequence: the fused kernel
+        if plan is None:  # one causal block over the whole sequence: the fused kernel
             return block_forward(q, k, v, scale=scale, causal=q.shape[2] > 1)
-        return chunked_forward(q, k, v, planner, window, scale, softcap)
+        if isinstance(plan, DocumentSpans):
+            return spans_forward(q, k, v, plan, scale)
+        return chunked_forward(q, k, v, plan, window, scale, softcap)
 
 
 def causal_attention_backward(grad_out, q, k, v, out, lse, *, mask=None, window=None, scale=None, softcap=None,
-                              planner=None):
+                              plan="auto"):
     """(dq, dk, dv) of :func:`causal_attention` from its output and LSE."""
     scale = scale if scale is not None else q.shape[-1] ** -0.5
-    planner = _planner_for(q, mask, window, softcap, planner)
-    if planner is None:
+    plan = attention_plan(q, mask, window, softcap) if isinstance(plan, str) else plan
+    if plan is None:
         return block_backward(grad_out.contiguous(), q, k, v, out, lse, scale=scale, causal=q.shape[2] > 1)
-    return chunked_backward(grad_out, q, k, v, out, lse, planner, window, scale, softcap)
+    if isinstance(plan, DocumentSpans):
+        return spans_backward(grad_out.contiguous(), q, k, v, out, lse, plan, scale)
+    return chunked_backward(grad_out, q, k, v, out, lse, plan, window, scale, softcap)
 
 
 class _KnownOutput(torch.autograd.Function):

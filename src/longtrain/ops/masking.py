@@ -10,6 +10,11 @@ Causality and a sliding window come from positions (token indices), so the mask 
 no (S, S) tensor. A query row with no visible key gets output 0 — what PyTorch's SDPA
 gives a fully masked row — on every path.
 
+Whole-sequence attention over documents whose visible keys are each one contiguous run
+(packed documents, left or right padding) needs no mask at all:
+:func:`document_spans` lists them, and each document is one fused causal call (plus
+one unmasked call for queries after its last valid key), with nothing to merge.
+
 Chunked attention works block by block ((query chunk, key chunk) pairs). A
 :class:`BlockPlanner` decides for each block whether it can be skipped (nothing
 visible), run by a kernel's own causal or unmasked mode, or needs an explicit boolean
@@ -139,3 +144,61 @@ class BlockPlanner:
         if need_keys:
             allowed = allowed & self.mask.key_valid[:, None, ka:kb]
         return allowed
+
+
+@dataclass(frozen=True)
+class DocumentSpans:
+    """Each row's documents as ``(row, start, first_key, end_keys, end)``: the queries
+    ``start:end`` of one document see the keys ``first_key:end_keys`` (its valid keys,
+    one contiguous run) causally; queries before ``first_key`` see nothing (output 0),
+    queries from ``end_keys`` on see all of them. Documents without a valid key are
+    left out (their queries give 0)."""
+
+    spans: tuple[tuple[int, int, int, int, int], ...]
+    reach: int  # the most tokens from a document's first valid key to its last query
+
+    def fits_window(self, window: int | None) -> bool:
+        """Whether a sliding window of ``window`` tokens hides nothing inside any span."""
+        return window is None or self.reach <= window
+
+
+def document_spans(mask: SequenceMask, limit: int) -> DocumentSpans | None:
+    """The documents of ``mask`` as :class:`DocumentSpans`, read in one host transfer;
+    None when a document's valid keys are not one contiguous run, when there are more
+    than ``limit`` documents (many short ones are cheaper as masked blocks), or when the
+    mask cannot be read (fake tensors: the simulator keeps the blocked path, which never
+    underestimates memory)."""
+    reference = mask.segments if mask.segments is not None else mask.key_valid
+    if reference is None or _is_fake(reference):
+        return None
+    rows, length = reference.shape
+    columns = [t.long() for t in (mask.segments, mask.key_valid) if t is not None]
+    both = torch.stack(columns).cpu()  # the one host transfer
+    segments = both[0] if mask.segments is not None else torch.zeros(rows, length, dtype=torch.long)
+    valid = both[-1].bool() if mask.key_valid is not None else torch.ones(rows, length, dtype=torch.bool)
+    spans, reach = [], 0
+    for row in range(rows):
+        seg, ok = segments[row], valid[row]
+        # Runs of equal (document, valid): at most invalid, valid, invalid per document.
+        change = (seg[1:] != seg[:-1]) | (ok[1:] != ok[:-1])
+        edges = [0] + (torch.nonzero(change).flatten() + 1).tolist() + [length]
+        if len(edges) - 1 > 3 * limit:
+            return None
+        runs = [(a, b, int(seg[a]), bool(ok[a])) for a, b in zip(edges, edges[1:])]
+        i = 0
+        while i < len(runs):
+            doc = runs[i][2]
+            j = i
+            while j < len(runs) and runs[j][2] == doc:
+                j += 1
+            kept = [(a, b) for a, b, _, good in runs[i:j] if good]
+            if len(kept) > 1:
+                return None  # padding inside a document: masked blocks
+            if kept:
+                start, end = runs[i][0], runs[j - 1][1]
+                spans.append((row, start, kept[0][0], kept[0][1], end))
+                reach = max(reach, end - kept[0][0])
+                if len(spans) > limit:
+                    return None
+            i = j
+    return DocumentSpans(tuple(spans), reach)
