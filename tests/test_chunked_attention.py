@@ -490,3 +490,62 @@ def test_document_spans_read_the_mask_once_and_know_when_not_to_apply():
     with FakeTensorMode():  # the simulator cannot read a mask: the blocked path, never less memory
         fake = SequenceMask(torch.zeros(2, s, dtype=torch.long), torch.ones(2, s, dtype=torch.bool))
         assert document_spans(fake, limit=8) is None
+
+
+@pytest.mark.parametrize("variant", ["packed", "left-padded+packed", "window", "soft-capped window"])
+def test_large_masked_blocks_run_as_tiles_whose_scores_are_bounded(variant, monkeypatch):
+    """A masked block longer than TILE tokens runs as TILE-token tiles (here 6 in 25-token
+    chunks, as 1,024 in 8K chunks): exact in float64, and no tensor of the step is larger
+    than a tile's scores or the sequence's own tensors."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setattr("longtrain.ops.masking.TILE", 6)
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Largest.largest = max(Largest.largest, t.numel())
+            return out
+
+    s, chunk = 75, 25
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, s, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, s, 8, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
+    segments = key_valid = None
+    if "packed" in variant:
+        segments = torch.zeros(2, s, dtype=torch.long)
+        segments[0, 31:] = 1
+        segments[1, 12:] = 1
+        segments[1, 58:] = 2
+    if "left-padded" in variant:
+        key_valid = torch.ones(2, s, dtype=torch.bool)
+        key_valid[1, :9] = False
+    window = 17 if "window" in variant else None
+    softcap = 4.0 if "soft-capped" in variant else None
+    with Largest():
+        out = chunked_attention(q, k, v, chunk=chunk, window=window, mask=SequenceMask(segments, key_valid),
+                                softcap=softcap)
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), grad)
+    pos = torch.arange(s)
+    allowed = pos[None, :] <= pos[:, None]
+    if window is not None:
+        allowed = allowed & (pos[None, :] > pos[:, None] - window)
+    allowed = allowed[None, None].expand(2, 1, s, s)
+    if segments is not None:
+        allowed = allowed & (segments[:, :, None] == segments[:, None, :])[:, None]
+    if key_valid is not None:
+        allowed = allowed & key_valid[:, None, None, :]
+    scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) / 8 ** 0.5
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+    ref = probs @ v.repeat_interleave(2, 1)
+    expected = torch.autograd.grad(ref, (q, k, v), grad)
+    assert rel(out, ref) <= TOL
+    assert max(rel(a, b) for a, b in zip(got, expected)) <= TOL
+    assert Largest.largest <= max(q.numel(), 2 * 4 * 6 * 6)  # a tile's scores (B·H·6²) at most, never 25²

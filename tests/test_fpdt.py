@@ -63,30 +63,48 @@ class _DictHistory:
         return self.grads.pop(self.index, None)
 
 
+@pytest.mark.parametrize("tile", [None, 5])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
-@pytest.mark.parametrize("padding", ["left", "right"])
-def test_attend_chunk_in_reverse_order_gives_exact_gradients(kv_heads, padding):
+@pytest.mark.parametrize("padding", ["left", "right", "packed+right", "window"])
+def test_attend_chunk_in_reverse_order_gives_exact_gradients(kv_heads, padding, tile, monkeypatch):
+    """Masked blocks as one block or (``tile``: tiles of 5 tokens in 12-token chunks, as
+    8K chunks run in 1,024-token tiles) tile by tile: exact either way."""
+    if tile is not None:
+        monkeypatch.setattr("longtrain.ops.masking.TILE", tile)
     g = torch.Generator().manual_seed(kv_heads)
     b, h, s, d, chunk = 2, 4, 53, 8, 12
     q = torch.randn(b, h, s, d, dtype=torch.float64, generator=g)
     k = torch.randn(b, kv_heads, s, d, dtype=torch.float64, generator=g)
     v = torch.randn(b, kv_heads, s, d, dtype=torch.float64, generator=g)
     valid = torch.ones(b, s, dtype=torch.bool)
-    if padding == "right":
+    segments, window = None, None
+    if "right" in padding:
         valid[1, 40:] = False
-    else:
+    elif padding == "left":
         valid[1, :30] = False  # padded rows see no key at all: output 0
+    if "packed" in padding:
+        segments = torch.zeros(b, s, dtype=torch.long)
+        segments[0, 17:] = 1
+        segments[1, 26:] = 1
+    if padding == "window":
+        window = 7
     dout = torch.randn(b, h, s, d, dtype=torch.float64, generator=g)
     # Reference: SDPA over the whole sequence, padded keys masked.
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    mask = torch.ones(s, s, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
+    pos = torch.arange(s)
+    allowed = pos[None, :] <= pos[:, None]
+    if window is not None:
+        allowed = allowed & (pos[None, :] > pos[:, None] - window)
+    mask = allowed[None, None] & valid[:, None, None, :]
+    if segments is not None:
+        mask = mask & (segments[:, :, None] == segments[:, None, :])[:, None]
     group = h // kv_heads
     ref = F.scaled_dot_product_attention(qr, kr.repeat_interleave(group, 1), vr.repeat_interleave(group, 1), attn_mask=mask)
     ref = ref.nan_to_num(0.0)  # rows with no visible key: 0
     ref.backward(dout)
     # Chunk by chunk in reverse, relaying K/V gradients through the history.
     bounds = chunk_bounds(s, chunk)
-    planner = BlockPlanner(SequenceMask(key_valid=valid), bounds)
+    planner = BlockPlanner(SequenceMask(segments, valid), bounds)
     kv = [(k[:, :, a:e], v[:, :, a:e]) for a, e in bounds]
     shared = _DictHistory(kv, 0)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -94,12 +112,15 @@ def test_attend_chunk_in_reverse_order_gives_exact_gradients(kv_heads, padding):
         a, e = bounds[i]
         shared.index = i
         qi, ki, vi = (t[:, :, a:e].clone().requires_grad_() for t in (q, k, v))
-        out = attend_chunk(qi, ki, vi, shared, planner=planner, index=i)
+        out = attend_chunk(qi, ki, vi, shared, planner=planner, index=i, window=window)
         torch.testing.assert_close(out, ref[:, :, a:e].detach(), rtol=0, atol=1e-12)
         out.backward(dout[:, :, a:e])
         dq[:, :, a:e], dk[:, :, a:e], dv[:, :, a:e] = qi.grad, ki.grad, vi.grad
     for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
         assert float((got - want).norm() / want.norm()) <= TOL
+    pairs = [(i, j) for i in range(len(bounds)) for j in range(i + 1)]
+    tiled = [len(planner.tiles(i, j, window, q.device)) > 1 for i, j in pairs]
+    assert any(tiled) == (tile is not None)
 
 
 def test_chunk_store_parks_in_host_memory_and_brings_back():
@@ -376,3 +397,17 @@ def test_the_chunk_loop_never_reads_the_device(keep_output):
             lt.step(model, batch)
         counts.append(reads.count)
     assert counts[0] == counts[1] <= 3, counts
+
+
+@pytest.mark.parametrize("engine", ["fpdt", "seco"])
+def test_packed_documents_in_large_chunks_run_in_tiles_and_stay_exact(engine, monkeypatch):
+    """Chunks that straddle document boundaries are masked blocks; longer than TILE tokens
+    (here 16 in 40-token chunks, as 1,024 in 8K chunks) they run tile by tile — stock
+    gradients in float64 with backward on another thread, offloaded K/V and padding."""
+    from conftest import packed_batch
+
+    monkeypatch.setattr("longtrain.ops.masking.TILE", 16)
+    config = preset_config("tiny-qwen2")
+    stock, ours = stock_and_ours(config)
+    strategy = lt.Strategy(engine=engine, engine_options={"chunk": 40, "offload": True})
+    check_step(stock, ours, strategy, packed_batch(config.vocab_size), another_thread=True)

@@ -56,16 +56,47 @@ def chunk_bounds(length: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def _visible_blocks(planner: BlockPlanner, window, device, keys_outer=False):
-    """(qi, ki, causal, mask) for every block with an allowed pair, query chunks outer
-    (forward) or key/value chunks outer (FPDT's backward order)."""
+    """``(qi, ki, tiles)`` of every block with something visible, query chunks outer
+    (forward) or key/value chunks outer (FPDT's backward order); ``tiles`` as
+    :meth:`BlockPlanner.tiles` gives them (one tile, the block, unless it is masked and large)."""
     n = len(planner.bounds)
     pairs = [(qi, ki) for qi in range(n) for ki in range(qi + 1)]
     if keys_outer:
         pairs.sort(key=lambda pair: (pair[1], pair[0]))
     for qi, ki in pairs:
-        skip, causal, mask = planner.plan(qi, ki, window, device)
-        if not skip:
-            yield qi, ki, causal, mask
+        tiles = planner.tiles(qi, ki, window, device)
+        if tiles:
+            yield qi, ki, tiles
+
+
+def _tiles_forward(q, k, v, tiles, q0, k0, out, lse, scale, softcap) -> None:
+    """Merge the tiles of one block (positions relative to ``q0``/``k0``, where q's and k's
+    rows start) into the running ``out``/``lse`` of q's rows, in place."""
+    for (qa, qb), (ka, kb), causal, mask in tiles:
+        rows, keys = slice(qa - q0, qb - q0), slice(ka - k0, kb - k0)
+        bo, bl = block_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], scale=scale, causal=causal, mask=mask,
+                               softcap=softcap)
+        merge_(out[:, :, rows], lse[:, :, rows], bo, bl)
+
+
+def _tiles_backward(grad_out, q, k, v, out, lse, tiles, q0, k0, scale, softcap):
+    """(dq, dk, dv) of one block's tiles, shaped like q and k/v, from the global output and LSE."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for (qa, qb), (ka, kb), causal, mask in tiles:
+        rows, keys = slice(qa - q0, qb - q0), slice(ka - k0, kb - k0)
+        bq, bk, bv = block_backward(grad_out[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
+                                    lse[:, :, rows], scale=scale, causal=causal, mask=mask, softcap=softcap)
+        dq[:, :, rows] += bq
+        dk[:, :, keys] += bk
+        dv[:, :, keys] += bv
+    return dq, dk, dv
+
+
+def _whole(tiles, q_range, k_range) -> tuple[bool, object] | None:
+    """``(causal, mask)`` when ``tiles`` is the one block ``q_range`` × ``k_range``, else None."""
+    if len(tiles) == 1 and tiles[0][0] == q_range and tiles[0][1] == k_range:
+        return tiles[0][2], tiles[0][3]
+    return None
 
 
 def chunked_forward(q, k, v, planner: BlockPlanner, window, scale, softcap) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,15 +106,19 @@ def chunked_forward(q, k, v, planner: BlockPlanner, window, scale, softcap) -> t
     lse = torch.full(q.shape[:3], -math.inf, dtype=acc, device=q.device)
     bounds = planner.bounds
     started = set()  # query chunks that have a block already: the first one is copied, not merged
-    for qi, ki, causal, mask in _visible_blocks(planner, window, q.device):
+    for qi, ki, tiles in _visible_blocks(planner, window, q.device):
         (qa, qb), (ka, kb) = bounds[qi], bounds[ki]
-        bo, bl = block_forward(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], scale=scale,
-                               causal=causal, mask=mask, softcap=softcap)
-        if qi in started:
-            merge_(out[:, :, qa:qb], lse[:, :, qa:qb], bo, bl)
+        whole = _whole(tiles, bounds[qi], bounds[ki])
+        if whole is None:  # a large masked block, tile by tile
+            _tiles_forward(q, k, v, tiles, 0, 0, out, lse, scale, softcap)
         else:
-            out[:, :, qa:qb], lse[:, :, qa:qb] = bo, bl
-            started.add(qi)
+            bo, bl = block_forward(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], scale=scale,
+                                   causal=whole[0], mask=whole[1], softcap=softcap)
+            if qi in started:
+                merge_(out[:, :, qa:qb], lse[:, :, qa:qb], bo, bl)
+            else:
+                out[:, :, qa:qb], lse[:, :, qa:qb] = bo, bl
+        started.add(qi)
     return out.to(q.dtype), lse
 
 
@@ -91,17 +126,16 @@ def chunked_backward(grad_out, q, k, v, out, lse, planner: BlockPlanner, window,
     """(dq, dk, dv) of chunked causal attention from the global output and LSE."""
     grad_out = grad_out.contiguous()
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    bounds = planner.bounds
     # Outer loop over key/value chunks (their dK/dV finish there), inner over queries.
-    for qi, ki, causal, mask in _visible_blocks(planner, window, q.device, keys_outer=True):
-        (qa, qb), (ka, kb) = bounds[qi], bounds[ki]
-        bq, bk, bv = block_backward(
-            grad_out[:, :, qa:qb], q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb],
-            out[:, :, qa:qb], lse[:, :, qa:qb], scale=scale, causal=causal, mask=mask, softcap=softcap,
-        )
-        dq[:, :, qa:qb] += bq
-        dk[:, :, ka:kb] += bk
-        dv[:, :, ka:kb] += bv
+    for qi, ki, tiles in _visible_blocks(planner, window, q.device, keys_outer=True):
+        for (qa, qb), (ka, kb), causal, mask in tiles:
+            bq, bk, bv = block_backward(
+                grad_out[:, :, qa:qb], q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb],
+                out[:, :, qa:qb], lse[:, :, qa:qb], scale=scale, causal=causal, mask=mask, softcap=softcap,
+            )
+            dq[:, :, qa:qb] += bq
+            dk[:, :, ka:kb] += bk
+            dv[:, :, ka:kb] += bv
     return dq, dk, dv
 
 
@@ -157,21 +191,45 @@ def chunked_attention(
 def attend_chunk_forward(q, k, v, history: KVHistory, planner: BlockPlanner, index: int, window, scale, softcap):
     """Output and LSE of query chunk ``index`` over its own K/V and ``history``, without autograd."""
     acc = lse_dtype(q.dtype)
+    bounds = planner.bounds
     out = lse = None  # the first block's output and LSE start the running pair (no merge)
-    for j, k_past, v_past in history.blocks():
-        skip, causal, mask = planner.plan(index, j, window, q.device)
-        if not skip:
-            bo, bl = block_forward(q, k_past, v_past, scale=scale, causal=causal, mask=mask, softcap=softcap)
+
+    def attend(j, keys, values):
+        nonlocal out, lse
+        tiles = planner.tiles(index, j, window, q.device)
+        whole = _whole(tiles, bounds[index], bounds[j])
+        if whole is not None:
+            bo, bl = block_forward(q, keys, values, scale=scale, causal=whole[0], mask=whole[1], softcap=softcap)
             if out is None:
-                out, lse = bo.to(acc), bl
-            else:
-                merge_(out, lse, bo, bl)
-    _, causal, mask = planner.plan(index, index, window, q.device)
-    bo, bl = block_forward(q, k, v, scale=scale, causal=causal, mask=mask, softcap=softcap)
-    if out is None:
-        return bo, bl
-    merge_(out, lse, bo, bl)
+                out, lse = bo, bl
+                return
+            if out.dtype != acc:
+                out = out.to(acc)
+            merge_(out, lse, bo, bl)
+        elif tiles:  # a large masked block, tile by tile
+            if out is None:
+                out = torch.zeros(q.shape, dtype=acc, device=q.device)
+                lse = torch.full(q.shape[:3], -math.inf, dtype=acc, device=q.device)
+            elif out.dtype != acc:
+                out = out.to(acc)
+            _tiles_forward(q, keys, values, tiles, bounds[index][0], bounds[j][0], out, lse, scale, softcap)
+
+    for j, k_past, v_past in history.blocks():  # one earlier chunk on the device at a time
+        attend(j, k_past, v_past)
+    attend(index, k, v)
     return out.to(q.dtype), lse
+
+
+def _block_backward(grad_out, q, k, v, out, lse, planner, index, j, window, scale, softcap):
+    """(dq, dk, dv) of query chunk ``index`` against key chunk ``j``, or None when skipped."""
+    tiles = planner.tiles(index, j, window, q.device)
+    if not tiles:
+        return None
+    whole = _whole(tiles, planner.bounds[index], planner.bounds[j])
+    if whole is not None:
+        return block_backward(grad_out, q, k, v, out, lse, scale=scale, causal=whole[0], mask=whole[1], softcap=softcap)
+    return _tiles_backward(grad_out, q, k, v, out, lse, tiles, planner.bounds[index][0], planner.bounds[j][0],
+                           scale, softcap)
 
 
 def attend_chunk_backward(grad_out, q, k, v, out, lse, history: KVHistory, planner: BlockPlanner, index: int, window,
@@ -179,13 +237,13 @@ def attend_chunk_backward(grad_out, q, k, v, out, lse, history: KVHistory, plann
     """(dq, dk, dv) of :func:`attend_chunk`: earlier chunks' K/V gradients go to
     ``history``, and what later chunks sent to this chunk's K/V is added."""
     grad_out = grad_out.contiguous()
-    _, causal, mask = planner.plan(index, index, window, q.device)
-    dq, dk, dv = block_backward(grad_out, q, k, v, out, lse, scale=scale, causal=causal, mask=mask, softcap=softcap)
+    own = _block_backward(grad_out, q, k, v, out, lse, planner, index, index, window, scale, softcap)
+    dq, dk, dv = own if own is not None else (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
     for j, k_past, v_past in history.blocks(backward=True):
-        skip, causal, mask = planner.plan(index, j, window, q.device)
-        if skip:
+        grads = _block_backward(grad_out, q, k_past, v_past, out, lse, planner, index, j, window, scale, softcap)
+        if grads is None:
             continue
-        bq, bk, bv = block_backward(grad_out, q, k_past, v_past, out, lse, scale=scale, causal=causal, mask=mask, softcap=softcap)
+        bq, bk, bv = grads
         dq += bq  # dq is the first block's fresh gradient: accumulated in place
         history.add_grad(j, bk, bv)
     later = history.take_grad()  # what the later query chunks sent to this chunk's K/V

@@ -18,7 +18,11 @@ one unmasked call for queries after its last valid key), with nothing to merge.
 Chunked attention works block by block ((query chunk, key chunk) pairs). A
 :class:`BlockPlanner` decides for each block whether it can be skipped (nothing
 visible), run by a kernel's own causal or unmasked mode, or needs an explicit boolean
-mask. It reads a small per-chunk summary of the mask once (one host transfer per
+mask. A block that needs a mask and is longer than :data:`TILE` tokens on a side runs
+as tiles of at most :data:`TILE` tokens (:meth:`BlockPlanner.tiles`), each decided the
+same way: only tiles at a document boundary, padding or a window's edge form explicit
+scores, and those hold TILE² scores per head (128 MiB at 32 heads in float32) where a
+whole 8K-token block would hold 8 GiB per tensor. It reads a small per-chunk summary of the mask once (one host transfer per
 step), so blocks inside one document and free of padding — nearly all of them — take
 the fast kernels. Under fake tensors (simulation) nothing can be read: every block that
 might need a mask gets one, which never underestimates memory.
@@ -29,6 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+# Tokens per side of the tiles a masked block runs as (bounds its explicit scores).
+TILE = 1024
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,7 @@ class BlockPlanner:
         self.mask = mask if mask is not None and not mask.trivial else None
         self.bounds = bounds
         self._summary = self._summarize() if self.mask is not None else None
+        self._refined: tuple[BlockPlanner, list[int]] | None = None  # TILE-token planner, made when first needed
 
     def _summarize(self):
         """(first segment, last segment) per row and chunk, and whether each chunk's keys
@@ -110,8 +119,8 @@ class BlockPlanner:
         """
         qa, qb = self.bounds[qi]
         ka, kb = self.bounds[ki]
-        if window is not None and qa - (kb - 1) >= window:
-            return True, False, None
+        if ka > qb - 1 or (window is not None and qa - (kb - 1) >= window):
+            return True, False, None  # every key after every query, or out of every query's window
         need_segments = need_keys = self.mask is not None
         summary = self._summary
         if summary is not None:
@@ -131,6 +140,37 @@ class BlockPlanner:
             if kb <= qa + 1:  # every key precedes every query
                 return False, False, None
         return False, False, self._dense(qa, qb, ka, kb, window, need_segments, need_keys, device)
+
+    def tiles(self, qi: int, ki: int, window: int | None, device: torch.device):
+        """Block ``(qi, ki)`` as the sub-blocks to run, ``[((qa, qb), (ka, kb), causal,
+        mask), ...]`` in token positions: nothing when it is skipped, the block itself when
+        it needs no mask or is at most :data:`TILE` tokens on a side, else its tiles of
+        :data:`TILE` tokens that are not skipped, each with its own decision (the mask
+        summary of the tiles is read once per planner, at the first such block)."""
+        skip, causal, mask = self.plan(qi, ki, window, device)
+        if skip:
+            return []
+        (qa, qb), (ka, kb) = self.bounds[qi], self.bounds[ki]
+        if mask is None or max(qb - qa, kb - ka) <= TILE:
+            return [((qa, qb), (ka, kb), causal, mask)]
+        fine, first = self._tile_planner()
+        tiles = []
+        for fq in range(first[qi], first[qi + 1]):
+            for fk in range(first[ki], first[ki + 1]):
+                skip, causal, mask = fine.plan(fq, fk, window, device)
+                if not skip:
+                    tiles.append((fine.bounds[fq], fine.bounds[fk], causal, mask))
+        return tiles
+
+    def _tile_planner(self) -> tuple["BlockPlanner", list[int]]:
+        """A planner over every chunk cut into TILE-token tiles, and each chunk's first tile."""
+        if self._refined is None:
+            bounds, first = [], [0]
+            for a, b in self.bounds:
+                bounds += [(start, min(start + TILE, b)) for start in range(a, b, TILE)]
+                first.append(len(bounds))
+            self._refined = (BlockPlanner(self.mask, bounds), first)
+        return self._refined
 
     def _dense(self, qa, qb, ka, kb, window, need_segments, need_keys, device):
         q_pos = torch.arange(qa, qb, device=device)
