@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from longtrain.errors import LongtrainError
 from longtrain.ops.causal_attention import causal_attention
@@ -12,8 +13,9 @@ from longtrain.ops.masking import SequenceMask
 TOL = 1e-10
 
 
-def reference(q, k, v, window=None, segments=None, key_valid=None):
-    """SDPA with an explicit boolean mask; rows with no visible key give 0."""
+def reference(q, k, v, window=None, segments=None, key_valid=None, softcap=None):
+    """SDPA with an explicit boolean mask (explicit scores with ``softcap``); rows with no
+    visible key give 0."""
     s = q.shape[2]
     pos = torch.arange(s)
     mask = pos[None, :] <= pos[:, None]
@@ -25,8 +27,41 @@ def reference(q, k, v, window=None, segments=None, key_valid=None):
     if key_valid is not None:
         mask = mask & key_valid[:, None, None, :]
     group = q.shape[1] // k.shape[1]
-    out = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask)
-    return out.nan_to_num(0.0)
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    if softcap:
+        scores = torch.tanh(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 / softcap) * softcap
+        return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0) @ v
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).nan_to_num(0.0)
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an op returns inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def _variant_mask(variant: str, s: int):
+    """(segments, key_valid, window) of two rows of ``s`` tokens for a test variant."""
+    window = 13 if "window" in variant else None
+    segments = key_valid = None
+    if "packed" in variant:
+        segments = torch.zeros(2, s, dtype=torch.long)
+        segments[0, 20:] = 1
+        segments[1, 7:] = 1
+        segments[1, 40:] = 2
+    if "left-padded" in variant:  # padded rows see no key: output 0
+        key_valid = torch.ones(2, s, dtype=torch.bool)
+        key_valid[1, :11] = False
+    return segments, key_valid, window
 
 
 def rel(a, b):
@@ -43,16 +78,7 @@ def test_matches_sdpa_in_float64(heads, kv_heads, n_chunks, variant):
     q = torch.randn(2, heads, s, 16, dtype=torch.float64, generator=g, requires_grad=True)
     k = torch.randn(2, kv_heads, s, 16, dtype=torch.float64, generator=g, requires_grad=True)
     v = torch.randn(2, kv_heads, s, 16, dtype=torch.float64, generator=g, requires_grad=True)
-    window = 13 if variant == "window" else None
-    segments = key_valid = None
-    if "packed" in variant:
-        segments = torch.zeros(2, s, dtype=torch.long)
-        segments[0, 20:] = 1
-        segments[1, 7:] = 1
-        segments[1, 40:] = 2
-    if "left-padded" in variant:  # padded rows see no key: output 0
-        key_valid = torch.ones(2, s, dtype=torch.bool)
-        key_valid[1, :11] = False
+    segments, key_valid, window = _variant_mask(variant, s)
     mask = SequenceMask(segments, key_valid)
     out = chunked_attention(q, k, v, chunk=chunk, window=window, mask=mask)
     ref = reference(q, k, v, window, segments, key_valid)
@@ -152,7 +178,6 @@ def test_cuda_kernel_argument_conventions_on_fake_cuda_tensors(monkeypatch):
     undefined cum_seq_q/k — a defined tensor, even an empty one, means variable-length
     packing to the CUDA kernel, which then demands int32 offsets (the first GPU run's crash)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from longtrain.ops.attention_blocks import block_backward, block_forward
 
@@ -275,8 +300,6 @@ def test_kernel_override_by_environment_and_function(monkeypatch):
 
 
 def _recorded_attention_calls(fn):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     calls = []
 
     class Record(TorchDispatchMode):
@@ -360,20 +383,8 @@ def test_without_a_fused_kernel_kept_output_attention_never_forms_whole_sequence
     runs — float32 on CUDA; forced here — works in blocks of explicit scores of at most
     1024² per head, never one s×s block (128 GiB at 32K tokens and 32 heads), and gives
     what the fused kernel gives."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from longtrain.ops.attention_blocks import set_attention_kernel
     from longtrain.ops.causal_attention import MASKED_BLOCK, causal_attention_backward, causal_attention_forward
-
-    class Largest(TorchDispatchMode):
-        largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    Largest.largest = max(Largest.largest, t.numel())
-            return out
 
     torch.manual_seed(0)
     b, h, s, d = 1, 4, 3 * MASKED_BLOCK + 100, 16
@@ -383,12 +394,12 @@ def test_without_a_fused_kernel_kept_output_attention_never_forms_whole_sequence
     want_grads = causal_attention_backward(dout, q, k, v, *want)
     set_attention_kernel("math")
     try:
-        with Largest():
+        with LargestTensor() as largest:
             out, lse = causal_attention_forward(q, k, v)
             grads = causal_attention_backward(dout, q, k, v, out, lse)
     finally:
         set_attention_kernel(None)
-    assert Largest.largest <= b * h * MASKED_BLOCK ** 2
+    assert largest.numel <= b * h * MASKED_BLOCK ** 2
     torch.testing.assert_close(out, want[0], rtol=1e-4, atol=1e-5)
     for got, expected in zip(grads, want_grads):
         torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-4)
@@ -497,55 +508,21 @@ def test_large_masked_blocks_run_as_tiles_whose_scores_are_bounded(variant, monk
     """A masked block longer than TILE tokens runs as TILE-token tiles (here 6 in 25-token
     chunks, as 1,024 in 8K chunks): exact in float64, and no tensor of the step is larger
     than a tile's scores or the sequence's own tensors."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     monkeypatch.setattr("longtrain.ops.masking.TILE", 6)
-
-    class Largest(TorchDispatchMode):
-        largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    Largest.largest = max(Largest.largest, t.numel())
-            return out
 
     s, chunk = 75, 25
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 4, s, 8, dtype=torch.float64, generator=g, requires_grad=True)
     k, v = (torch.randn(2, 2, s, 8, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
-    segments = key_valid = None
-    if "packed" in variant:
-        segments = torch.zeros(2, s, dtype=torch.long)
-        segments[0, 31:] = 1
-        segments[1, 12:] = 1
-        segments[1, 58:] = 2
-    if "left-padded" in variant:
-        key_valid = torch.ones(2, s, dtype=torch.bool)
-        key_valid[1, :9] = False
-    window = 17 if "window" in variant else None
+    segments, key_valid, window = _variant_mask(variant, s)
     softcap = 4.0 if "soft-capped" in variant else None
-    with Largest():
+    with LargestTensor() as largest:
         out = chunked_attention(q, k, v, chunk=chunk, window=window, mask=SequenceMask(segments, key_valid),
                                 softcap=softcap)
         grad = torch.randn_like(out)
         got = torch.autograd.grad(out, (q, k, v), grad)
-    pos = torch.arange(s)
-    allowed = pos[None, :] <= pos[:, None]
-    if window is not None:
-        allowed = allowed & (pos[None, :] > pos[:, None] - window)
-    allowed = allowed[None, None].expand(2, 1, s, s)
-    if segments is not None:
-        allowed = allowed & (segments[:, :, None] == segments[:, None, :])[:, None]
-    if key_valid is not None:
-        allowed = allowed & key_valid[:, None, None, :]
-    scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) / 8 ** 0.5
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
-    ref = probs @ v.repeat_interleave(2, 1)
+    ref = reference(q, k, v, window, segments, key_valid, softcap)
     expected = torch.autograd.grad(ref, (q, k, v), grad)
     assert rel(out, ref) <= TOL
     assert max(rel(a, b) for a, b in zip(got, expected)) <= TOL
-    assert Largest.largest <= max(q.numel(), 2 * 4 * 6 * 6)  # a tile's scores (B·H·6²) at most, never 25²
+    assert largest.numel <= max(q.numel(), 2 * 4 * 6 * 6)  # a tile's scores (B·H·6²) at most, never 25²
