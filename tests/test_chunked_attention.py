@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from longtrain.errors import LongtrainError
 from longtrain.ops.causal_attention import causal_attention
 from longtrain.ops.chunked_attention import chunked_attention
-from longtrain.ops.masking import SequenceMask
+from longtrain.ops.masking import SequenceMask, document_spans
 
 TOL = 1e-10
 
@@ -498,9 +498,9 @@ def test_document_spans_read_the_mask_once_and_know_when_not_to_apply():
     assert isinstance(attention_plan(q, mask, spans.reach, None), DocumentSpans)  # the window hides nothing
     assert isinstance(attention_plan(q, mask, spans.reach - 1, None), BlockPlanner)  # it cuts a document
     assert isinstance(attention_plan(q, mask, None, 30.0), BlockPlanner)  # soft-capping: explicit scores
-    with FakeTensorMode():  # the simulator cannot read a mask: the blocked path, never less memory
+    with FakeTensorMode():  # the simulator cannot read a mask: the layout that holds the most memory
         fake = SequenceMask(torch.zeros(2, s, dtype=torch.long), torch.ones(2, s, dtype=torch.bool))
-        assert document_spans(fake, limit=8) is None
+        assert document_spans(fake, limit=8).spans == ((0, 0, 0, s, s), (1, 0, 0, s, s))
 
 
 @pytest.mark.parametrize("variant", ["packed", "left-padded+packed", "window", "soft-capped window"])
@@ -526,3 +526,57 @@ def test_large_masked_blocks_run_as_tiles_whose_scores_are_bounded(variant, monk
     assert rel(out, ref) <= TOL
     assert max(rel(a, b) for a, b in zip(got, expected)) <= TOL
     assert largest.numel <= max(q.numel(), 2 * 4 * 6 * 6)  # a tile's scores (B·H·6²) at most, never 25²
+
+
+@pytest.mark.parametrize("case", ["documents", "padding inside a document", "soft-capped"])
+def test_a_step_reads_the_documents_of_its_mask_once_whatever_the_plan(case, monkeypatch):
+    """The per-step attention call reads the documents once for all layers, also when
+    they do not apply (padding inside a document: masked blocks), and not at all where
+    they cannot (soft-capping): each read is a device-to-host copy."""
+    import longtrain.ops.causal_attention as whole
+    from longtrain.models.attention import WholeSequenceAttention
+
+    reads = []
+    monkeypatch.setattr(whole, "document_spans", lambda *a, **k: reads.append(1) or document_spans(*a, **k))
+    s = 50
+    segments, key_valid = _documents("packed+padded-inside" if case == "padding inside a document" else "packed", s)
+    call = WholeSequenceAttention(SequenceMask(segments, key_valid))
+    q, k, v = torch.randn(2, 4, s, 8), torch.randn(2, 2, s, 8), torch.randn(2, 2, s, 8)
+    for _ in range(3):  # three layers
+        call.attend(None, q, k, v, scale=None, window=None, softcap=30.0 if case == "soft-capped" else None)
+    assert len(reads) == (0 if case == "soft-capped" else 1)
+
+
+def test_a_large_masked_block_never_builds_its_whole_mask(monkeypatch):
+    """Tiling decides the block without its (Cq, Ck) mask: only tile-sized masks are built."""
+    from longtrain.ops.chunked_attention import chunk_bounds
+    from longtrain.ops.masking import BlockPlanner
+
+    monkeypatch.setattr("longtrain.ops.masking.TILE", 8)
+    built = []
+    dense = BlockPlanner._dense
+    monkeypatch.setattr(BlockPlanner, "_dense", lambda self, qa, qb, ka, kb, *a: built.append((qb - qa, kb - ka))
+                        or dense(self, qa, qb, ka, kb, *a))
+    s = 64
+    segments = torch.zeros(1, s, dtype=torch.long)
+    segments[0, 37:] = 1
+    planner = BlockPlanner(SequenceMask(segments, None), chunk_bounds(s, 32))
+    tiles = planner.tiles(1, 1, None, torch.device("cpu"))
+    # Tiles of 8 over 32:64: only those whose keys are 32:40 (the boundary at 37) need a mask.
+    assert [(q, k) for q, k, _, mask in tiles if mask is not None] == [((a, a + 8), (32, 40)) for a in (32, 40, 48, 56)]
+    assert len(tiles) == 10  # the lower triangle of 4×4 tiles
+    assert built and max(max(shape) for shape in built) <= 8
+
+
+def test_a_single_key_block_avoids_cudnn_without_dropping_it(monkeypatch):
+    """cuDNN refuses a key length of 1 (PyTorch's SDPA never sends it one): such a block —
+    a one-token document, a last chunk of one token — takes FA2 for that block only."""
+    from longtrain.ops import attention_blocks as blocks
+
+    monkeypatch.setattr(blocks, "attention_kernel", lambda *a: "cudnn")
+    monkeypatch.setattr(blocks, "_supports", lambda kernel, *a: kernel in ("cudnn", "flash"))
+    q = torch.empty(1, 4, 3, 64, device="meta", dtype=torch.bfloat16)
+    one, two = (torch.empty(1, 2, n, 64, device="meta", dtype=torch.bfloat16) for n in (1, 2))
+    assert blocks._fused_kernel(q, one, None, None) == "flash"
+    assert blocks._fused_kernel(q, two, None, None) == "cudnn"
+    assert not blocks._failed

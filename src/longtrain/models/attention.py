@@ -22,9 +22,9 @@ import functools
 from transformers import AttentionInterface
 
 from ..errors import LongtrainError
-from ..ops.causal_attention import (attention_plan, causal_attention, causal_attention_backward,
-                                   causal_attention_forward, needs_blocks, span_limit)
-from ..ops.masking import BlockPlanner, DocumentSpans, SequenceMask, document_spans
+from ..ops.causal_attention import (UNREAD, attention_plan, causal_attention, causal_attention_backward,
+                                   causal_attention_forward, needs_blocks, read_spans)
+from ..ops.masking import BlockPlanner, SequenceMask
 from ..ops.sdpa import sdpa_gqa
 
 # The name must not contain "sdpa": transformers applies its SDPA support checks to any
@@ -56,14 +56,14 @@ class WholeSequenceAttention(AttentionCall):
         self.mask = mask
         # Read from the mask once per step and shared by every layer: the documents (fused
         # calls per document) and the block decisions (masked blocks), each made when first needed.
-        self._spans: DocumentSpans | None | bool = False  # False: not looked at yet
+        self._spans = UNREAD
         self._block_planner: BlockPlanner | None = None
 
     def _plan(self, q, window, softcap):
         if not needs_blocks(self.mask, window, softcap, q.shape[2]):
             return attention_plan(q, self.mask, window, softcap)
-        if self._spans is False:
-            self._spans = None if softcap else document_spans(self.mask, span_limit(q.shape[0], q.shape[2]))
+        if self._spans is UNREAD:
+            self._spans = read_spans(q, self.mask, softcap)
         plan = attention_plan(q, self.mask, window, softcap, spans=self._spans, planner=self._block_planner)
         if isinstance(plan, BlockPlanner):
             self._block_planner = plan

@@ -147,11 +147,17 @@ def _drop_failed(kernel: str, q: torch.Tensor, error: Exception) -> None:
                   f"{attention_kernel(device, dtype, head_dim)!r} from now on", stacklevel=3)
 
 
-def _fused_kernel(q, mask, softcap) -> str:
+def _fused_kernel(q, k, mask, softcap) -> str:
     """The kernel for a block: "math" wherever a mask or a soft-cap must be applied."""
     if mask is not None or softcap or not q.dtype.is_floating_point:
         return "math"
-    return attention_kernel(q.device, q.dtype, q.shape[-1])
+    kernel = attention_kernel(q.device, q.dtype, q.shape[-1])
+    if kernel == "cudnn" and k.shape[2] == 1:
+        # cuDNN refuses a single key (PyTorch's own SDPA dispatch never sends it one,
+        # pytorch#138529); a one-token document or chunk takes the next kernel for this
+        # block only, without marking cuDNN failed for every later block.
+        return "flash" if _supports("flash", q.device, q.dtype, q.shape[-1]) else "math"
+    return kernel
 
 
 def _fused(fn, kernel: str, *args):
@@ -295,7 +301,7 @@ def block_forward(q, k, v, *, scale: float, causal: bool = False, mask=None, sof
     Returns the block output normalized by the block's own LSE and that LSE (B, H, Cq).
     Rows with nothing to attend get output 0 and LSE -inf.
     """
-    fused = _fused(_fused_forward, _fused_kernel(q, mask, softcap), q, k, v, causal, scale)
+    fused = _fused(_fused_forward, _fused_kernel(q, k, mask, softcap), q, k, v, causal, scale)
     if fused is not None:
         return fused
     b, h, cq, d = q.shape
@@ -316,7 +322,7 @@ def block_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool = Fals
     every block the rows attend to, so the result is this block's exact share of the
     global gradients.
     """
-    fused = _fused(_fused_backward, _fused_kernel(q, mask, softcap), dout, q, k, v, out, lse, causal, scale)
+    fused = _fused(_fused_backward, _fused_kernel(q, k, mask, softcap), dout, q, k, v, out, lse, causal, scale)
     if fused is not None:
         return fused
     groups = q.shape[1] // k.shape[1]

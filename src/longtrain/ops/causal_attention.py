@@ -52,23 +52,34 @@ def span_limit(rows: int, length: int) -> int:
     return rows * max(16, 2 * -(-length // MASKED_BLOCK))
 
 
+# ``spans`` not read from the mask yet (None means read, and no per-document plan applies).
+UNREAD = object()
+
+
+def read_spans(q: torch.Tensor, mask: SequenceMask | None, softcap: float | None) -> DocumentSpans | None:
+    """The documents of ``mask`` where a fused call per document can run (a fused kernel
+    for q, no soft-capping, a mask that is not plain causal), else None: one host read."""
+    if mask is None or mask.trivial or softcap or attention_kernel(q.device, q.dtype, q.shape[-1]) == "math":
+        return None
+    return document_spans(mask, span_limit(q.shape[0], q.shape[2]))
+
+
 def attention_plan(q: torch.Tensor, mask: SequenceMask | None, window: int | None, softcap: float | None,
-                   spans: DocumentSpans | None = None, planner: BlockPlanner | None = None) -> Plan:
+                   spans=UNREAD, planner: BlockPlanner | None = None) -> Plan:
     """How attention of ``q``'s tokens under ``mask``/``window``/``softcap`` runs. Callers
-    that run many layers over one mask pass the ``spans`` and ``planner`` they already made."""
+    that run many layers over one mask pass the ``spans`` (:func:`read_spans`) and
+    ``planner`` they already made."""
     length = q.shape[2]
-    fused = attention_kernel(q.device, q.dtype, q.shape[-1]) != "math"
     if not needs_blocks(mask, window, softcap, length):
-        if length <= MASKED_BLOCK or fused:
+        if length <= MASKED_BLOCK or attention_kernel(q.device, q.dtype, q.shape[-1]) != "math":
             return None  # one fused causal block
         # No fused kernel (float32 on CUDA): explicit-score blocks of MASKED_BLOCK tokens,
         # never one block of s×s scores (128 GiB at 32K tokens and 32 heads).
         return planner if planner is not None else BlockPlanner(None, chunk_bounds(length, MASKED_BLOCK))
-    if fused and not softcap and mask is not None and not mask.trivial:
-        if spans is None:
-            spans = document_spans(mask, span_limit(q.shape[0], length))
-        if spans is not None and spans.fits_window(window):
-            return spans
+    if spans is UNREAD:
+        spans = read_spans(q, mask, softcap)
+    if spans is not None and not softcap and spans.fits_window(window):
+        return spans
     return planner if planner is not None else BlockPlanner(mask, chunk_bounds(length, MASKED_BLOCK))
 
 

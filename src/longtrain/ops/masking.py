@@ -71,6 +71,10 @@ def _is_fake(tensor: torch.Tensor) -> bool:
     return is_fake(tensor)
 
 
+# BlockPlanner decisions that need no mask: (skip, causal, mask).
+_SKIP, _CAUSAL, _FULL = (True, False, None), (False, True, None), (False, False, None)
+
+
 class BlockPlanner:
     """Per-block masking decisions for chunks ``bounds`` of a sequence with ``mask``."""
 
@@ -117,17 +121,26 @@ class BlockPlanner:
         mask on ``device``, True where a query may attend, or None when every pair is
         allowed.
         """
+        decision = self._decide(qi, ki, window)
+        if decision in (_SKIP, _CAUSAL, _FULL):
+            return decision
+        (qa, qb), (ka, kb) = self.bounds[qi], self.bounds[ki]
+        return False, False, self._dense(qa, qb, ka, kb, window, *decision, device)
+
+    def _decide(self, qi: int, ki: int, window: int | None):
+        """:meth:`plan`'s answer without building a mask: ``_SKIP``, ``_CAUSAL``, ``_FULL``,
+        or ``(need_segments, need_keys)`` for a block that needs an explicit mask."""
         qa, qb = self.bounds[qi]
         ka, kb = self.bounds[ki]
         if ka > qb - 1 or (window is not None and qa - (kb - 1) >= window):
-            return True, False, None  # every key after every query, or out of every query's window
+            return _SKIP  # every key after every query, or out of every query's window
         need_segments = need_keys = self.mask is not None
         summary = self._summary
         if summary is not None:
             if self.mask.segments is not None:
                 first, last = summary["first"], summary["last"]
                 if all(last[r][ki] < first[r][qi] for r in range(len(first))):
-                    return True, False, None  # every key is in an earlier document
+                    return _SKIP  # every key is in an earlier document
                 need_segments = any(first[r][ki] != last[r][qi] for r in range(len(first)))
             else:
                 need_segments = False
@@ -136,23 +149,26 @@ class BlockPlanner:
         window_cuts = window is not None and (qb - 1) - ka >= window
         if not (need_segments or need_keys or window_cuts):
             if diagonal:
-                return False, True, None
+                return _CAUSAL
             if kb <= qa + 1:  # every key precedes every query
-                return False, False, None
-        return False, False, self._dense(qa, qb, ka, kb, window, need_segments, need_keys, device)
+                return _FULL
+        return need_segments, need_keys
 
     def tiles(self, qi: int, ki: int, window: int | None, device: torch.device):
         """Block ``(qi, ki)`` as the sub-blocks to run, ``[((qa, qb), (ka, kb), causal,
         mask), ...]`` in token positions: nothing when it is skipped, the block itself when
         it needs no mask or is at most :data:`TILE` tokens on a side, else its tiles of
         :data:`TILE` tokens that are not skipped, each with its own decision (the mask
-        summary of the tiles is read once per planner, at the first such block)."""
-        skip, causal, mask = self.plan(qi, ki, window, device)
-        if skip:
-            return []
+        summary of the tiles is read once per planner, at the first such block; no mask of
+        the whole block is ever built)."""
         (qa, qb), (ka, kb) = self.bounds[qi], self.bounds[ki]
-        if mask is None or max(qb - qa, kb - ka) <= TILE:
-            return [((qa, qb), (ka, kb), causal, mask)]
+        decision = self._decide(qi, ki, window)
+        if decision is _SKIP:
+            return []
+        if decision in (_CAUSAL, _FULL):
+            return [((qa, qb), (ka, kb), decision[1], None)]
+        if max(qb - qa, kb - ka) <= TILE:
+            return [((qa, qb), (ka, kb), False, self._dense(qa, qb, ka, kb, window, *decision, device))]
         fine, first = self._tile_planner()
         tiles = []
         for fq in range(first[qi], first[qi + 1]):
@@ -204,14 +220,17 @@ class DocumentSpans:
 
 def document_spans(mask: SequenceMask, limit: int) -> DocumentSpans | None:
     """The documents of ``mask`` as :class:`DocumentSpans`, read in one host transfer;
-    None when a document's valid keys are not one contiguous run, when there are more
-    than ``limit`` documents (many short ones are cheaper as masked blocks), or when the
-    mask cannot be read (fake tensors: the simulator keeps the blocked path, which never
-    underestimates memory)."""
+    None when a document's valid keys are not one contiguous run or when there are more
+    than ``limit`` documents (many short ones are cheaper as masked blocks). A mask that
+    cannot be read (fake tensors, in the simulator) gives the layout that holds the most
+    memory: one document per row, all of it (a real run's documents are shorter, its
+    other plan, masked blocks, holds less)."""
     reference = mask.segments if mask.segments is not None else mask.key_valid
-    if reference is None or _is_fake(reference):
+    if reference is None:
         return None
     rows, length = reference.shape
+    if _is_fake(reference):
+        return DocumentSpans(tuple((row, 0, 0, length, length) for row in range(rows)), length)
     columns = [t.long() for t in (mask.segments, mask.key_valid) if t is not None]
     both = torch.stack(columns).cpu()  # the one host transfer
     segments = both[0] if mask.segments is not None else torch.zeros(rows, length, dtype=torch.long)
