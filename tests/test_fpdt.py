@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import longtrain as lt
-from conftest import AttentionKernelCalls, check_step, padded_batch, stock_and_ours
+from conftest import STRATEGIES, AttentionKernelCalls, check_step, packed_batch, padded_batch, stock_and_ours
 from longtrain.memory.chunk_store import ChunkStore
 from longtrain.plan.simulate import run_training_steps
 from longtrain.memory.tracker import MemoryTracker
@@ -404,10 +404,29 @@ def test_packed_documents_in_large_chunks_run_in_tiles_and_stay_exact(engine, mo
     """Chunks that straddle document boundaries are masked blocks; longer than TILE tokens
     (here 16 in 40-token chunks, as 1,024 in 8K chunks) they run tile by tile — stock
     gradients in float64 with backward on another thread, offloaded K/V and padding."""
-    from conftest import packed_batch
 
     monkeypatch.setattr("longtrain.ops.masking.TILE", 16)
     config = preset_config("tiny-qwen2")
     stock, ours = stock_and_ours(config)
     strategy = lt.Strategy(engine=engine, engine_options={"chunk": 40, "offload": True})
     check_step(stock, ours, strategy, packed_batch(config.vocab_size), another_thread=True)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_host_reads_per_step_do_not_grow_with_the_layers(strategy):
+    """A device value read by the host is a synchronization on a GPU: every engine and
+    technique reads a fixed few per step (the label count, the mask's documents or block
+    summary), never one per layer — 2 and 5 layers read the same, on a packed batch. (On
+    the CPU the count also holds reads of host-side tensors — SpaCO's draws, the documents'
+    host copy — which are no synchronization; only its growth is asserted.)"""
+    counts = []
+    for layers in (2, 5):
+        config = preset_config("tiny-llama")
+        config.num_hidden_layers = layers
+        model = lt.apply(build_from_config(config, torch.float32).train(), STRATEGIES[strategy]())
+        batch = packed_batch(config.vocab_size)
+        lt.step(model, batch)  # one-time work (Memo's plan) stays out of the count
+        with _HostReads() as reads:
+            lt.step(model, batch)
+        counts.append(reads.count)
+    assert counts[0] == counts[1], counts
