@@ -503,12 +503,15 @@ def test_document_spans_read_the_mask_once_and_know_when_not_to_apply():
         assert document_spans(fake, limit=8).spans == ((0, 0, 0, s, s), (1, 0, 0, s, s))
 
 
+@pytest.mark.parametrize("cuts", [0, 8])
 @pytest.mark.parametrize("variant", ["packed", "left-padded+packed", "window", "soft-capped window"])
-def test_large_masked_blocks_run_as_tiles_whose_scores_are_bounded(variant, monkeypatch):
+def test_large_masked_blocks_run_as_tiles_whose_scores_are_bounded(variant, cuts, monkeypatch):
     """A masked block longer than TILE tokens runs as TILE-token tiles (here 6 in 25-token
-    chunks, as 1,024 in 8K chunks): exact in float64, and no tensor of the step is larger
-    than a tile's scores or the sequence's own tensors."""
+    chunks, as 1,024 in 8K chunks), cut where documents and padding start too (``cuts``: 0,
+    never): exact in float64, and no tensor of the step is larger than a tile's scores or
+    the sequence's own tensors."""
     monkeypatch.setattr("longtrain.ops.masking.TILE", 6)
+    monkeypatch.setattr("longtrain.ops.masking.TILE_CUTS", cuts)
 
     s, chunk = 75, 25
     g = torch.Generator().manual_seed(3)
@@ -562,9 +565,15 @@ def test_a_large_masked_block_never_builds_its_whole_mask(monkeypatch):
     segments[0, 37:] = 1
     planner = BlockPlanner(SequenceMask(segments, None), chunk_bounds(s, 32))
     tiles = planner.tiles(1, 1, None, torch.device("cpu"))
-    # Tiles of 8 over 32:64: only those whose keys are 32:40 (the boundary at 37) need a mask.
+    # Tiles of 8 over 32:64, cut at the document start 37 too: each lies in one document,
+    # so none needs a mask — the other document's tiles are skipped, the rest fused.
+    assert [q for q, k, _, mask in tiles] == [(32, 37), (37, 40), (40, 48), (40, 48), (48, 56), (48, 56), (48, 56),
+                                              (56, 64), (56, 64), (56, 64), (56, 64)]
+    assert all(mask is None for *_, mask in tiles) and not built
+    monkeypatch.setattr("longtrain.ops.masking.TILE_CUTS", 0)  # too many documents to cut at: masked tiles
+    tiles = BlockPlanner(SequenceMask(segments, None), chunk_bounds(s, 32)).tiles(1, 1, None, torch.device("cpu"))
     assert [(q, k) for q, k, _, mask in tiles if mask is not None] == [((a, a + 8), (32, 40)) for a in (32, 40, 48, 56)]
-    assert len(tiles) == 10  # the lower triangle of 4×4 tiles
+    assert built and max(max(shape) for shape in built) <= 8
     assert built and max(max(shape) for shape in built) <= 8
 
 

@@ -63,14 +63,16 @@ class _DictHistory:
         return self.grads.pop(self.index, None)
 
 
-@pytest.mark.parametrize("tile", [None, 5])
+@pytest.mark.parametrize("tile", [None, "5", "5, no cuts"])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("padding", ["left", "right", "packed+right", "window"])
 def test_attend_chunk_in_reverse_order_gives_exact_gradients(kv_heads, padding, tile, monkeypatch):
     """Masked blocks as one block or (``tile``: tiles of 5 tokens in 12-token chunks, as
-    8K chunks run in 1,024-token tiles) tile by tile: exact either way."""
+    8K chunks run in 1,024-token tiles; cut where documents and padding start, or not)
+    tile by tile: exact either way."""
     if tile is not None:
-        monkeypatch.setattr("longtrain.ops.masking.TILE", tile)
+        monkeypatch.setattr("longtrain.ops.masking.TILE", 5)
+        monkeypatch.setattr("longtrain.ops.masking.TILE_CUTS", 0 if "no cuts" in tile else 8)
     g = torch.Generator().manual_seed(kv_heads)
     b, h, s, d, chunk = 2, 4, 53, 8, 12
     q = torch.randn(b, h, s, d, dtype=torch.float64, generator=g)

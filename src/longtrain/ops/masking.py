@@ -20,9 +20,11 @@ Chunked attention works block by block ((query chunk, key chunk) pairs). A
 visible), run by a kernel's own causal or unmasked mode, or needs an explicit boolean
 mask. A block that needs a mask and is longer than :data:`TILE` tokens on a side runs
 as tiles of at most :data:`TILE` tokens (:meth:`BlockPlanner.tiles`), each decided the
-same way: only tiles at a document boundary, padding or a window's edge form explicit
-scores, and those hold TILE² scores per head (128 MiB at 32 heads in float32) where a
-whole 8K-token block would hold 8 GiB per tensor. It reads a small per-chunk summary of the mask once (one host transfer per
+same way, cut also where documents and padding start: a tile then lies inside one
+document and one run of padding or valid keys, and is fused or skipped. Only tiles that
+stay mixed (rows of a batch that disagree, a window's edge, many short documents) form
+explicit scores, and those hold TILE² scores per head (128 MiB at 32 heads in float32)
+where a whole 8K-token block would hold 8 GiB per tensor. It reads a small per-chunk summary of the mask once (one host transfer per
 step), so blocks inside one document and free of padding — nearly all of them — take
 the fast kernels. Under fake tensors (simulation) nothing can be read: every block that
 might need a mask gets one, which never underestimates memory.
@@ -30,6 +32,7 @@ might need a mask gets one, which never underestimates memory.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +40,9 @@ import torch
 
 # Tokens per side of the tiles a masked block runs as (bounds its explicit scores).
 TILE = 1024
+# Document or padding starts inside one chunk up to which its tiles are cut there too
+# (more: many short documents, whose tile pairs would cost more host work than masks).
+TILE_CUTS = 8
 
 
 @dataclass(frozen=True)
@@ -179,14 +185,36 @@ class BlockPlanner:
         return tiles
 
     def _tile_planner(self) -> tuple["BlockPlanner", list[int]]:
-        """A planner over every chunk cut into TILE-token tiles, and each chunk's first tile."""
+        """A planner over every chunk cut into tiles of at most TILE tokens — cut also where
+        a document or a run of padding starts, when a chunk holds at most
+        :data:`TILE_CUTS` of them, so that its tiles need no mask (one document, all
+        valid or all padding: fused, or skipped) — and each chunk's first tile."""
         if self._refined is None:
+            cuts = self._cut_points()
             bounds, first = [], [0]
             for a, b in self.bounds:
-                bounds += [(start, min(start + TILE, b)) for start in range(a, b, TILE)]
+                inside = cuts[bisect.bisect_right(cuts, a):bisect.bisect_left(cuts, b)]
+                points = {*range(a, b, TILE), b, *(inside if len(inside) <= TILE_CUTS else ())}
+                points = sorted(points)
+                bounds += list(zip(points, points[1:]))
                 first.append(len(bounds))
             self._refined = (BlockPlanner(self.mask, bounds), first)
         return self._refined
+
+    def _cut_points(self) -> list[int]:
+        """Sorted positions where, in some row, a document or a run of (in)valid keys
+        starts; none when the mask cannot be read. One host read."""
+        mask = self.mask
+        if mask is None:  # a window alone: nothing to cut at
+            return []
+        reference = mask.segments if mask.segments is not None else mask.key_valid
+        if _is_fake(reference):
+            return []
+        change = torch.zeros(reference.shape[1] - 1, dtype=torch.bool, device=reference.device)
+        for t in (mask.segments, mask.key_valid):
+            if t is not None:
+                change |= (t[:, 1:] != t[:, :-1]).any(0)
+        return (torch.nonzero(change).flatten() + 1).tolist()
 
     def _dense(self, qa, qb, ka, kb, window, need_segments, need_keys, device):
         q_pos = torch.arange(qa, qb, device=device)
