@@ -134,7 +134,7 @@ def spans_forward(q, k, v, spans: DocumentSpans, scale):
     queries follow its last valid key), without autograd."""
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
-    for row, start, first, last, end in spans.spans:
+    for row, first, last, end in spans.spans:
         r = slice(row, row + 1)
         keys, values = k[r, :, first:last], v[r, :, first:last]
         out[r, :, first:last], lse[r, :, first:last] = block_forward(q[r, :, first:last], keys, values,
@@ -147,7 +147,7 @@ def spans_forward(q, k, v, spans: DocumentSpans, scale):
 def spans_backward(grad_out, q, k, v, out, lse, spans: DocumentSpans, scale):
     """(dq, dk, dv) of :func:`spans_forward`: each document's slices written once."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for row, start, first, last, end in spans.spans:
+    for row, first, last, end in spans.spans:
         r, own = slice(row, row + 1), slice(first, last)
         keys, values = k[r, :, own], v[r, :, own]
         dq[r, :, own], dk[r, :, own], dv[r, :, own] = block_backward(

@@ -79,9 +79,9 @@ def _tiles_forward(q, k, v, tiles, q0, k0, out, lse, scale, softcap) -> None:
         merge_(out[:, :, rows], lse[:, :, rows], bo, bl)
 
 
-def _tiles_backward(grad_out, q, k, v, out, lse, tiles, q0, k0, scale, softcap):
-    """(dq, dk, dv) of one block's tiles, shaped like q and k/v, from the global output and LSE."""
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+def _tiles_backward_(grad_out, q, k, v, out, lse, tiles, q0, k0, scale, softcap, dq, dk, dv) -> None:
+    """Add one block's tiles' gradients (positions relative to ``q0``/``k0``, where q's and
+    k's rows start) into ``dq``/``dk``/``dv``, from the global output and LSE."""
     for (qa, qb), (ka, kb), causal, mask in tiles:
         rows, keys = slice(qa - q0, qb - q0), slice(ka - k0, kb - k0)
         bq, bk, bv = block_backward(grad_out[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
@@ -89,7 +89,6 @@ def _tiles_backward(grad_out, q, k, v, out, lse, tiles, q0, k0, scale, softcap):
         dq[:, :, rows] += bq
         dk[:, :, keys] += bk
         dv[:, :, keys] += bv
-    return dq, dk, dv
 
 
 def _whole(tiles, q_range, k_range) -> tuple[bool, object] | None:
@@ -127,15 +126,8 @@ def chunked_backward(grad_out, q, k, v, out, lse, planner: BlockPlanner, window,
     grad_out = grad_out.contiguous()
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     # Outer loop over key/value chunks (their dK/dV finish there), inner over queries.
-    for qi, ki, tiles in _visible_blocks(planner, window, q.device, keys_outer=True):
-        for (qa, qb), (ka, kb), causal, mask in tiles:
-            bq, bk, bv = block_backward(
-                grad_out[:, :, qa:qb], q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb],
-                out[:, :, qa:qb], lse[:, :, qa:qb], scale=scale, causal=causal, mask=mask, softcap=softcap,
-            )
-            dq[:, :, qa:qb] += bq
-            dk[:, :, ka:kb] += bk
-            dv[:, :, ka:kb] += bv
+    for _, _, tiles in _visible_blocks(planner, window, q.device, keys_outer=True):
+        _tiles_backward_(grad_out, q, k, v, out, lse, tiles, 0, 0, scale, softcap, dq, dk, dv)
     return dq, dk, dv
 
 
@@ -228,8 +220,10 @@ def _block_backward(grad_out, q, k, v, out, lse, planner, index, j, window, scal
     whole = _whole(tiles, planner.bounds[index], planner.bounds[j])
     if whole is not None:
         return block_backward(grad_out, q, k, v, out, lse, scale=scale, causal=whole[0], mask=whole[1], softcap=softcap)
-    return _tiles_backward(grad_out, q, k, v, out, lse, tiles, planner.bounds[index][0], planner.bounds[j][0],
-                           scale, softcap)
+    grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    _tiles_backward_(grad_out, q, k, v, out, lse, tiles, planner.bounds[index][0], planner.bounds[j][0], scale, softcap,
+                     *grads)
+    return grads
 
 
 def attend_chunk_backward(grad_out, q, k, v, out, lse, history: KVHistory, planner: BlockPlanner, index: int, window,

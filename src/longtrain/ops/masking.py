@@ -24,15 +24,16 @@ same way, cut also where documents and padding start: a tile then lies inside on
 document and one run of padding or valid keys, and is fused or skipped. Only tiles that
 stay mixed (rows of a batch that disagree, a window's edge, many short documents) form
 explicit scores, and those hold TILE² scores per head (128 MiB at 32 heads in float32)
-where a whole 8K-token block would hold 8 GiB per tensor. It reads a small per-chunk summary of the mask once (one host transfer per
-step), so blocks inside one document and free of padding — nearly all of them — take
-the fast kernels. Under fake tensors (simulation) nothing can be read: every block that
+where a whole 8K-token block would hold 8 GiB per tensor. The planner reads a small
+per-chunk summary of the mask once (one host transfer per step), so blocks inside one
+document and free of padding — nearly all of them — take the fast kernels. Under fake tensors (simulation) nothing can be read: every block that
 might need a mask gets one, which never underestimates memory.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -232,13 +233,13 @@ class BlockPlanner:
 
 @dataclass(frozen=True)
 class DocumentSpans:
-    """Each row's documents as ``(row, start, first_key, end_keys, end)``: the queries
-    ``start:end`` of one document see the keys ``first_key:end_keys`` (its valid keys,
-    one contiguous run) causally; queries before ``first_key`` see nothing (output 0),
-    queries from ``end_keys`` on see all of them. Documents without a valid key are
-    left out (their queries give 0)."""
+    """Each row's documents as ``(row, first_key, end_keys, end)``: the queries of one
+    document up to ``end`` see its valid keys ``first_key:end_keys`` (one contiguous run)
+    causally; queries before ``first_key`` see nothing (output 0), queries from
+    ``end_keys`` on see all of them. Documents without a valid key are left out (their
+    queries give 0)."""
 
-    spans: tuple[tuple[int, int, int, int, int], ...]
+    spans: tuple[tuple[int, int, int, int], ...]
     reach: int  # the most tokens from a document's first valid key to its last query
 
     def fits_window(self, window: int | None) -> bool:
@@ -258,7 +259,7 @@ def document_spans(mask: SequenceMask, limit: int) -> DocumentSpans | None:
         return None
     rows, length = reference.shape
     if _is_fake(reference):
-        return DocumentSpans(tuple((row, 0, 0, length, length) for row in range(rows)), length)
+        return DocumentSpans(tuple((row, 0, length, length) for row in range(rows)), length)
     columns = [t.long() for t in (mask.segments, mask.key_valid) if t is not None]
     both = torch.stack(columns).cpu()  # the one host transfer
     segments = both[0] if mask.segments is not None else torch.zeros(rows, length, dtype=torch.long)
@@ -272,20 +273,15 @@ def document_spans(mask: SequenceMask, limit: int) -> DocumentSpans | None:
         if len(edges) - 1 > 3 * limit:
             return None
         runs = [(a, b, int(seg[a]), bool(ok[a])) for a, b in zip(edges, edges[1:])]
-        i = 0
-        while i < len(runs):
-            doc = runs[i][2]
-            j = i
-            while j < len(runs) and runs[j][2] == doc:
-                j += 1
-            kept = [(a, b) for a, b, _, good in runs[i:j] if good]
+        for _, document in itertools.groupby(runs, key=lambda run: run[2]):
+            document = list(document)
+            kept = [(a, b) for a, b, _, good in document if good]
             if len(kept) > 1:
                 return None  # padding inside a document: masked blocks
             if kept:
-                start, end = runs[i][0], runs[j - 1][1]
-                spans.append((row, start, kept[0][0], kept[0][1], end))
-                reach = max(reach, end - kept[0][0])
+                (first, end_keys), end = kept[0], document[-1][1]
+                spans.append((row, first, end_keys, end))
+                reach = max(reach, end - first)
                 if len(spans) > limit:
                     return None
-            i = j
     return DocumentSpans(tuple(spans), reach)
