@@ -11,8 +11,10 @@ step, no optimizer step (gradients freed between steps) — the method of
 - ``hf+liger`` / ``hf+liger+offload``: the same plus Liger's kernels (rope, swiglu,
   rms_norm, fused linear cross-entropy), where ``liger-kernel`` is installed (the
   optional ``bench`` extra); skipped with a note otherwise;
-- ``lt:...``: longtrain's strategies (backprop with checkpoint + MsT, FPDT with and
-  without offload and kept attention outputs, SeCO).
+- ``lt:...``: longtrain's strategies (backprop with checkpoint + MsT, attention kept
+  — ``lt:recompute+mst`` reruns it as stock checkpointing does — and ``+liger`` with
+  Liger's fused norm/activation/rotary kernels; FPDT with and without offload and kept
+  attention outputs; Memo; SeCO).
 
 Lengths run from short to long; a case that runs out of memory (or time) at one length
 is not tried at the longer ones, so one sweep gives the longest length each case fits
@@ -51,6 +53,7 @@ import gc
 import json
 import os
 import statistics
+import signal
 import subprocess
 import sys
 import threading
@@ -142,11 +145,17 @@ CASES = [
     Case("hf+offload", "peer", _hf_peer(liger=False, offload=True)),
     Case("hf+liger", "peer", _hf_peer(liger=True, offload=False)),
     Case("hf+liger+offload", "peer", _hf_peer(liger=True, offload=True)),
+    # Layer checkpointing keeps attention's output (host memory) instead of rerunning it.
     Case("lt:checkpoint+mst", "longtrain", lambda n: lt.Strategy(checkpoint=True, mst=True)),
+    Case("lt:checkpoint+mst+liger", "longtrain", lambda n: lt.Strategy(checkpoint=True, mst=True, liger=True)),
+    Case("lt:recompute+mst", "longtrain", lambda n: lt.Strategy(checkpoint={"keep_attention": False}, mst=True)),
     Case("lt:fpdt+mst", "longtrain", lambda n: _fpdt(n)),
     Case("lt:fpdt+keep+mst", "longtrain", lambda n: _fpdt(n, keep_output=True)),
     Case("lt:fpdt+offload+mst", "longtrain", lambda n: _fpdt(n, offload=True)),
     Case("lt:fpdt+offload+keep+mst", "longtrain", lambda n: _fpdt(n, offload=True, keep_output=True)),
+    Case("lt:fpdt+offload+keep+mst+liger", "longtrain",
+         lambda n: lt.Strategy(engine="fpdt", engine_options={"chunk": _fpdt_chunk(n), "offload": True, "keep_output": True},
+                               mst=True, liger=True)),
     # Memo: attention once, other activations swapped to host memory by token (alpha measured
     # in the warm-up step), no layer recomputed where the host link hides the copies.
     Case("lt:memo+mst", "longtrain", lambda n: lt.Strategy(memo=lt.Memo(), mst=True)),
@@ -347,6 +356,9 @@ def run_isolated(case: Case, length: int, args, timeout: float) -> dict:
     for line in proc.stdout.splitlines():
         if line.startswith(ROW_TAG):
             return json.loads(line[len(ROW_TAG):])
+    if proc.returncode == -signal.SIGKILL:  # nothing of ours sends it: the kernel's out-of-memory killer
+        row["status"] = "out of host memory (killed by SIGKILL)"
+        return row
     tail = (proc.stderr or proc.stdout).strip().splitlines()
     row["status"] = "failed: " + (tail[-1][:160] if tail else f"exit code {proc.returncode}")
     return row

@@ -35,7 +35,8 @@ CUDA_STRATEGIES = {
     "backprop": lambda: lt.Strategy(),
     "checkpoint": lambda: lt.Strategy(checkpoint=True),
     "mst": lambda: lt.Strategy(mst=lt.MsT(loss_chunks=4)),
-    "checkpoint+mst": lambda: lt.Strategy(checkpoint=True, mst=True),
+    "checkpoint+mst": lambda: lt.Strategy(checkpoint=True, mst=True),  # attention kept in pinned host memory
+    "checkpoint(recompute attention)": lambda: lt.Strategy(checkpoint={"keep_attention": False}),
     "fpdt": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 256}),
     "fpdt+offload(prefetch 1)": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 300, "offload": True}),
     "fpdt+offload(prefetch 2)+mst": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 256, "offload": True, "prefetch": 2},
@@ -154,6 +155,53 @@ def test_bfloat16_on_cuda_is_no_worse_than_stock_bfloat16(preset, strategy):
         assert abs(loss - ref_loss) <= 2e-2 * abs(ref_loss)
         error = _global_error(got, ref_grads)
         assert error <= bound, (error, bound)
+
+
+# ---- Liger's kernels under longtrain's engines (where liger-kernel is installed) ----
+
+LIGER_STRATEGIES = {
+    "checkpoint+mst+liger": lambda: lt.Strategy(checkpoint=True, mst=True, liger=True),
+    "fpdt+offload+mst+liger": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 300, "offload": True},
+                                                  mst=True, liger=True),
+    "seco+checkpoint+liger": lambda: lt.Strategy(engine="seco", engine_options={"chunk": 256}, checkpoint=True,
+                                                 liger=True),
+}
+
+
+@pytest.fixture
+def liger_patches():
+    """Liger patches the family's modeling module for the whole process (its rotary
+    function, its norm and MLP classes): undone after each test, so the stock references
+    of other tests stay stock."""
+    pytest.importorskip("liger_kernel")
+    from transformers.models.gemma2 import modeling_gemma2
+    from transformers.models.llama import modeling_llama
+
+    saved = [(module, dict(vars(module))) for module in (modeling_llama, modeling_gemma2)]
+    yield
+    for module, attributes in saved:
+        for name in set(vars(module)) - set(attributes):
+            delattr(module, name)
+        for name, value in attributes.items():
+            if getattr(module, name) is not value:
+                setattr(module, name, value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("strategy", list(LIGER_STRATEGIES))
+@pytest.mark.parametrize("preset", PRESETS)
+def test_liger_kernels_under_each_engine_equal_float64(preset, strategy, dtype, liger_patches):
+    _, ref_loss, ref_grads = reference(preset)
+    bound = BF16_FACTOR * stock_bf16_error(preset)  # the stock bf16 model, built before Liger patches anything
+    model = _ours_on_cuda(preset, dtype, LIGER_STRATEGIES[strategy]())
+    for loss, got in _two_steps(model, _batch("cuda")):
+        if dtype == torch.float32:
+            assert abs(loss - ref_loss) <= FP32_TOL * abs(ref_loss)
+            worst = max(float((got[k].double().cpu() - ref_grads[k]).norm() / ref_grads[k].norm()) for k in ref_grads)
+            assert worst <= FP32_TOL, worst
+        else:
+            assert abs(loss - ref_loss) <= 2e-2 * abs(ref_loss)
+            assert _global_error(got, ref_grads) <= bound
 
 
 def test_offload_keeps_kv_and_inputs_off_the_device():

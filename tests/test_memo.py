@@ -65,7 +65,7 @@ def _flops_and_attention_calls(strategy, batch):
 @pytest.mark.parametrize("batch", [{"input_ids": torch.randint(3, 320, (2, 101))}, padded_batch(320, lengths=(100, 77))])
 def test_memo_recomputes_nothing_at_alpha_one_and_never_attention(batch):
     backprop, _, _ = _flops_and_attention_calls(lt.Strategy(), batch)
-    checkpoint, _, _ = _flops_and_attention_calls(lt.Strategy(checkpoint=True), batch)
+    checkpoint, _, _ = _flops_and_attention_calls(lt.Strategy(checkpoint={"keep_attention": False}), batch)
     full, _, _ = _flops_and_attention_calls(memo(1.0), batch)
     none, calls, layers = _flops_and_attention_calls(memo(0.0), batch)
     assert full == backprop  # α = 1: no layer op runs twice

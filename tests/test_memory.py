@@ -101,7 +101,8 @@ def test_full_scale_simulation_of_llama3_8b():
     assert report.parameters == n
     assert 2 * n <= report.peak.device_bytes("parameters") <= 2 * n + 4096  # bf16, plus rotary buffers
     assert report.peak.device_bytes("optimizer_state") >= 4 * n  # two bf16 moments
-    assert report.peak.host_bytes_at_peak == 0
+    # Each layer's attention output (bf16) and LSE (float32) wait in host memory for the backward.
+    assert report.peak.host_bytes_at_peak == 32 * (1024 * 4096 * 2 + 32 * 1024 * 4)
     assert "optimizer_state" in report.table()
 
 

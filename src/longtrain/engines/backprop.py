@@ -39,7 +39,7 @@ def forward_loss(context: EngineContext, batch, num_label_tokens: int | None = N
     return context.head_loss(per_chunk=False)(hidden, shard.targets, shard.num_label_tokens)
 
 
-@register_engine("backprop", BackpropOptions, "plain autograd over the whole sequence", accepts=("checkpoint", "mst", "memo"),
+@register_engine("backprop", BackpropOptions, "plain autograd over the whole sequence", accepts=("checkpoint", "mst", "memo", "liger"),
                  sequence_parallel=True)
 def backprop_step(context: EngineContext, batch, num_label_tokens: int | None = None):
     loss = forward_loss(context, batch, num_label_tokens)

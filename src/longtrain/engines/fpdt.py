@@ -191,7 +191,7 @@ def _recompute_segment_inputs(run: ChunkedRun, first: int, top: int) -> None:
 
 @register_engine(
     "fpdt", FPDT, "layer-major chunked attention with host offload and prefetch (FPDT on one device, exact)",
-    accepts=("mst",),
+    accepts=("mst", "liger"),
     conflicts={"checkpoint": "the fpdt engine already recomputes every layer chunk by chunk; drop 'checkpoint'"},
     check=lambda context: check_chunkable(context, "fpdt"), sequence_parallel=True,
 )

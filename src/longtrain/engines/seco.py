@@ -123,7 +123,7 @@ def _run(context: EngineContext, batch, num_label_tokens, engine: str) -> Chunke
     return ChunkedRun(context, shard, settings)
 
 
-_ACCEPTS = ("checkpoint", "mst")
+_ACCEPTS = ("checkpoint", "mst", "liger")
 
 
 @register_engine("seco", SeCOOptions, "sequential chunk-wise optimization: exact, activations of one chunk (K/V parked)",

@@ -9,8 +9,8 @@ A step is counted per kind of work, each at the rate it runs at on the machine:
 - **attention** at ``fused_attention`` FLOP/s over the whole sequence (one fused kernel)
   or ``block_attention`` FLOP/s in chunks (FPDT's block kernels; ``chunkwise_attention`` for
   SeCO/SpaCO, whose blocks each merge and accumulate a K/V gradient), with
-  its forward once more where a strategy recomputes it (checkpointing, FPDT without
-  ``keep_output``);
+  its forward once more where a strategy recomputes it (checkpointing with
+  ``keep_attention=false``, FPDT without ``keep_output``);
 - known slow spots, as measured on the H100 (../shared/gpu/h100-2026-11-22.md): MsT's tiled
   MLP backward runs at ``tiled_mlp_efficiency`` of the matmul rate and the chunked head's
   weight gradient at ``head_weight_grad`` FLOP/s; each (chunk, layer) pair of a chunked
@@ -95,9 +95,11 @@ def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: 
 
     matmul = 3 * (layer_fwd + head_fwd)
     attention_passes = 3.0  # forward + backward, in forward units
-    if "checkpoint" in techniques or chunked:
+    checkpoint = techniques.get("checkpoint")
+    if checkpoint is not None or chunked:
         matmul += layer_fwd
-        attention_passes += 1
+        if chunked or not getattr(checkpoint, "keep_attention", False):
+            attention_passes += 1  # the recomputation runs attention again (kept outputs skip it)
         if tiled:
             matmul += mlp_fwd  # the MLP forward a third time: checkpoint replays it, the tiled backward again
     if engine == "fpdt" and getattr(strategy.engine_options, "recompute_kv", False):

@@ -4,3 +4,4 @@ itself with :mod:`longtrain.registry`."""
 from . import checkpoint  # noqa: F401  (registers "checkpoint")
 from . import mst  # noqa: F401  (registers "mst")
 from . import memo  # noqa: F401  (registers "memo")
+from . import liger  # noqa: F401  (registers "liger")

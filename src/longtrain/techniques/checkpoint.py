@@ -6,33 +6,143 @@ than wrapping the module, so parameter names (and therefore checkpoints and LoRA
 targets) are unchanged. Everything a block's attention needs arrives as an argument
 (the engine's attention call), so the recomputation — which CUDA runs on autograd's
 device thread — sees exactly what the forward saw.
+
+Attention is not recomputed (``keep_attention``, on by default): the forward keeps each
+layer's attention output and log-sum-exp — one hidden-state-sized tensor per layer, in
+pinned host memory with ``offload`` — and the recomputation reads them back instead of
+running attention's forward again; the previous layer's are fetched while this one's
+backward runs. Attention is the one op of a layer whose cost grows with the sequence
+squared, so this takes a quarter to a third of the step at 32K–128K tokens (the
+forward, the recomputation and the backward's two passes become forward and backward).
+Layers whose outputs would pass ``host_memory`` recompute as before; attention calls
+that cannot give their output (chunked engines' calls) recompute too.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .. import validate
+from ..errors import LongtrainError
+from ..memory.chunk_store import ChunkStore
+from ..memory.units import pinned_host_budget
+from ..models.attention import AttentionCall
+from ..ops.causal_attention import attention_from_output
 from ..registry import register_technique
 
 
 @dataclass
 class CheckpointOptions:
-    """Layer checkpointing has no knobs: every decoder block is checkpointed."""
+    """Knobs of layer checkpointing."""
+
+    keep_attention: bool = True  # keep attention's output and LSE so the recomputation skips attention's forward
+    offload: bool = True  # kept outputs wait in pinned host memory (false: on the device)
+    host_memory: int | str | None = None  # budget for kept outputs on the host; default: half the physical memory
+
+    def __post_init__(self):
+        validate.flag("checkpoint", "keep_attention", self.keep_attention)
+        validate.flag("checkpoint", "offload", self.offload)
+        if self.host_memory is not None:
+            self.host_memory = validate.byte_size("checkpoint", "host_memory", self.host_memory)
+            if self.host_memory <= 0:
+                raise LongtrainError(f"checkpoint host_memory must be positive, got {self.host_memory!r}")
 
 
-def _checkpointed_forward(forward, *args, **kwargs):
+class KeptAttention:
+    """Every layer's kept attention output and LSE for one model, in one store.
+
+    Entries belong to one step's attention call; a new call (the next step) drops what an
+    earlier step left (a step whose backward never ran)."""
+
+    def __init__(self, options: CheckpointOptions, pool):
+        self.options, self.pool = options, pool
+        self.budget = options.host_memory if options.host_memory is not None else pinned_host_budget()
+        self.store: ChunkStore | None = None
+        self._step: weakref.ref | None = None  # the attention call of the step the entries belong to
+        self._last: _KeepingAttention | None = None  # the latest layer of that step that kept its output
+        self._count = 0
+
+    def layer_call(self, inner: AttentionCall) -> "_KeepingAttention":
+        """A fresh attention call for one layer's checkpointed forward and its replay."""
+        if self._step is None or self._step() is not inner:
+            if self.store is not None:
+                self.store.clear()
+            self._step, self._last = weakref.ref(inner), None
+        self._count += 1
+        return _KeepingAttention(inner, self, self._count)
+
+    def _store(self, device: torch.device) -> ChunkStore:
+        if self.store is None or self.store.device != device:
+            self.store = ChunkStore(device, offload=self.options.offload, pool=self.pool)
+        return self.store
+
+    def keep(self, call: "_KeepingAttention", out: torch.Tensor, lse: torch.Tensor) -> bool:
+        store = self._store(out.device)
+        need = out.nbytes + lse.nbytes
+        if self.options.offload and store.host_bytes + need > self.budget:
+            return False  # this layer recomputes its attention; the budget stays for the others
+        store.put((call.key, "out"), out)
+        store.put((call.key, "lse"), lse)
+        call.previous, self._last = self._last, call
+        return True
+
+
+class _KeepingAttention(AttentionCall):
+    """One checkpointed layer's attention. Its first call (the forward) computes the
+    output and LSE once and keeps them; its second (the recomputation in backward)
+    returns the kept ones as the same autograd node, so the saved tensors match."""
+
+    def __init__(self, inner: AttentionCall, kept: KeptAttention, key: int):
+        self.inner, self.kept, self.key, self.mask = inner, kept, key, inner.mask
+        self.backward = None  # the kernels' backward; None: this layer recomputes attention
+        self.previous: _KeepingAttention | None = None  # the layer below, whose replay comes next
+        self._calls = 0
+
+    def attend(self, module, q, k, v, *, scale, window, softcap):
+        self._calls += 1
+        settings = dict(scale=scale, window=window, softcap=softcap)
+        if self._calls == 1:
+            try:
+                out, lse, backward = self.inner.attend_keeping_output(module, q, k, v, **settings)
+            except NotImplementedError:  # a chunked engine's call: recompute as plain checkpointing does
+                return self.inner.attend(module, q, k, v, **settings)
+            if not self.kept.keep(self, out, lse):
+                return self.inner.attend(module, q, k, v, **settings)
+            self.backward = backward
+            return attention_from_output(q, k, v, out, lse, backward)
+        if self.backward is None:
+            return self.inner.attend(module, q, k, v, **settings)
+        store = self.kept.store
+        out, lse = store.pop((self.key, "out")), store.pop((self.key, "lse"))
+        below = self.previous
+        if below is not None:  # its replay comes after this layer's backward: start its copies now
+            store.prefetch((below.key, "out"))
+            store.prefetch((below.key, "lse"))
+        return attention_from_output(q, k, v, out, lse, self.backward)
+
+    def attend_keeping_output(self, module, q, k, v, *, scale, window, softcap):
+        raise NotImplementedError
+
+
+def _checkpointed_forward(forward, kept: KeptAttention | None, *args, **kwargs):
     if not torch.is_grad_enabled():  # evaluation, or a chunked engine's no-grad pass: nothing to save
         return forward(*args, **kwargs)
+    call = kwargs.get("attention_mask")
+    if kept is not None and isinstance(call, AttentionCall):
+        kwargs = {**kwargs, "attention_mask": kept.layer_call(call)}
     # Non-reentrant: works with keyword arguments, frozen inputs (LoRA) and nested
     # autograd, and lets the recomputation stop early once the saved tensors exist.
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-@register_technique("checkpoint", CheckpointOptions, "per-layer activation checkpointing", order=50)
+@register_technique("checkpoint", CheckpointOptions, "per-layer activation checkpointing (attention kept, not recomputed)",
+                    order=50)
 def install_checkpoint(context, options: CheckpointOptions) -> None:
+    kept = KeptAttention(options, context.pool) if options.keep_attention and context.adapter.has_attention else None
     for layer in context.adapter.layers:
-        layer.forward = functools.partial(_checkpointed_forward, layer.forward)
+        layer.forward = functools.partial(_checkpointed_forward, layer.forward, kept)

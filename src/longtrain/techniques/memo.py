@@ -37,7 +37,7 @@ from .. import validate
 from ..errors import LongtrainError
 from ..memory.chunk_store import ChunkStore
 from ..memory.token_swap import LayerActivations, narrow_tokens, storage_id, token_axis
-from ..memory.units import format_bytes, physical_memory
+from ..memory.units import format_bytes, pinned_host_budget
 from ..models.attention import AttentionCall
 from ..ops.causal_attention import attention_from_output
 from ..registry import register_technique
@@ -54,7 +54,7 @@ class Memo:
     """Knobs of Memo's token-wise swapping."""
 
     alpha: float | str = "auto"  # fraction of tokens of the other saved tensors swapped to host; "auto": Memo's rule
-    host_memory: int | str | None = None  # host budget for the swapped activations; default 80% of physical memory
+    host_memory: int | str | None = None  # host budget for the swapped activations; default half the physical memory
     offload: bool = True  # swap to host memory (false: keep on the device, to test the schedule)
     keep_last: int = 2  # the last layers keep what they save on the device
 
@@ -91,8 +91,8 @@ def memo_alpha(*, input_bytes: float, attention_bytes: float, other_bytes: float
 
 
 def default_host_budget() -> int:
-    """80% of the machine's physical memory."""
-    return int(0.8 * physical_memory())
+    """Half the machine's physical memory (:func:`~longtrain.memory.units.pinned_host_budget`)."""
+    return pinned_host_budget()
 
 
 def _is_fake(t: torch.Tensor) -> bool:
