@@ -66,3 +66,17 @@ def test_a_case_longtrain_refuses_is_reported_as_refused_not_a_crash():
     row = gpu_peers.run_case(case, config, 128, torch.device("cpu"), torch.float32, repeats=1, warmup=0)
     assert row["status"].startswith("refused: memo keeps every layer's input and attention output in host memory")
     assert gpu_peers.longest_fit([row])["lt:memo-tiny-host"] == {"longest_ok": None, "first_failure": 128}
+
+
+def test_a_case_killed_by_sigkill_is_reported_as_out_of_host_memory(monkeypatch):
+    """Nothing of gpu_peers sends SIGKILL to a case: the kernel's out-of-memory killer does
+    (Memo at 128K on the H100 host, 2026-11-23). That is a measured limit, not a crash."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_peers
+
+    monkeypatch.setattr(gpu_peers.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, -9, stdout="", stderr=""))
+    args = gpu_peers.argparse.Namespace(model="llama3-8b", repeats=1, warmup=0, smoke=True, profile=None,
+                                        expandable_segments="longtrain", attention_kernel=None)
+    row = gpu_peers.run_isolated(gpu_peers.BY_NAME["lt:memo+mst"], 131072, args, timeout=10)
+    assert row["status"] == "out of host memory (killed by SIGKILL)"
