@@ -84,3 +84,19 @@ def test_gemma_asks_for_geglu(monkeypatch):
     _, ours = stock_and_ours("tiny-gemma2")
     lt.apply(ours, lt.Strategy(liger={"mlp": False}))
     assert asked == dict(geglu=False, rms_norm=True, rope=True)
+
+
+def test_the_simulator_accepts_liger_and_says_what_it_assumed():
+    report = lt.simulate("tiny-llama", 256, strategy="checkpoint,mst,liger", optimizer="none")
+    plain = lt.simulate("tiny-llama", 256, strategy="checkpoint,mst", optimizer="none")
+    assert "stock ops" in report.notes["liger"]
+    assert report.device_peak_bytes == plain.device_peak_bytes
+
+
+def test_the_command_line_refuses_liger_on_a_cpu_in_one_line(tmp_path):
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-m", "longtrain.cli", "train", "--strategy", "checkpoint,mst,liger", "--steps", "1",
+                             "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("longtrain: error: the liger technique runs Triton kernels on a CUDA GPU")

@@ -60,7 +60,8 @@ def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_ch
     each family; SeCO/SpaCO are left out: slower than FPDT at the same memory).
     ``every_chunk``: every chunk size, however many chunks (for :func:`max_context`)."""
     found = {
-        "checkpoint,mst": Strategy(checkpoint=True, mst=True),
+        # kept attention outputs wait in host memory, within the same budget as Memo's
+        "checkpoint,mst": Strategy(checkpoint={"host_memory": host_memory} if host_memory else True, mst=True),
         "memo,mst": Strategy(memo=Memo(host_memory=host_memory), mst=True),
     }
     segment = max(2, round(layers ** 0.5))  # √n segments park the fewest inputs

@@ -20,6 +20,8 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
+from torch._subclasses.fake_tensor import is_fake
+
 from .. import validate
 from ..errors import LongtrainError
 from ..registry import register_technique
@@ -63,6 +65,9 @@ def _patcher(model_type: str):
 @register_technique("liger", LigerOptions, "Liger's fused RMSNorm, gated-MLP and rotary kernels (CUDA)", order=30)
 def install_liger(context, options: LigerOptions) -> None:
     model = context.adapter.base
+    if is_fake(next(model.parameters())):  # the simulator: Liger's kernels cannot run on fake tensors
+        context.notes["liger"] = "simulated with the stock ops, whose saved tensors Liger's kernels do not exceed"
+        return
     _require_cuda(model)
     apply = _patcher(model.config.model_type)
     accepted = inspect.signature(apply).parameters
