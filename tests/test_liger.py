@@ -6,7 +6,6 @@ import sys
 import types
 
 import pytest
-import torch
 
 import longtrain as lt
 import longtrain.techniques.liger as liger
@@ -100,3 +99,27 @@ def test_the_command_line_refuses_liger_on_a_cpu_in_one_line(tmp_path):
                              "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1].startswith("longtrain: error: the liger technique runs Triton kernels on a CUDA GPU")
+
+
+def test_strategy_auto_adds_liger_on_a_gpu_where_it_is_installed(monkeypatch):
+    """The planner's winner plus liger (same memory, fused kernels) where the device is
+    CUDA and liger-kernel covers the family; without it, the winner as it is."""
+    from types import SimpleNamespace
+
+    import longtrain.plan.calibrate as calibrate
+    import longtrain.plan.planner as planner
+    import longtrain.train.trainer as trainer
+    from longtrain.plan.time_model import H100
+    from longtrain.train.config import TrainConfig
+
+    winner = lt.Strategy(checkpoint=True, mst=True).to_dict()
+    monkeypatch.setattr(planner, "plan", lambda *a, **k: SimpleNamespace(best=SimpleNamespace(strategy=winner),
+                                                                         verdict=lambda: "checkpoint,mst"))
+    monkeypatch.setattr(calibrate, "local_rates", lambda device: H100)
+    monkeypatch.setattr(trainer.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 << 30))
+    config = TrainConfig(model="tiny-llama", strategy="auto")
+    for installed in (True, False):
+        monkeypatch.setattr(trainer, "liger_available", lambda model_type: installed and model_type == "llama")
+        chosen = trainer._planned_strategy(config, trainer.torch.device("cuda"), trainer.torch.bfloat16)
+        assert ("liger" in chosen.techniques) == installed
+        assert {"checkpoint", "mst"} <= set(chosen.techniques)

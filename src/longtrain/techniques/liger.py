@@ -62,6 +62,15 @@ def _patcher(model_type: str):
     return apply
 
 
+def liger_available(model_type: str) -> bool:
+    """Whether liger-kernel imports here and has kernels for ``model_type``."""
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except Exception:  # noqa: BLE001 - not installed, or no Triton/CUDA build here: not available
+        return False
+    return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
+
+
 @register_technique("liger", LigerOptions, "Liger's fused RMSNorm, gated-MLP and rotary kernels (CUDA)", order=30)
 def install_liger(context, options: LigerOptions) -> None:
     model = context.adapter.base
