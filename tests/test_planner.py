@@ -16,23 +16,27 @@ from longtrain.plan.time_model import step_time
 K = 1024
 GIB = 2**30
 
-# Every longtrain row of ../shared/gpu/h100-2026-11-22.md (Llama-3-8B, bf16, one H100):
-# (tokens, techniques, engine, measured seconds per step).
+# Every longtrain row of the 2026-11-23 H100 lease (docs/gpu_peers.md; Llama-3-8B, bf16;
+# `lt:recompute+mst` is checkpoint,mst rerunning attention) and, where nothing newer was
+# measured, SeCO's rows of ../shared/gpu/h100-2026-11-22.md: (tokens, techniques, engine,
+# measured seconds per step). Memo's rows are left out: its copies did not hide (docs/speed.md).
 H100_ROWS = [
-    (16 * K, "checkpoint,mst", None, 2.86), (32 * K, "checkpoint", None, 5.31), (32 * K, "checkpoint,mst", None, 6.83),
-    (64 * K, "checkpoint,mst", None, 18.28), (128 * K, "checkpoint,mst", None, 56.28),
-    (32 * K, "mst", "fpdt:chunk=8192", 9.71), (32 * K, "mst", "fpdt:chunk=8192:offload=true", 9.77),
-    (64 * K, "mst", "fpdt:chunk=16384:offload=true", 27.23), (128 * K, "mst", "fpdt:chunk=16384:offload=true", 90.52),
-    (256 * K, "mst", "fpdt:chunk=16384:offload=true", 318.6),
+    (16 * K, "checkpoint:keep_attention=false,mst", None, 2.69), (32 * K, "checkpoint:keep_attention=false,mst", None, 6.41),
+    (64 * K, "checkpoint:keep_attention=false,mst", None, 17.17), (128 * K, "checkpoint:keep_attention=false,mst", None, 54.27),
+    (32 * K, "checkpoint,mst", None, 6.02),
+    (16 * K, "mst", "fpdt:chunk=4096:offload=true", 3.80), (16 * K, "mst", "fpdt:chunk=4096:offload=true:keep_output=true", 3.64),
+    (32 * K, "mst", "fpdt:chunk=8192:offload=true:keep_output=true", 7.35),
+    (64 * K, "mst", "fpdt:chunk=16384:offload=true:keep_output=true", 17.87),
+    (128 * K, "mst", "fpdt:chunk=16384", 59.45), (128 * K, "mst", "fpdt:chunk=16384:offload=true", 62.00),
     (32 * K, "checkpoint,mst", "seco:chunk=4096", 11.99), (32 * K, "checkpoint,mst", "seco:chunk=4096:offload=true", 12.00),
     (64 * K, "checkpoint,mst", "seco:chunk=8192:offload=true", 34.18),
 ]
 
 
 @pytest.mark.parametrize("tokens,techniques,engine,measured", H100_ROWS)
-def test_time_model_is_within_15_percent_of_every_h100_row(tokens, techniques, engine, measured):
+def test_time_model_is_within_10_percent_of_every_h100_row(tokens, techniques, engine, measured):
     predicted = step_time(preset_config("llama3-8b"), tokens, lt.Strategy.parse(techniques, engine=engine))
-    assert abs(predicted.seconds / measured - 1) <= 0.15, (predicted.seconds, measured, predicted.parts)
+    assert abs(predicted.seconds / measured - 1) <= 0.10, (predicted.seconds, measured, predicted.parts)
 
 
 def test_time_model_orders_what_each_strategy_recomputes():

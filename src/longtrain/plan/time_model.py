@@ -11,7 +11,7 @@ A step is counted per kind of work, each at the rate it runs at on the machine:
   SeCO/SpaCO, whose blocks each merge and accumulate a K/V gradient), with
   its forward once more where a strategy recomputes it (checkpointing with
   ``keep_attention=false``, FPDT without ``keep_output``);
-- known slow spots, as measured on the H100 (../shared/gpu/h100-2026-11-22.md): MsT's tiled
+- known slow spots, as measured on the H100 (docs/gpu_peers.md, 2026-11-23): MsT's tiled
   MLP backward runs at ``tiled_mlp_efficiency`` of the matmul rate and the chunked head's
   weight gradient at ``head_weight_grad`` FLOP/s; each (chunk, layer) pair of a chunked
   engine costs ``per_chunk_layer`` seconds of host work;
@@ -37,13 +37,16 @@ from ..memory.flops import attention_width
 
 @dataclass(frozen=True)
 class MachineRates:
+    # Fitted to one H100 80 GB on 2026-11-23 (docs/gpu_peers.md, Llama-3-8B bf16, 16K-128K:
+    # the backprop and FPDT steps predicted within -5%..+17%); host and interconnect rates
+    # are from the first run or not yet measured.
     matmul: float = 6.5e14  # FLOP/s of bf16 GEMMs at long-context shapes
-    fused_attention: float = 5.0e14  # FLOP/s of cuDNN's fused causal attention, whole sequence
-    block_attention: float = 3.0e14  # FLOP/s of the FlashAttention-2 ATen block kernels (FPDT's layer-major blocks)
+    fused_attention: float = 4.6e14  # FLOP/s of cuDNN's fused causal attention, whole sequence (forward 6.1e14, backward 3.9e14)
+    block_attention: float = 4.3e14  # FLOP/s of cuDNN's block kernels in FPDT's layer-major schedule (FA2's were 3.0e14)
     chunkwise_attention: float = 1.9e14  # FLOP/s of SeCO's chunk-major attention (a merge and a K/V gradient per block)
-    tiled_mlp_efficiency: float = 0.5  # share of the matmul rate MsT's tiled MLP backward reaches
-    head_weight_grad: float = 5.0e13  # FLOP/s of the chunked head's weight gradient (31 small addmm_)
-    per_chunk_layer: float = 4.0e-3  # seconds of host work per (chunk, layer) of a chunked engine
+    tiled_mlp_efficiency: float = 0.68  # share of the matmul rate MsT's tiled MLP backward reaches (78.8 ms/layer at 32K)
+    head_weight_grad: float = 5.0e14  # FLOP/s of the chunked head's weight gradient (one bf16 GEMM per chunk, fp32 out)
+    per_chunk_layer: float = 8.0e-3  # seconds of host work per (chunk, layer) of a chunked engine (fitted at 16K-128K)
     host_bandwidth: float = 2.5e10  # bytes/s, device <-> pinned host
     cpu_adam: float = 1.5e9  # parameters/s of fused CPU AdamW with fp32 masters (16 cores; not yet measured on the GPU host)
     interconnect: float = 3.0e11  # bytes/s per GPU of all-to-all (NVLink; not yet measured)

@@ -43,7 +43,7 @@ from ..ops.causal_attention import attention_from_output
 from ..registry import register_technique
 
 # Used where nothing can be measured (the simulator): an H100's rates at long context in
-# our run (650 TFLOP/s matmuls, 500 fused attention; longtrain.plan.time_model.H100) and a
+# our run (650 TFLOP/s matmuls, 460 fused attention; longtrain.plan.time_model.H100) and a
 # pinned PCIe Gen5 x16 copy.
 DEFAULT_FLOPS_PER_S = 6.0e14
 DEFAULT_HOST_BANDWIDTH = 2.5e10
