@@ -56,8 +56,8 @@ class CheckpointOptions:
 class KeptAttention:
     """Every layer's kept attention output and LSE for one model, in one store.
 
-    Entries belong to one step's attention call; a new call (the next step) drops what an
-    earlier step left (a step whose backward never ran)."""
+    Entries belong to one step's attention call and stay until the next step's first
+    layer drops them (also when that step's backward never ran)."""
 
     def __init__(self, options: CheckpointOptions, pool):
         self.options, self.pool = options, pool
@@ -81,15 +81,19 @@ class KeptAttention:
             self.store = ChunkStore(device, offload=self.options.offload, pool=self.pool)
         return self.store
 
-    def keep(self, call: "_KeepingAttention", out: torch.Tensor, lse: torch.Tensor) -> bool:
+    def has_room(self, q: torch.Tensor) -> bool:
+        """Whether the output (q's size) and the float32 LSE of this layer fit the host budget;
+        asked before attention runs, so a layer past it computes attention once, the plain way."""
+        if not self.options.offload:
+            return True
+        used = self.store.host_bytes if self.store is not None else 0
+        return used + q.nbytes + q[..., 0].numel() * 4 <= self.budget
+
+    def keep(self, call: "_KeepingAttention", out: torch.Tensor, lse: torch.Tensor) -> None:
         store = self._store(out.device)
-        need = out.nbytes + lse.nbytes
-        if self.options.offload and store.host_bytes + need > self.budget:
-            return False  # this layer recomputes its attention; the budget stays for the others
         store.put((call.key, "out"), out)
         store.put((call.key, "lse"), lse)
         call.previous, self._last = self._last, call
-        return True
 
 
 class _KeepingAttention(AttentionCall):
@@ -107,18 +111,21 @@ class _KeepingAttention(AttentionCall):
         self._calls += 1
         settings = dict(scale=scale, window=window, softcap=softcap)
         if self._calls == 1:
+            if not self.kept.has_room(q):  # past the host budget: this layer recomputes attention
+                return self.inner.attend(module, q, k, v, **settings)
             try:
                 out, lse, backward = self.inner.attend_keeping_output(module, q, k, v, **settings)
             except NotImplementedError:  # a chunked engine's call: recompute as plain checkpointing does
                 return self.inner.attend(module, q, k, v, **settings)
-            if not self.kept.keep(self, out, lse):
-                return self.inner.attend(module, q, k, v, **settings)
+            self.kept.keep(self, out, lse)
             self.backward = backward
             return attention_from_output(q, k, v, out, lse, backward)
         if self.backward is None:
             return self.inner.attend(module, q, k, v, **settings)
+        # Read, not popped: a second backward through the graph (retain_graph) replays again.
+        # The entries go when the next step's first layer runs.
         store = self.kept.store
-        out, lse = store.pop((self.key, "out")), store.pop((self.key, "lse"))
+        out, lse = store.get((self.key, "out")), store.get((self.key, "lse"))
         below = self.previous
         if below is not None:  # its replay comes after this layer's backward: start its copies now
             store.prefetch((below.key, "out"))
