@@ -82,6 +82,12 @@ def main(argv=None) -> None:
             rows = [row for rows in pool.map(rows_of, models, [args.smoke] * len(models)) for row in rows]
     else:
         rows = rows_of(models[0], args.smoke)
+    write(rows, args.smoke, args.out)
+
+
+def write(rows: list[dict], smoke: bool = False, out: str | None = None) -> None:
+    """The report of ``rows`` (also to re-render docs/max_context.json after a change that
+    moves only the predicted step times, e.g. refitted machine rates)."""
     columns = [("model", "model"), ("machine", "machine"), ("mode", "training"), ("tokens", "longest context"),
                ("strategy", "strategy"), ("binds", "binds there"), ("step_s", "predicted s/step (H100 rates)"),
                ("anchor", "anchors (their figures)")]
@@ -92,11 +98,10 @@ exact to the chunk, the others within 1/64), the device side with the allocator'
 measured on the H100; host memory 128 GB = 119.2 GiB; the H200's usable memory taken as 139 GiB).
 "Either place" weighs AdamW on the device (bf16 moments, no fp32 masters) against AdamW in host memory
 (fp32 masters and moments) and reports the longer; `others` in the JSON lists every candidate's limit. Step times from the time model at the H100 rates
-(not yet checked on a GPU for these lengths). Confirm a row with `longtrain plan --model M --seq-len N
+(fitted at 16K-128K on 2026-11-23; not checked on a GPU at these lengths). Confirm a row with `longtrain plan --model M --seq-len N
 --device-memory D --host-memory H [--optimizer-offload | --lora]`."""
-    write_report("max_context_smoke" if args.smoke else "max_context", "Longest context per machine (planner)", columns,
-                 rows, notes, "python benchmarks/max_context.py" + (" --smoke" if args.smoke else ""),
-                 out_dir=args.out)
+    write_report("max_context_smoke" if smoke else "max_context", "Longest context per machine (planner)", columns,
+                 rows, notes, "python benchmarks/max_context.py" + (" --smoke" if smoke else ""), out_dir=out)
 
 
 if __name__ == "__main__":
