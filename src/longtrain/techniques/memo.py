@@ -90,11 +90,6 @@ def memo_alpha(*, input_bytes: float, attention_bytes: float, other_bytes: float
     return float(min(1.0, max(0.0, min(by_time, by_host))))
 
 
-def default_host_budget() -> int:
-    """Half the machine's physical memory (:func:`~longtrain.memory.units.pinned_host_budget`)."""
-    return pinned_host_budget()
-
-
 def _is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 
@@ -209,7 +204,7 @@ class MemoLayers:
         else:
             layer_seconds = self._clock(hidden) - started
             bandwidth = _measure_bandwidth(hidden)
-        host_budget = self.options.host_memory or default_host_budget()
+        host_budget = self.options.host_memory or pinned_host_budget()
         sizes = dict(input_bytes=hidden.nbytes, attention_bytes=record.saved_bytes["whole"],
                      other_bytes=record.saved_bytes["split"])
         self.alpha = memo_alpha(**sizes, bandwidth=bandwidth, layer_seconds=layer_seconds, layers=self.layers,

@@ -30,12 +30,12 @@ from ..memory.allocator import allocator_setting
 from ..memory.measure import StepMemoryMeter
 from ..memory.units import format_bytes, pinned_host_budget
 from ..models.loading import add_lora, build_from_config, is_model_dir, load_config, load_pretrained, parse_dtype
-from ..registry import engine as engine_spec
-from ..techniques.liger import liger_available
 from ..models.presets import packaged_checkpoint
 from ..optimizers import make_optimizer
 from ..optimizer_offload import HostAdamW, streaming
+from ..registry import engine as engine_spec
 from ..strategy import Strategy, applied_context, apply, engine_context, pinned_host_bytes, step as strategy_step
+from ..techniques.liger import liger_available
 from . import checkpoint as ckpt
 from .config import MAX_SEQ_LEN, TrainConfig, check_config, config_from_dict, option  # noqa: F401  (re-exported: the Python API)
 from .data import TokenWindows, collate
