@@ -14,7 +14,11 @@ step, no optimizer step (gradients freed between steps) — the method of
 - ``lt:...``: longtrain's strategies (backprop with checkpoint + MsT, attention kept
   — ``lt:recompute+mst`` reruns it as stock checkpointing does — and ``+liger`` with
   Liger's fused norm/activation/rotary kernels; FPDT with and without offload and kept
-  attention outputs; Memo; SeCO).
+  attention outputs; Memo; SeCO);
+- ``lt:auto``: what ``longtrain train --strategy auto`` runs on this device — the
+  planner's fastest fitting strategy for its memory (at short and medium lengths
+  ``checkpoint:except_last=N,mst``, the top N layers left whole) plus Liger; the notes
+  column names the choice.
 
 Lengths run from short to long; a case that runs out of memory (or time) at one length
 is not tried at the longer ones, so one sweep gives the longest length each case fits
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -87,8 +92,8 @@ COMMAND_LIMIT_S = 590  # no case may run past this many seconds of the whole com
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str  # "peer" or "longtrain"
-    make: Callable  # peer: (config, device, dtype) -> (model, step); longtrain: (length) -> Strategy
+    kind: str  # "peer", "longtrain" or "auto" (longtrain, as --strategy auto plans it on this device)
+    make: Callable | None  # peer: (config, device, dtype) -> (model, step); longtrain: (length) -> Strategy
 
 
 _LIGER_PROBLEM: list[str] = []  # why liger-kernel cannot be used here, once known
@@ -148,11 +153,17 @@ CASES = [
     # Layer checkpointing keeps attention's output (host memory) instead of rerunning it.
     Case("lt:checkpoint+mst", "longtrain", lambda n: lt.Strategy(checkpoint=True, mst=True)),
     Case("lt:checkpoint+mst+liger", "longtrain", lambda n: lt.Strategy(checkpoint=True, mst=True, liger=True)),
+    # What `longtrain train --strategy auto` runs here: the planner's pick for this device's
+    # memory (e.g. checkpoint:except_last=N,mst: the top N layers left whole), plus liger.
+    Case("lt:auto", "auto", None),
     Case("lt:recompute+mst", "longtrain", lambda n: lt.Strategy(checkpoint={"keep_attention": False}, mst=True)),
     Case("lt:fpdt+mst", "longtrain", lambda n: _fpdt(n)),
     Case("lt:fpdt+keep+mst", "longtrain", lambda n: _fpdt(n, keep_output=True)),
     Case("lt:fpdt+offload+mst", "longtrain", lambda n: _fpdt(n, offload=True)),
     Case("lt:fpdt+offload+keep+mst", "longtrain", lambda n: _fpdt(n, offload=True, keep_output=True)),
+    Case("lt:fpdt+offload+mst+liger", "longtrain",
+         lambda n: lt.Strategy(engine="fpdt", engine_options={"chunk": _fpdt_chunk(n), "offload": True}, mst=True,
+                               liger=True)),
     Case("lt:fpdt+offload+keep+mst+liger", "longtrain",
          lambda n: lt.Strategy(engine="fpdt", engine_options={"chunk": _fpdt_chunk(n), "offload": True, "keep_output": True},
                                mst=True, liger=True)),
@@ -237,8 +248,24 @@ def _kernel_of(config, device, dtype) -> str:
     return attention_kernel(device, dtype, head_dim)
 
 
-def _uses_memo(case: Case, length: int) -> bool:
-    return case.kind == "longtrain" and "memo" in case.make(length).techniques
+def _strategy_of(case: Case, config, length: int, device: torch.device, dtype) -> "lt.Strategy":
+    if case.kind == "auto":
+        from longtrain.plan.auto import auto_strategy
+
+        return auto_strategy(config, length, device, dtype=str(dtype).replace("torch.", ""), optimizer="none",
+                             say=lambda line: print(f"{case.name}: {line}", flush=True))
+    return case.make(length)
+
+
+def _spec(strategy) -> str:
+    """``strategy`` as --strategy reads it, options that differ from their defaults only."""
+    items = []
+    for name, options in ([(strategy.engine, strategy.engine_options)] if strategy.engine != "backprop" else []) + list(
+            strategy.techniques.items()):
+        changed = [f"{f.name}={getattr(options, f.name)}" for f in dataclasses.fields(options)
+                   if getattr(options, f.name) != f.default]
+        items.append(":".join([name, *changed]))
+    return ",".join(items)
 
 
 def _strategy_notes(model) -> str | None:
@@ -275,10 +302,12 @@ def run_case(case: Case, config, length: int, device: torch.device, dtype, repea
     row = _empty_row(case, length)
     model = None
     try:
+        strategy = None
         if case.kind == "peer":
             model, step = case.make(config, device, dtype)
         else:
-            model, step = _build_longtrain(config, device, dtype, case.make(length))
+            strategy = _strategy_of(case, config, length, device, dtype)
+            model, step = _build_longtrain(config, device, dtype, strategy)
         ids = torch.randint(0, config.vocab_size, (1, length), device=device)
         timer = _Timer(device)
 
@@ -286,7 +315,7 @@ def run_case(case: Case, config, length: int, device: torch.device, dtype, repea
             step(ids)
             model.zero_grad(set_to_none=True)
 
-        if not warmup and not _uses_memo(case, length):
+        if not warmup and not (strategy is not None and "memo" in strategy.techniques):
             # Long lengths time one step without a warm-up at their length: a short step first
             # takes the one-time costs that do not depend on it (Triton's compiles for Liger,
             # cuBLAS and cuDNN start-up). Not Memo: it fixes α in its first step, for that length.
@@ -307,9 +336,10 @@ def run_case(case: Case, config, length: int, device: torch.device, dtype, repea
             row["alloc_gib"] = torch.cuda.max_memory_allocated(device) / GIB
             row["reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
             row["reserved_over_alloc"] = row["reserved_gib"] / row["alloc_gib"]
-        if case.kind == "longtrain":
+        if strategy is not None:
             row["host_pinned_gib"] = pinned_host_bytes(model) / GIB
-            row["notes"] = _strategy_notes(model)
+            notes = [f"auto chose {_spec(strategy)}"] if case.kind == "auto" else []
+            row["notes"] = "; ".join(notes + [_strategy_notes(model) or ""]).strip("; ") or None
             # After the steps, on this device's index: a kernel that failed at run time was dropped there.
             here = torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device
             row["attention_kernel"] = _kernel_of(config, here, dtype)
@@ -330,11 +360,11 @@ def run_case(case: Case, config, length: int, device: torch.device, dtype, repea
 def _case_env(case: Case, args) -> dict:
     """Environment of an isolated case: the allocator setting and the attention kernel."""
     env = dict(os.environ)
-    expandable = args.expandable_segments == "all" or (args.expandable_segments == "longtrain" and case.kind == "longtrain")
+    expandable = args.expandable_segments == "all" or (args.expandable_segments == "longtrain" and case.kind != "peer")
     if expandable:  # in the variable this PyTorch reads (the newer name wins where both are set)
         name = "PYTORCH_ALLOC_CONF" if os.environ.get("PYTORCH_ALLOC_CONF") else "PYTORCH_CUDA_ALLOC_CONF"
         env[name] = ",".join(filter(None, [os.environ.get(name), "expandable_segments:True"]))
-    if args.attention_kernel and case.kind == "longtrain":
+    if args.attention_kernel and case.kind != "peer":
         env["LONGTRAIN_ATTENTION_KERNEL"] = args.attention_kernel
     return env
 

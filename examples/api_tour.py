@@ -71,3 +71,12 @@ if torch.cuda.is_available():
         gpu_model = lt.apply(build_from_config(preset_config("tiny-llama"), torch.bfloat16).cuda(),
                              gpu_strategy := lt.Strategy(checkpoint=True, mst=True))
     print("GPU loss:", float(lt.step(gpu_model, {"input_ids": torch.randint(0, 256, (1, 4096), device="cuda")}, gpu_strategy)))
+
+# 7. Where the device has room, leave the top layers whole (nothing of theirs recomputed);
+#    the planner sizes N for a card by simulation — here an 80 GB H100 at 16K tokens,
+#    without optimizer state. `longtrain train --strategy auto` does the same on the card
+#    it runs on.
+from longtrain.plan.planner import plan  # noqa: E402
+
+sized = plan("llama3-8b", 16384, device_memory=79 * 2**30, host_memory=62 * 2**30, optimizer="none")
+print(sized.verdict())

@@ -37,6 +37,7 @@ CUDA_STRATEGIES = {
     "mst": lambda: lt.Strategy(mst=lt.MsT(loss_chunks=4)),
     "checkpoint+mst": lambda: lt.Strategy(checkpoint=True, mst=True),  # attention kept in pinned host memory
     "checkpoint(recompute attention)": lambda: lt.Strategy(checkpoint={"keep_attention": False}),
+    "checkpoint(top layer whole)+mst": lambda: lt.Strategy(checkpoint={"except_last": 1}, mst=True),
     "fpdt": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 256}),
     "fpdt+offload(prefetch 1)": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 300, "offload": True}),
     "fpdt+offload(prefetch 2)+mst": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 256, "offload": True, "prefetch": 2},

@@ -3,11 +3,15 @@ reuses it (attention's forward runs once per layer per step) with stock autograd
 gradients, on the device or parked in host memory, within or past the host budget,
 with backward on another thread as CUDA runs it."""
 
+import functools
+
 import pytest
 import torch
 
 import longtrain as lt
 import longtrain.models.attention as attention_module
+from longtrain.models.presets import preset_config
+from longtrain.strategy import applied_context
 from longtrain.techniques.checkpoint import CheckpointOptions
 
 from conftest import check_step, packed_batch, padded_batch, stock_and_ours
@@ -109,7 +113,46 @@ def test_a_second_backward_through_the_same_graph_replays_the_kept_outputs_again
 @pytest.mark.parametrize("spec,message", [
     ("checkpoint:keep_attention=maybe,mst", "keep_attention"),
     ("checkpoint:host_memory=-1", "host_memory"),
+    ("checkpoint:except_last=-1", "except_last"),
+    ("checkpoint:except_last=two", "except_last"),
 ])
 def test_bad_options_are_refused(spec, message):
     with pytest.raises(lt.LongtrainError, match=message):
         lt.Strategy.parse(spec)
+
+
+@pytest.mark.parametrize("batch", ["packed", "left-padded"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2"])
+def test_layers_left_whole_recompute_nothing_and_gradients_are_exact(preset, batch, monkeypatch):
+    """``except_last=1``: the bottom layer is checkpointed (attention kept), the top one runs
+    as stock autograd runs it — not checkpointed, its MLP untiled — so its attention runs
+    once, the plain way, and nothing of it is recomputed."""
+    stock, ours = stock_and_ours(preset)
+    calls = _KernelCalls(monkeypatch)
+    strategy = lt.Strategy(checkpoint={"except_last": 1}, mst=lt.MsT(loss_chunks=3, mlp_chunk=37))
+    data = packed_batch(stock.config.vocab_size) if batch == "packed" else padded_batch(
+        stock.config.vocab_size, lengths=(100, 70), left=True)
+    check_step(stock, ours, strategy, data, TOL, another_thread=True)
+    assert (calls.kept, calls.plain) == (1, 1)
+    adapter = applied_context(ours).adapter
+    bottom, top = adapter.layers
+    assert isinstance(bottom.forward, functools.partial) and not isinstance(top.forward, functools.partial)
+    assert isinstance(adapter.mlp(bottom).forward, functools.partial)  # tiled
+    assert not isinstance(adapter.mlp(top).forward, functools.partial)  # whole
+
+
+def test_a_whole_layer_between_checkpointed_ones_keeps_the_chain_exact():
+    """Three layers, the top two whole: the kept output of the bottom one is still
+    prefetched and read in the right order, with a left-padded batch of two."""
+    config = preset_config("tiny-llama")
+    config.num_hidden_layers = 3
+    stock, ours = stock_and_ours(config)
+    strategy = lt.Strategy(checkpoint={"except_last": 2}, mst=lt.MsT(loss_chunks=3))
+    check_step(stock, ours, strategy, padded_batch(config.vocab_size, lengths=(90, 61), left=True), TOL,
+               another_thread=True)
+
+
+def test_leaving_more_layers_whole_than_the_model_has_is_refused():
+    _, ours = stock_and_ours("tiny-llama")
+    with pytest.raises(lt.LongtrainError, match=r"except_last=3 leaves more layers whole than the model has \(2\)"):
+        lt.apply(ours, lt.Strategy.parse("checkpoint:except_last=3,mst"))

@@ -50,6 +50,37 @@ def test_time_model_orders_what_each_strategy_recomputes():
     assert seconds["memo α=1"] < seconds["memo α=0"]
 
 
+def test_layers_left_whole_are_predicted_faster_down_to_no_recomputation():
+    config, n = preset_config("llama3-8b"), 32 * K
+    seconds = [step_time(config, n, lt.Strategy(checkpoint={"except_last": k}, mst=True)).seconds for k in (0, 8, 16, 32)]
+    assert seconds == sorted(seconds, reverse=True) and len(set(seconds)) == 4
+    # Every layer whole: MsT's chunked head without checkpointing or tiled MLPs.
+    assert seconds[-1] == pytest.approx(step_time(config, n, lt.Strategy(mst={"mlp": False})).seconds)
+
+
+def test_memo_recomputing_every_token_is_predicted_as_checkpointing_with_attention_kept():
+    config, n = preset_config("llama3-8b"), 64 * K
+    memo = step_time(config, n, lt.Strategy(memo={"alpha": 0.0}, mst=True)).seconds
+    assert memo == pytest.approx(step_time(config, n, lt.Strategy(checkpoint=True, mst=True)).seconds, rel=0.01)
+
+
+def test_the_plan_leaves_as_many_top_layers_whole_as_the_device_holds():
+    """Roomy: every layer whole. Tight: some — the count the device holds at
+    WHOLE_LAYERS_FILL of its memory — and faster than checkpointing them all. No room:
+    plain checkpointing."""
+    config = preset_config("tiny-llama", num_hidden_layers=8)
+    roomy = plan(config, 2048, device_memory=GIB, host_memory=GIB, optimizer="none")
+    assert roomy.best.name == "checkpoint:except_last=8,mst"
+    checkpointed = next(row for row in roomy.rows if row.name == "checkpoint,mst")
+    middle = (checkpointed.reserved_bytes + roomy.best.reserved_bytes) // 2
+    tight = plan(config, 2048, device_memory=int(middle / planner.WHOLE_LAYERS_FILL), host_memory=GIB, optimizer="none")
+    count = tight.best.strategy["techniques"]["checkpoint"]["except_last"]
+    assert 0 < count < 8 and tight.best.reserved_bytes <= middle
+    assert tight.best.step_seconds < next(row for row in tight.rows if row.name == "checkpoint,mst").step_seconds
+    full = plan(config, 2048, device_memory=checkpointed.reserved_bytes, host_memory=GIB, optimizer="none")
+    assert full.best.name == "checkpoint,mst"
+
+
 @pytest.mark.parametrize("keep", [False, True])
 def test_a_planned_step_is_the_full_simulation_at_its_length(keep):
     """Not a line through short lengths: the peak moves between phases as the length grows
@@ -139,10 +170,11 @@ def test_a_plan_simulated_in_worker_processes_is_the_plan_simulated_here():
 
     here = rows(1)
     assert len(here) >= 4 and rows(2) == here
-    # Once one fits, no more are started: at most the window of two already running.
+    # Once one fits, no more are started: at most the window of two already running (and the
+    # fitting checkpoint's row with layers left whole, which derives from it).
     planner._SIMULATIONS.clear()
     result = plan("tiny-llama", 2048, device_memory=2**30, host_memory=2**30, workers=2)
-    assert result.best is not None and sum(r.simulated for r in result.rows) <= 2
+    assert result.best is not None and sum(r.simulated for r in result.rows if "except_last" not in r.name) <= 2
 
 
 def test_a_worker_hands_back_the_chunk_curves_it_made():

@@ -9,7 +9,8 @@ request:
   and reuses it (pinning per tensor costs milliseconds each);
 - on CUDA, device→host and host→device copies run on two side streams, ordered against
   the compute stream by events, so :meth:`ChunkStore.prefetch` starts a copy that
-  overlaps the current computation and nothing synchronizes the host;
+  overlaps the current computation and nothing synchronizes the host; fetched copies are
+  allocated on the compute stream, so the allocator keeps one pool for them;
 - on CPU the same calls run synchronously; under a
   :class:`~longtrain.memory.tracker.MemoryTracker` (exact measurement or the simulator)
   parked tensors count as host bytes and fetched copies as device bytes, which is what
@@ -136,13 +137,22 @@ class ChunkStore:
         if entry is None or entry.device is not None:
             return
         if self._cuda:
+            # Allocated on the compute stream, whose kernels use and free it: the caching
+            # allocator keeps a pool per stream, and copies allocating on their own stream
+            # gave it segments the compute stream could not reuse (reserved 1.17-1.29x
+            # allocated with offload on the H100). The memory may have been freed by a
+            # kernel still queued there, so the copy waits for what is queued so far; the
+            # prefetch is issued a chunk (a layer) ahead, which the copy still overlaps.
+            compute = torch.cuda.current_stream(self.device)
+            entry.device = torch.empty_like(entry.host, device=self.device)
+            self._to_device.wait_stream(compute)
             if entry.written is not None:
                 self._to_device.wait_event(entry.written)
             with torch.cuda.stream(self._to_device):
-                entry.device = torch.empty_like(entry.host, device=self.device)
                 entry.device.copy_(entry.host, non_blocking=True)
                 entry.fetched = torch.cuda.Event()
                 entry.fetched.record(self._to_device)
+            entry.device.record_stream(self._to_device)  # freed unread (discarded): not reused mid-copy
         else:
             entry.device = entry.host.clone()  # a device-resident copy, as on a GPU
 

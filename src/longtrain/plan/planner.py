@@ -52,6 +52,9 @@ from .time_model import H100, MachineRates, step_time
 # weights) on the H100 (../shared/gpu/h100-2026-11-22.md), the largest seen per kind.
 FRAGMENTATION = {"offload": 1.8, "chunked": 1.25, "whole": 1.1}
 CHUNKS = (8192, 16384, 32768)
+# Layers left whole fill the device up to this share of it: they buy speed, not length,
+# and the few GiB left absorb what the margin misses (a run that dies costs more).
+WHOLE_LAYERS_FILL = 0.95
 
 
 def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_chunk: bool = False,
@@ -416,6 +419,12 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
                 if row.fits and winner is None:
                     winner = label
             result.rows.append(row)
+            if row.fits and "checkpoint" in strategy.techniques and not longest:
+                whole = _with_whole_layers(row, strategy, config, seq_len, budget, rates, batch, params, say,
+                                           lambda candidate: simulate_step(config, seq_len, candidate, dtype, batch,
+                                                                           budget.optimizer, lora_rank))
+                if whole is not None:
+                    result.rows.append(whole)
     result.rows.sort(key=lambda r: (not r.fits, not r.simulated,
                                     r.step_seconds if r.fits else (r.reserved_bytes or float("inf"))))
     return result
@@ -467,6 +476,45 @@ class _Simulations:
             for curve_key, curve in curves.items():
                 _CURVES.setdefault(curve_key, curve)
         return simulate_step(*args)
+
+
+def _with_whole_layers(row: PlanRow, strategy: Strategy, config, seq_len, budget: _Budget, rates, batch, params,
+                       say, simulated) -> PlanRow | None:
+    """``row``'s checkpointing with as many top layers left whole (``except_last``: nothing
+    recomputed there) as the device memory it leaves free holds, or None if not one fits.
+
+    What a whole layer costs is the slope of the reserved peak between a quarter and half
+    of the layers left whole (the first few may cost nothing: the peak can sit in the loss
+    head, above a layer's activations); the count it gives is simulated, and lowered by the
+    miss where it does not fit (twice at most). The device is filled to
+    :data:`WHOLE_LAYERS_FILL` of its memory."""
+    n = config.num_hidden_layers
+    target = int(WHOLE_LAYERS_FILL * budget.device_memory)
+    if n < 2 or (row.reserved_bytes or target) >= target:
+        return None
+
+    def evaluate(count: int) -> PlanRow:
+        checkpoint = dataclasses.replace(strategy.techniques["checkpoint"], except_last=count)
+        label = row.name.replace("checkpoint", f"checkpoint:except_last={count}", 1)
+        say(f"simulating {label} at {seq_len:,} tokens")
+        candidate = _rebuilt(strategy, checkpoint=checkpoint)
+        return _evaluate(label, candidate, config, seq_len, budget, rates, batch, params,
+                         lambda: simulated(candidate))
+
+    low, high = max(1, n // 4), max(2, n // 2)
+    at_low, at_high = evaluate(low), evaluate(high)
+    if at_low.reserved_bytes is None or at_high.reserved_bytes is None:
+        return None
+    per_layer = max(1, (at_high.reserved_bytes - at_low.reserved_bytes) // (high - low))
+    count = min(n, low + (target - at_low.reserved_bytes) // per_layer)
+    for _ in range(3):
+        if count <= 0:
+            return None
+        found = at_low if count == low else at_high if count == high else evaluate(count)
+        if found.fits and found.reserved_bytes <= target:
+            return found
+        count -= max(1, -(-(found.reserved_bytes - target) // per_layer))
+    return None
 
 
 def _rebuilt(strategy: Strategy, sequence_parallel=None, **techniques) -> Strategy:

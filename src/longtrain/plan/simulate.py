@@ -604,9 +604,11 @@ def _layer_period(config, strategy: Strategy) -> int:
 def _depth(strategy: Strategy) -> int:
     """Repeats at each end of the model (and of a chunk sequence) that may differ from the
     ones between them: the first and the last, and the next ones, which bound the uniform
-    middle; Memo's layers kept on the device are more special ones at the top."""
-    memo = strategy.techniques.get("memo")
-    return 2 if memo is None else max(2, memo.keep_last + 1)
+    middle; Memo's layers kept on the device, and the layers checkpointing leaves whole, are
+    more special ones at the top."""
+    memo, checkpoint = strategy.techniques.get("memo"), strategy.techniques.get("checkpoint")
+    top = max(memo.keep_last if memo is not None else 0, getattr(checkpoint, "except_last", 0))
+    return max(2, top + 1)
 
 
 def _layer_axis(config, strategy: Strategy) -> _Axis | None:

@@ -3,7 +3,7 @@
 A step is counted per kind of work, each at the rate it runs at on the machine:
 
 - **matmuls** (projections, MLP, head) at ``matmul`` FLOP/s — with what each strategy
-  recomputes: checkpointing a layer forward, MsT's tiled MLP its forward once more in
+  recomputes: checkpointing a layer forward (none in the layers ``except_last`` leaves whole), MsT's tiled MLP its forward once more in
   backward (and the MLP forward a third time under checkpointing), the chunked head its
   logits, Memo the (1 − α) share of the token-wise forward;
 - **attention** at ``fused_attention`` FLOP/s over the whole sequence (one fused kernel)
@@ -99,12 +99,14 @@ def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: 
     matmul = 3 * (layer_fwd + head_fwd)
     attention_passes = 3.0  # forward + backward, in forward units
     checkpoint = techniques.get("checkpoint")
+    # Layers checkpointing leaves whole (except_last) recompute nothing, their MLP untiled.
+    recomputed = 1.0 - (min(checkpoint.except_last, n) / n if checkpoint is not None and n else 0.0)
     if checkpoint is not None or chunked:
-        matmul += layer_fwd
+        matmul += recomputed * layer_fwd
         if chunked or not getattr(checkpoint, "keep_attention", False):
-            attention_passes += 1  # the recomputation runs attention again (kept outputs skip it)
+            attention_passes += recomputed  # the recomputation runs attention again (kept outputs skip it)
         if tiled:
-            matmul += mlp_fwd  # the MLP forward a third time: checkpoint replays it, the tiled backward again
+            matmul += recomputed * mlp_fwd  # the MLP forward a third time: checkpoint replays it, the tiled backward again
     if engine == "fpdt" and getattr(strategy.engine_options, "recompute_kv", False):
         matmul += 2.0 * s * attn_params * n / 2  # q/k/v projections once more (about half the attention block)
     if engine == "fpdt" and getattr(strategy.engine_options, "keep_output", False):
@@ -119,7 +121,10 @@ def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: 
         alpha = (notes or {}).get("memo_alpha", memo.alpha if memo.alpha != "auto" else 0.0)
         matmul += (1 - alpha) * (layer_fwd - (mlp_fwd if tiled else 0))
         if tiled:
-            matmul += mlp_fwd
+            # The tiled backward's forward, and the (1 − α) share of checkpointing's fitted third
+            # MLP forward (the elementwise work a token-wise recomputation repeats): at α = 0 Memo
+            # is checkpointing with attention kept, and is predicted as such.
+            matmul += mlp_fwd + (1 - alpha) * mlp_fwd
         if notes and "memo_input_bytes" in notes:
             moved = notes["memo_input_bytes"] + notes["memo_attention_bytes"] + alpha * notes["memo_other_bytes"]
             layer_seconds = (layer_fwd / n + attention_fwd / n) / rates.matmul
@@ -130,7 +135,7 @@ def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: 
         matmul += head_fwd  # logits again in backward
     parts = {"matmul": matmul / rates.matmul}
     if tiled:  # the tiled MLP's backward (2 forward units of work) at its measured efficiency
-        parts["tiled_mlp_slowdown"] = 2 * mlp_fwd / rates.matmul * (1 / rates.tiled_mlp_efficiency - 1)
+        parts["tiled_mlp_slowdown"] = recomputed * 2 * mlp_fwd / rates.matmul * (1 / rates.tiled_mlp_efficiency - 1)
     if chunked_head:
         parts["head_weight_grad"] = head_fwd * (1 / rates.head_weight_grad - 1 / rates.matmul)
     rate = {"fpdt": rates.block_attention, "seco": rates.chunkwise_attention,

@@ -7,7 +7,9 @@ mini-sequences so only one chunk's intermediates are alive, in forward and backw
 - every decoder layer's MLP (the adapter names it) is patched to run through
   :func:`~longtrain.ops.tiled_mlp.tiled_mlp`, in chunks of ``mlp_chunk`` tokens —
   by default the hidden size (the paper's rule), or half the chunk of a chunked engine
-  (FPDT's rule, which keeps attention the memory peak);
+  (FPDT's rule, which keeps attention the memory peak); layers that checkpointing leaves
+  whole (``checkpoint:except_last``) keep their MLP whole, since a tiled MLP recomputes its
+  forward and those layers are there to recompute nothing;
 - the head and the loss run through
   :func:`~longtrain.ops.chunked_loss.chunked_causal_lm_loss` in ``loss_chunks``
   mini-sequences (default V/d, the paper's rule), so the logits never exist in full.
@@ -28,6 +30,7 @@ from .. import validate
 from ..errors import LongtrainError
 from ..ops.tiled_mlp import tiled_mlp
 from ..registry import register_technique
+from .checkpoint import whole_layers
 
 
 @dataclass
@@ -70,7 +73,10 @@ def install_mst(context, options: MsT) -> None:
     if not options.mlp:
         return
     chunk = options.mlp_chunk or default_mlp_chunk(context)
-    for layer in adapter.layers:
+    whole = whole_layers(context.strategy, len(adapter.layers))
+    for index, layer in enumerate(adapter.layers):
+        if index in whole:
+            continue
         mlp = adapter.mlp(layer)
         if mlp is not None:  # SSM-ResNet layers have no MLP
             mlp.forward = functools.partial(_tiled_forward, mlp.forward, mlp, chunk)

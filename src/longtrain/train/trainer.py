@@ -28,14 +28,12 @@ from ..errors import LongtrainError, writing
 from ..memory.flops import device_peak_flops, mfu, model_flops_per_sample
 from ..memory.allocator import allocator_setting
 from ..memory.measure import StepMemoryMeter
-from ..memory.units import format_bytes, pinned_host_budget
+from ..memory.units import format_bytes
 from ..models.loading import add_lora, build_from_config, is_model_dir, load_config, load_pretrained, parse_dtype
 from ..models.presets import packaged_checkpoint
 from ..optimizers import make_optimizer
 from ..optimizer_offload import HostAdamW, streaming
-from ..registry import engine as engine_spec
 from ..strategy import Strategy, applied_context, apply, engine_context, pinned_host_bytes, step as strategy_step
-from ..techniques.liger import liger_available
 from . import checkpoint as ckpt
 from .config import MAX_SEQ_LEN, TrainConfig, check_config, config_from_dict, option  # noqa: F401  (re-exported: the Python API)
 from .data import TokenWindows, collate
@@ -192,34 +190,16 @@ def _fingerprint(model) -> dict:
 
 def _planned_strategy(config: TrainConfig, device: torch.device, compute_dtype: torch.dtype) -> Strategy:
     """``--strategy auto``: the fastest strategy the planner finds fitting this machine."""
-    from ..plan.planner import plan
-    from ..plan.time_model import H100 as H100_RATES
+    from ..plan.auto import auto_strategy
 
     if config.engine != "backprop" or config.sp > 1 or config.lora:
         raise LongtrainError("--strategy auto picks the engine itself and plans one process of full fine-tuning; "
                              "drop --engine/--sp/--lora, or name a strategy")
-    host = pinned_host_budget()  # what Memo and kept attention may pin
-    device_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host
-    print(f"longtrain train: planning --strategy auto for {config.seq_len:,} tokens ...", flush=True)
-    from ..plan.calibrate import device_name, local_rates
-
-    rates = local_rates(device)  # this machine's `longtrain calibrate`, else the H100 rates
     # The optimizer's place is the run's own setting (--optimizer-offload): auto plans the strategy around it.
-    result = plan(config.model, config.seq_len, device_memory=device_memory, host_memory=host,
-                  optimizer=config.optimizer, dtype=str(compute_dtype).replace("torch.", ""), batch=config.batch_size,
-                  optimizer_offload=bool(config.optimizer_offload), rates=rates,
-                  rates_name=device_name(device) if rates is not H100_RATES else "h100")
-    if result.best is None:
-        hint = "" if config.optimizer_offload else "; --optimizer-offload moves AdamW's state to host memory"
-        raise LongtrainError(f"--strategy auto: {result.verdict()}{hint}")
-    print(f"longtrain train: --strategy auto chose {result.verdict()}", flush=True)
-    chosen = result.best.strategy
-    if (device.type == "cuda" and "liger" in engine_spec(chosen["engine"]["name"]).accepts
-            and liger_available(load_config(config.model).model_type)):
-        # Same memory, fused elementwise kernels (docs/speed.md: 6.02 s -> 5.24 s at 32K on an H100).
-        chosen = {**chosen, "techniques": {**chosen["techniques"], "liger": {}}}
-        print("longtrain train: --strategy auto adds liger (liger-kernel is installed)", flush=True)
-    return Strategy.from_dict(chosen)
+    return auto_strategy(config.model, config.seq_len, device, dtype=str(compute_dtype).replace("torch.", ""),
+                         batch=config.batch_size, optimizer=config.optimizer,
+                         optimizer_offload=bool(config.optimizer_offload),
+                         say=lambda line: print(f"longtrain train: {line}", flush=True))
 
 
 def _strategy(config: TrainConfig, compute_dtype: torch.dtype, device: torch.device | None = None) -> Strategy:
