@@ -156,3 +156,12 @@ def test_leaving_more_layers_whole_than_the_model_has_is_refused():
     _, ours = stock_and_ours("tiny-llama")
     with pytest.raises(lt.LongtrainError, match=r"except_last=3 leaves more layers whole than the model has \(2\)"):
         lt.apply(ours, lt.Strategy.parse("checkpoint:except_last=3,mst"))
+
+
+def test_a_layer_left_whole_under_seco_is_exact():
+    """SeCO runs every chunk's layers under checkpointing: the layer left whole keeps its
+    activations per chunk, and the gradients are still stock autograd's."""
+    stock, ours = stock_and_ours("tiny-qwen2")
+    strategy = lt.Strategy(engine="seco", engine_options={"chunk": 40}, checkpoint={"except_last": 1},
+                           mst=lt.MsT(loss_chunks=3))
+    check_step(stock, ours, strategy, packed_batch(stock.config.vocab_size), TOL, another_thread=True)

@@ -95,6 +95,31 @@ def test_auto_alpha_is_measured_and_reported():
     assert notes["memo_layer_seconds"] > 0 and notes["memo_host_bandwidth"] > 0 and notes["memo_other_bytes"] > 0
 
 
+@pytest.mark.parametrize("strategy", [
+    lt.Strategy(memo=lt.Memo(host_memory="1GiB"), mst=True),  # α measured in the first step
+    lt.Strategy(memo=lt.Memo(alpha=0.4, keep_last=1)),
+    lt.Strategy(checkpoint=True, mst=True),  # kept attention
+    lt.Strategy(engine="fpdt", engine_options={"chunk": 64, "offload": True, "keep_output": True}, mst=True),
+], ids=["memo-auto", "memo-0.4", "checkpoint", "fpdt-offload-keep"])
+def test_no_step_after_the_first_pins_host_memory(strategy):
+    """Pinning host memory takes about a second per few GB on a GPU host: a step after the
+    first that pins more is slower for it (on the H100, Memo's first timed step pinned the
+    α-share of the two layers that ran before α was known). The pinned pool's size after
+    each of four steps: set by the first."""
+    from longtrain.strategy import applied_context
+
+    config = preset_config("tiny-llama")
+    config.num_hidden_layers = 6
+    model = lt.apply(build_from_config(config, torch.float32).train(), strategy)
+    ids = torch.randint(0, config.vocab_size, (1, 512))
+    sizes = []
+    for _ in range(4):
+        lt.step(model, {"input_ids": ids})
+        model.zero_grad(set_to_none=True)
+        sizes.append(applied_context(model).pool.allocated_bytes)
+    assert sizes[0] > 0 and len(set(sizes)) == 1, sizes
+
+
 def test_token_axis():
     assert token_axis(torch.Size([2, 7, 5]), 2, 7) == (1, False)
     assert token_axis(torch.Size([2, 4, 7, 5]), 2, 7) == (2, False)

@@ -137,7 +137,9 @@ def test_the_simulated_share_of_one_rank_is_what_each_rank_holds(engine, length,
     drops a moment after ``wait()`` returns, so a rank's peak sometimes still counts the last
     collective's buffers (seen: +32,768 to +253,952 bytes). The largest such collective is one
     layer's reduce-scatter: its input (the layer's unsharded gradients) and its output (this
-    rank's half), so the measured peak lies between the simulated one and that much above."""
+    rank's half), so the measured peak lies between the simulated one and that much above; each
+    rank reports the lowest of three steady steps' peaks (a loaded machine once left two
+    collectives' buffers in one step's)."""
     sys.path.insert(0, str(HERE))
     from sp_worker import strategy
 

@@ -117,6 +117,7 @@ class LayerActivations:
         self.previous: weakref.ref | None = None  # the layer below: prefetched when this one materializes
         self.input_storage: int | None = None  # storage id of the layer's input
         self.saved_bytes = {"whole": 0, "split": 0}  # full sizes of what was saved (Memo's S_attn, S_others)
+        self.parked: list[tuple[torch.Size, torch.dtype]] = []  # shapes this record parked in host memory
         keys: list = []
         self._keys = keys
         weakref.finalize(self, _discard_all, store, keys)
@@ -129,7 +130,7 @@ class LayerActivations:
         if views and not (tensor.is_contiguous() and tensor.storage_offset() == 0):
             raise ValueError("a tensor kept with its views must be contiguous and own its storage")
         key = (self._prefix, name)
-        self.store.put(key, tensor, offload=self.offload)
+        self._put(key, tensor)
         self._keys.append(key)
         if views:
             self._whole[storage_id(tensor)] = (key, tensor)  # held until finish_forward: its id stays unique
@@ -170,7 +171,7 @@ class LayerActivations:
                 kept = t if self.split == self.tokens else narrow_tokens(t, axis, flattened, self.batch, 0, self.split)
                 if not self.offload and kept is not t:
                     kept = kept.contiguous()  # a view would keep the dropped tokens alive
-                self.store.put(key, kept, offload=self.offload)
+                self._put(key, kept)
             packed = _Split(slot, axis, flattened, t.shape, key)
             self._splits.append(packed)
             if storage != self.input_storage:  # the layer input is counted apart (Memo's S_input)
@@ -241,6 +242,11 @@ class LayerActivations:
         return out
 
     # ---- helpers -------------------------------------------------------------------
+    def _put(self, key, tensor: torch.Tensor) -> None:
+        self.store.put(key, tensor, offload=self.offload)
+        if self.offload and self.store.offload:
+            self.parked.append((tensor.shape, tensor.dtype))
+
     def _key(self, kind: str):
         key = (self._prefix, kind, len(self._keys))
         self._keys.append(key)

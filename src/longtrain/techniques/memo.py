@@ -25,6 +25,7 @@ engine context's notes (the trainer's summary shows them).
 
 from __future__ import annotations
 
+import collections
 import functools
 import time
 import weakref
@@ -141,6 +142,8 @@ class MemoLayers:
         self.alpha = None if options.alpha == "auto" else options.alpha
         self.store: ChunkStore | None = None
         self._below: tuple[int, weakref.ref] | None = None
+        self._early: list[tuple] | None = [] if self.alpha is None else None  # (index, parked) of layers before α
+        self._shortfall: list[tuple] | None = None  # buffers those layers will lack at α (_warm_pool)
         if self.alpha is not None:
             context.notes["memo_alpha"] = self.alpha
 
@@ -181,11 +184,34 @@ class MemoLayers:
         record.finish_forward()
         if measuring:
             self._resolve_alpha(record, hidden, started, layer)
+        self._warm_pool(record, index, measuring or self.alpha is None)
         below = self._below
         if below is not None and below[0] == index - 1:
             record.previous = below[1]
         self._below = (index, weakref.ref(record))
         return out
+
+    def _warm_pool(self, record: LayerActivations, index: int, before_alpha: bool) -> None:
+        """The layers that ran before α was known (with α = 0) will park α's share from the
+        next step on: their buffers are pinned in this step — what the first layer parked at
+        α has and they lack, set aside after the last layer's forward so that no layer of
+        this step takes them — and no later step pins memory (pinning takes about a second
+        per few GB; on the H100 the first timed step paid it, 2.6 GB per layer at 32K)."""
+        if self._early is None:
+            return
+        if before_alpha:
+            self._early.append((index, record.parked))
+        elif record.parked and self._shortfall is None:
+            wanted = collections.Counter((tuple(shape), dtype) for shape, dtype in record.parked)
+            self._shortfall = []
+            for early, parked in self._early:
+                if early < self.layers - self.options.keep_last:  # it parks in host memory
+                    had = collections.Counter((tuple(shape), dtype) for shape, dtype in parked)
+                    self._shortfall += list((wanted - had).elements())
+        if index == self.layers - 1:
+            for shape, dtype in self._shortfall or []:
+                self.context.pool.reserve(torch.Size(shape), dtype)
+            self._early = None
 
     # ---- measurement -------------------------------------------------------------------
     def _clock(self, hidden: torch.Tensor):
