@@ -63,7 +63,7 @@ class PinnedPool:
 
     def reserve(self, shape: torch.Size, dtype: torch.dtype) -> None:
         """Allocate a free buffer now for a later :meth:`acquire` of ``shape``/``dtype``
-        (pinning costs about a second per few GB: better in a step that measures nothing)."""
+        (page-locking GBs is a slow system call: better in a step that measures nothing)."""
         with host_allocations():
             flat = torch.empty(torch.Size(shape).numel(), dtype=dtype, device="cpu", pin_memory=self.pin)
         self.allocated_bytes += flat.nbytes

@@ -195,8 +195,8 @@ class MemoLayers:
         """The layers that ran before α was known (with α = 0) will park α's share from the
         next step on: their buffers are pinned in this step — what the first layer parked at
         α has and they lack, set aside after the last layer's forward so that no layer of
-        this step takes them — and no later step pins memory (pinning takes about a second
-        per few GB; on the H100 the first timed step paid it, 2.6 GB per layer at 32K)."""
+        this step takes them — and no later step pins memory (page-locking GBs is a slow system
+        call; on the H100 the first timed step paid it, 2.6 GB per layer at 32K)."""
         if self._early is None:
             return
         if before_alpha:
