@@ -218,8 +218,8 @@ def test_a_fetched_copy_is_allocated_on_the_compute_stream_after_its_queued_work
     on the to-device stream gave that stream segments the compute stream never reused
     (reserved 1.17-1.29x allocated with offload on the H100). The destination is allocated
     on the compute stream; the copy waits for the compute work queued so far (its previous
-    user may still be reading it) and is recorded on the copy stream (a discarded prefetch
-    is not reused mid-copy)."""
+    user may still be reading it), and a prefetch discarded unread makes the compute stream
+    wait for its copy (the memory is not reused mid-copy)."""
     from longtrain.memory.chunk_store import PinnedPool
 
     cuda = _FakeCuda(monkeypatch)
@@ -240,8 +240,15 @@ def test_a_fetched_copy_is_allocated_on_the_compute_stream_after_its_queued_work
     copy = steps.index(("enter", "to_device"))
     assert steps.index(("allocate", "current")) < copy
     assert ("wait_stream", "to_device") in steps[:copy] and cuda.log[steps.index(("wait_stream", "to_device"))][2] == "main"
-    assert ("record_stream", "to_device") in steps[copy:]
+    assert ("record_stream", "to_device") not in steps  # would hold it until later copies end too
     assert torch.equal(store.get("kv"), torch.arange(8.0))
+    # Fetched and discarded unread: the compute stream waits for the copy before it may reuse the memory.
+    store.put("next", torch.ones(8))
+    store.prefetch("next")
+    fetched = store._entries["next"].fetched
+    cuda.log.clear()
+    store.discard("next")
+    assert ("wait_event", "main", fetched) in cuda.log
 
 
 def test_host_budget_too_small_is_refused_before_the_step():

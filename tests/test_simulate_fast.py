@@ -24,6 +24,7 @@ from longtrain.techniques.memo import memo_alpha
 CASES = {
     "backprop": (7, 256, "none", None, None),
     "checkpoint,mst": (7, 256, "checkpoint,mst", None, None),
+    "checkpoint, top layer whole": (7, 256, "checkpoint:except_last=1,mst", None, None),
     "memo": (7, 256, "memo:alpha=0.5:keep_last=1:host_memory=64MiB,mst", None, None),
     "fpdt offload": (2, 112, "mst", "fpdt:chunk=16:offload=true", None),
     "seco offload": (2, 112, "checkpoint", "seco:chunk=16:offload=true", None),

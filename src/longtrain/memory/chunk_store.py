@@ -160,7 +160,6 @@ class ChunkStore:
                 entry.device.copy_(entry.host, non_blocking=True)
                 entry.fetched = torch.cuda.Event()
                 entry.fetched.record(self._to_device)
-            entry.device.record_stream(self._to_device)  # freed unread (discarded): not reused mid-copy
         else:
             entry.device = entry.host.clone()  # a device-resident copy, as on a GPU
 
@@ -186,6 +185,12 @@ class ChunkStore:
         entry = self._entries.pop(key, None)
         if entry is None or entry.host is None:
             return
+        if self._cuda and entry.device is not None:
+            # Fetched and never read: the compute stream, where its memory returns, must not
+            # reuse it before the copy into it ends (no record_stream: that would hold every
+            # fetched copy until the copies queued after it end too).
+            torch.cuda.current_stream(self.device).wait_event(entry.fetched)
+            entry.device = None
         self.host_bytes -= entry.host.nbytes
         event = None
         if self._cuda:

@@ -490,7 +490,7 @@ def _with_whole_layers(row: PlanRow, strategy: Strategy, config, seq_len, budget
     :data:`WHOLE_LAYERS_FILL` of its memory."""
     n = config.num_hidden_layers
     target = int(WHOLE_LAYERS_FILL * budget.device_memory)
-    if n < 2 or (row.reserved_bytes or target) >= target:
+    if n < 4 or (row.reserved_bytes or target) >= target:  # below 4 layers: not worth its 3 simulations
         return None
 
     def evaluate(count: int) -> PlanRow:
