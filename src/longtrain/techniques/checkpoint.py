@@ -171,7 +171,7 @@ def install_checkpoint(context, options: CheckpointOptions) -> None:
     layers = context.adapter.layers
     if options.except_last > len(layers):
         raise LongtrainError(f"checkpoint except_last={options.except_last} leaves more layers whole than the model has "
-                             f"({len(layers)}); use at most {len(layers)}, or drop 'checkpoint' to checkpoint none")
+                             f"({len(layers)}); use at most {len(layers)} (that many is the same as dropping 'checkpoint')")
     kept = KeptAttention(options, context.pool) if options.keep_attention and context.adapter.has_attention else None
     for layer in layers[:len(layers) - options.except_last]:
         layer.forward = functools.partial(_checkpointed_forward, layer.forward, kept)
