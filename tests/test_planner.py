@@ -81,6 +81,31 @@ def test_the_plan_leaves_as_many_top_layers_whole_as_the_device_holds():
     assert full.best.name == "checkpoint,mst"
 
 
+@pytest.mark.parametrize("free_layers", [0, 10, 20])
+def test_the_whole_layer_search_finds_the_largest_count_that_fits(free_layers):
+    """The first whole layers can cost nothing (the peak sits in the loss head): the line
+    through n/4 and n/2 is then flat or too shallow, and the search must still end at the
+    largest count within the fill — here the peak rises 1 GiB a layer after
+    ``free_layers``, and one simulation refused (a row without figures) is stepped over."""
+    config = preset_config("llama3-8b")
+    device_memory = 80 * GIB
+    budget = planner._Budget(device_memory, GIB, persistent=0, device_state=0, host_state=0, optimizer="none")
+    target = planner.WHOLE_LAYERS_FILL * device_memory
+
+    def simulated(candidate):
+        count = candidate.techniques["checkpoint"].except_last
+        if count == 31:
+            raise lt.LongtrainError("refused")
+        return 40 * GIB + max(0, count - free_layers) * GIB, 0, {}
+
+    row = planner.PlanRow("checkpoint,mst", {}, 40 * GIB, 44 * GIB, 0, True, None, 1.0, 1.0, 0.5)
+    found = planner._with_whole_layers(row, lt.Strategy(checkpoint=True, mst=True), config, 4096, budget, planner.H100,
+                                       1, 8 * 10**9, lambda line: None, simulated)
+    best = max(k for k in range(33) if k != 31 and planner._reserved(lt.Strategy(checkpoint=True), budget,
+                                                                   40 * GIB + max(0, k - free_layers) * GIB) <= target)
+    assert found is not None and found.strategy["techniques"]["checkpoint"]["except_last"] == best
+
+
 @pytest.mark.parametrize("keep", [False, True])
 def test_a_planned_step_is_the_full_simulation_at_its_length(keep):
     """Not a line through short lengths: the peak moves between phases as the length grows

@@ -84,6 +84,7 @@ class _Entry:
     device: torch.Tensor | None = None  # ... or the device tensor (no offload / prefetched)
     written: object = None  # event: the host copy is complete
     fetched: object = None  # event: the prefetched device copy is complete
+    fetched_on: object = None  # the stream the prefetched copy was allocated on (its memory's pool)
 
 
 class ChunkStore:
@@ -151,7 +152,7 @@ class ChunkStore:
             # allocated with offload on the H100). The memory may have been freed by a
             # kernel still queued there, so the copy waits for what is queued so far; the
             # prefetch is issued a chunk (a layer) ahead, which the copy still overlaps.
-            compute = torch.cuda.current_stream(self.device)
+            compute = entry.fetched_on = torch.cuda.current_stream(self.device)
             entry.device = torch.empty_like(entry.host, device=self.device)
             self._to_device.wait_stream(compute)
             if entry.written is not None:
@@ -186,10 +187,10 @@ class ChunkStore:
         if entry is None or entry.host is None:
             return
         if self._cuda and entry.device is not None:
-            # Fetched and never read: the compute stream, where its memory returns, must not
-            # reuse it before the copy into it ends (no record_stream: that would hold every
-            # fetched copy until the copies queued after it end too).
-            torch.cuda.current_stream(self.device).wait_event(entry.fetched)
+            # Fetched and never read: the stream it was allocated on, where its memory returns,
+            # must not reuse it before the copy into it ends (no record_stream: that would hold
+            # every fetched copy until the copies queued after it end too).
+            entry.fetched_on.wait_event(entry.fetched)
             entry.device = None
         self.host_bytes -= entry.host.nbytes
         event = None

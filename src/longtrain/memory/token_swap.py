@@ -117,7 +117,7 @@ class LayerActivations:
         self.previous: weakref.ref | None = None  # the layer below: prefetched when this one materializes
         self.input_storage: int | None = None  # storage id of the layer's input
         self.saved_bytes = {"whole": 0, "split": 0}  # full sizes of what was saved (Memo's S_attn, S_others)
-        self.parked: list[tuple[torch.Size, torch.dtype]] = []  # shapes this record parked in host memory
+        self.kept_sizes: list[tuple[int, torch.dtype]] = []  # (elements, dtype) of what it kept (parked or not)
         keys: list = []
         self._keys = keys
         weakref.finalize(self, _discard_all, store, keys)
@@ -244,8 +244,7 @@ class LayerActivations:
     # ---- helpers -------------------------------------------------------------------
     def _put(self, key, tensor: torch.Tensor) -> None:
         self.store.put(key, tensor, offload=self.offload)
-        if self.offload and self.store.offload:
-            self.parked.append((tensor.shape, tensor.dtype))
+        self.kept_sizes.append((tensor.numel(), tensor.dtype))
 
     def _key(self, kind: str):
         key = (self._prefix, kind, len(self._keys))

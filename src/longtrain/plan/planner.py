@@ -481,40 +481,53 @@ class _Simulations:
 def _with_whole_layers(row: PlanRow, strategy: Strategy, config, seq_len, budget: _Budget, rates, batch, params,
                        say, simulated) -> PlanRow | None:
     """``row``'s checkpointing with as many top layers left whole (``except_last``: nothing
-    recomputed there) as the device memory it leaves free holds, or None if not one fits.
+    recomputed there) as fit in :data:`WHOLE_LAYERS_FILL` of the device, or None if not one does.
 
-    What a whole layer costs is the slope of the reserved peak between a quarter and half
-    of the layers left whole (the first few may cost nothing: the peak can sit in the loss
-    head, above a layer's activations); the count it gives is simulated, and lowered by the
-    miss where it does not fit (twice at most). The device is filled to
-    :data:`WHOLE_LAYERS_FILL` of its memory."""
+    A search over the count, six simulations at most: n/4 and n/2, then the count where the
+    line through the simulated reserved peaks nearest the fill (one on each side of it, or
+    the two highest below it) reaches it, kept between the largest count known to fit and
+    the smallest known not to. The first few whole layers may cost nothing (the peak can sit
+    in the loss head): while the peaks are flat and none is over the fill, every layer is
+    tried. A simulation that is refused counts as not fitting; the largest count that fits is
+    kept."""
     n = config.num_hidden_layers
     target = int(WHOLE_LAYERS_FILL * budget.device_memory)
-    if n < 4 or (row.reserved_bytes or target) >= target:  # below 4 layers: not worth its 3 simulations
+    if n < 4 or (row.reserved_bytes or target) >= target:  # below 4 layers: not worth its simulations
         return None
+    tried: dict[int, PlanRow] = {}
 
-    def evaluate(count: int) -> PlanRow:
+    def evaluate(count: int) -> None:
         checkpoint = dataclasses.replace(strategy.techniques["checkpoint"], except_last=count)
         label = row.name.replace("checkpoint", f"checkpoint:except_last={count}", 1)
         say(f"simulating {label} at {seq_len:,} tokens")
         candidate = _rebuilt(strategy, checkpoint=checkpoint)
-        return _evaluate(label, candidate, config, seq_len, budget, rates, batch, params,
-                         lambda: simulated(candidate))
+        tried[count] = _evaluate(label, candidate, config, seq_len, budget, rates, batch, params,
+                                 lambda: simulated(candidate))
 
-    low, high = max(1, n // 4), max(2, n // 2)
-    at_low, at_high = evaluate(low), evaluate(high)
-    if at_low.reserved_bytes is None or at_high.reserved_bytes is None:
-        return None
-    per_layer = max(1, (at_high.reserved_bytes - at_low.reserved_bytes) // (high - low))
-    count = min(n, low + (target - at_low.reserved_bytes) // per_layer)
-    for _ in range(3):
-        if count <= 0:
-            return None
-        found = at_low if count == low else at_high if count == high else evaluate(count)
-        if found.fits and found.reserved_bytes <= target:
-            return found
-        count -= max(1, -(-(found.reserved_bytes - target) // per_layer))
-    return None
+    def fits(count: int) -> bool:
+        found = tried[count]
+        return found.fits and found.reserved_bytes is not None and found.reserved_bytes <= target
+
+    evaluate(n // 4)
+    evaluate(n // 2)
+    for _ in range(4):
+        good = max((c for c in tried if fits(c)), default=0)
+        bad = min((c for c in tried if not fits(c)), default=n + 1)
+        if bad - good <= 1:
+            break
+        peak = {c: r.reserved_bytes for c, r in sorted(tried.items()) if r.reserved_bytes is not None}
+        below = [c for c in peak if peak[c] <= target]
+        above = [c for c in peak if peak[c] > target]
+        a, b = (below[-1], above[0]) if below and above else (below[-2:] if len(below) >= 2 else (None, None))
+        if a is not None and peak[b] != peak[a]:
+            guess = a + int((target - peak[a]) * (b - a) // (peak[b] - peak[a]))
+        elif not above:
+            guess = bad - 1  # flat so far, nothing over the fill: try every layer
+        else:
+            guess = (good + bad) // 2
+        evaluate(min(max(guess, good + 1), bad - 1))
+    good = max((c for c in tried if fits(c)), default=0)
+    return tried[good] if good else None
 
 
 def _rebuilt(strategy: Strategy, sequence_parallel=None, **techniques) -> Strategy:

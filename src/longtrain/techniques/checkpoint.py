@@ -88,6 +88,8 @@ class KeptAttention:
 
     def _store(self, device: torch.device) -> ChunkStore:
         if self.store is None or self.store.device != device:
+            if self.store is not None:
+                self.store.clear()  # its entries' buffers go back in stream order
             self.store = ChunkStore(device, offload=self.options.offload, pool=self.pool)
         return self.store
 
@@ -171,7 +173,7 @@ def install_checkpoint(context, options: CheckpointOptions) -> None:
     layers = context.adapter.layers
     if options.except_last > len(layers):
         raise LongtrainError(f"checkpoint except_last={options.except_last} leaves more layers whole than the model has "
-                             f"({len(layers)}); use at most {len(layers)} (that many is the same as dropping 'checkpoint')")
+                             f"({len(layers)}); use at most {len(layers)}")
     kept = KeptAttention(options, context.pool) if options.keep_attention and context.adapter.has_attention else None
     for layer in layers[:len(layers) - options.except_last]:
         layer.forward = functools.partial(_checkpointed_forward, layer.forward, kept)

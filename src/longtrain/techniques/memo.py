@@ -142,7 +142,7 @@ class MemoLayers:
         self.alpha = None if options.alpha == "auto" else options.alpha
         self.store: ChunkStore | None = None
         self._below: tuple[int, weakref.ref] | None = None
-        self._early: list[tuple] | None = [] if self.alpha is None else None  # (index, parked) of layers before α
+        self._early: dict[int, list] | None = {} if self.alpha is None else None  # what layers before α kept
         self._shortfall: list[tuple] | None = None  # buffers those layers will lack at α (_warm_pool)
         if self.alpha is not None:
             context.notes["memo_alpha"] = self.alpha
@@ -193,24 +193,24 @@ class MemoLayers:
 
     def _warm_pool(self, record: LayerActivations, index: int, before_alpha: bool) -> None:
         """The layers that ran before α was known (with α = 0) will park α's share from the
-        next step on: their buffers are pinned in this step — what the first layer parked at
-        α has and they lack, set aside after the last layer's forward so that no layer of
-        this step takes them — and no later step pins memory (page-locking GBs is a slow system
-        call; on the H100 the first timed step paid it, 2.6 GB per layer at 32K)."""
-        if self._early is None:
+        next step on: their buffers are pinned in this step — what the first layer run at α
+        keeps and they lack (by the pool's key: element count and dtype), set aside after
+        the last layer's forward so that no layer of this step takes them — and no later
+        step pins memory (page-locking GBs is a slow system call; on the H100 the first
+        timed step paid it, 2.6 GB per layer at 32K)."""
+        if self._early is None or not self.options.offload:
             return
         if before_alpha:
-            self._early.append((index, record.parked))
-        elif record.parked and self._shortfall is None:
-            wanted = collections.Counter((tuple(shape), dtype) for shape, dtype in record.parked)
+            self._early[index] = record.kept_sizes  # by index: a step that failed and reran overwrites
+        elif self._shortfall is None:
+            wanted = collections.Counter(record.kept_sizes)
             self._shortfall = []
-            for early, parked in self._early:
+            for early, kept in self._early.items():
                 if early < self.layers - self.options.keep_last:  # it parks in host memory
-                    had = collections.Counter((tuple(shape), dtype) for shape, dtype in parked)
-                    self._shortfall += list((wanted - had).elements())
+                    self._shortfall += list((wanted - collections.Counter(kept)).elements())
         if index == self.layers - 1:
-            for shape, dtype in self._shortfall or []:
-                self.context.pool.reserve(torch.Size(shape), dtype)
+            for numel, dtype in self._shortfall or []:
+                self.context.pool.reserve(torch.Size([numel]), dtype)
             self._early = None
 
     # ---- measurement -------------------------------------------------------------------
