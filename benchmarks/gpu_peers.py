@@ -338,8 +338,8 @@ def run_case(case: Case, config, length: int, device: torch.device, dtype, repea
             row["reserved_over_alloc"] = row["reserved_gib"] / row["alloc_gib"]
         if strategy is not None:
             row["host_pinned_gib"] = pinned_host_bytes(model) / GIB
-            notes = [f"auto chose {_spec(strategy)}"] if case.kind == "auto" else []
-            row["notes"] = "; ".join(notes + [_strategy_notes(model) or ""]).strip("; ") or None
+            choice = f"auto chose {_spec(strategy)}" if case.kind == "auto" else None
+            row["notes"] = "; ".join(filter(None, [choice, _strategy_notes(model)])) or None
             # After the steps, on this device's index: a kernel that failed at run time was dropped there.
             here = torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device
             row["attention_kernel"] = _kernel_of(config, here, dtype)

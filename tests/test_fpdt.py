@@ -215,8 +215,8 @@ def test_a_released_host_buffer_is_reused_only_after_its_copies_from_and_to_the_
 
 def test_a_fetched_copy_is_allocated_on_the_compute_stream_after_its_queued_work(monkeypatch):
     """The caching allocator pools memory per stream: a copy that allocated its destination
-    on the to-device stream gave that stream segments the compute stream never reused
-    (reserved 1.17-1.29x allocated with offload on the H100). The destination is allocated
+    on the to-device stream gives that stream segments the compute stream cannot reuse (the
+    likely cause of reserved 1.17-1.29x allocated with offload on the H100). The destination is allocated
     on the compute stream; the copy waits for the compute work queued so far (its previous
     user may still be reading it), and a prefetch discarded unread makes the compute stream
     wait for its copy (the memory is not reused mid-copy)."""

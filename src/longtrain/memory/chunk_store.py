@@ -148,8 +148,8 @@ class ChunkStore:
         if self._cuda:
             # Allocated on the compute stream, whose kernels use and free it: the caching
             # allocator keeps a pool per stream, and copies allocating on their own stream
-            # gave it segments the compute stream could not reuse (reserved 1.17-1.29x
-            # allocated with offload on the H100). The memory may have been freed by a
+            # give it segments the compute stream cannot reuse (the likely cause of reserved
+            # 1.17-1.29x allocated with offload on the H100). The memory may have been freed by a
             # kernel still queued there, so the copy waits for what is queued so far; the
             # prefetch is issued a chunk (a layer) ahead, which the copy still overlaps.
             compute = entry.fetched_on = torch.cuda.current_stream(self.device)

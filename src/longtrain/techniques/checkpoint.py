@@ -19,8 +19,8 @@ that cannot give their output (chunked engines' calls) recompute too.
 
 ``except_last`` leaves the top layers whole: not checkpointed, their MLP not tiled by MsT
 (a tiled MLP recomputes its forward), nothing of theirs recomputed. Each costs one
-layer's activations in device memory (at 16K tokens of Llama-3-8B about 2 GiB) and saves
-its recomputation (a fifth of its step). Where the device has room beside the
+layer's activations in device memory (at 16K tokens of Llama-3-8B about 3 GiB as the
+simulator counts stock ops) and saves its recomputation. Where the device has room beside the
 checkpointed inputs — short and medium contexts — that is the fastest exact schedule;
 ``longtrain plan`` (and ``--strategy auto``) sizes it by simulating the step. The top
 layers rather than the bottom ones: their backward runs first, so their activations are
@@ -163,8 +163,8 @@ def whole_layers(strategy, layers: int) -> range:
     """Indices of the layers ``strategy``'s checkpointing leaves whole (``except_last``): no
     recomputation there, so MsT leaves their MLP untiled too."""
     options = strategy.techniques.get("checkpoint")
-    keep = getattr(options, "except_last", 0) if options is not None else 0
-    return range(layers - min(keep, layers), layers)
+    keep = min(options.except_last, layers) if options is not None else 0
+    return range(layers - keep, layers)
 
 
 @register_technique("checkpoint", CheckpointOptions, "per-layer activation checkpointing (attention kept, not recomputed)",

@@ -197,7 +197,7 @@ class MemoLayers:
         keeps and they lack (by the pool's key: element count and dtype), set aside after
         the last layer's forward so that no layer of this step takes them — and no later
         step pins memory (page-locking GBs is a slow system call; on the H100 the first
-        timed step paid it, 2.6 GB per layer at 32K)."""
+        timed step was the one that pinned them, 2.6 GB per layer at 32K)."""
         if self._early is None or not self.options.offload:
             return
         if before_alpha:
