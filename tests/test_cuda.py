@@ -227,6 +227,33 @@ def test_offload_keeps_kv_and_inputs_off_the_device():
     assert growth(True) < 0.5 * growth(False)
 
 
+def test_pinned_buffers_lock_exactly_their_bytes_and_copy_asynchronously():
+    """longtrain's own page-locked buffers (not PyTorch's power-of-two pool): pinned as the
+    driver sees them, copied both ways on a side stream, unlocked when dropped."""
+    from longtrain.memory.pinned import host_empty
+
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    before = stats().get("allocated_bytes.current", 0) if stats else 0
+    numel = 3 * 2**20 + 5
+    host = host_empty(numel, torch.bfloat16, pin=True)
+    assert host.is_pinned() and host.numel() == numel
+    if stats:  # nothing from PyTorch's pinned pool
+        assert stats().get("allocated_bytes.current", 0) == before
+    source = torch.randn(numel, device="cuda").to(torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        host.copy_(source, non_blocking=True)
+        back = torch.empty_like(source)
+        back.copy_(host, non_blocking=True)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert torch.equal(back, source) and torch.equal(host, source.cpu())
+    del host
+    again = host_empty(numel, torch.bfloat16, pin=True)  # the same pages may come back: registering must work again
+    assert again.is_pinned()
+
+
 def test_adjoint_on_cuda_equals_float64_autograd():
     from longtrain.ops.loss import causal_lm_loss
 

@@ -38,6 +38,7 @@ import contextlib
 
 import torch
 
+from .memory.pinned import host_empty
 from .memory.tracker import host_allocations
 
 # Masters of at most this many bytes are updated and copied back per bucket: large enough
@@ -89,10 +90,10 @@ class HostAdamW(torch.optim.AdamW):
         masters, self.host_grads = [], []
         with host_allocations():  # (what the simulator counts as host memory)
             for p in self.device_params:
-                master = torch.empty(p.shape, dtype=master_dtype(p.dtype), pin_memory=pin)
+                master = host_empty(p.numel(), master_dtype(p.dtype), pin=pin).view(p.shape)
                 master.copy_(p.detach())
                 masters.append(master)
-                self.host_grads.append(torch.empty(p.shape, dtype=p.dtype, pin_memory=pin))
+                self.host_grads.append(host_empty(p.numel(), p.dtype, pin=pin).view(p.shape))
         super().__init__(masters, lr=lr, weight_decay=weight_decay, betas=betas, fused=fused)
         self.masters = masters
         self._index = {id(p): i for i, p in enumerate(self.device_params)}

@@ -27,12 +27,13 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import LongtrainError
 from ..memory.chunk_store import ChunkStore
 from ..memory.tracker import mark_repeat
-from ..memory.units import format_bytes
+from ..memory.units import format_bytes, pinned_host_budget
 from ..models.attention import AttentionCall
 from ..ops.causal_attention import attention_from_output
 from ..ops.chunked_attention import attend_chunk, attend_chunk_backward, attend_chunk_forward, chunk_bounds
@@ -46,7 +47,7 @@ class ChunkSettings:
     chunk: int  # tokens per chunk
     offload: bool  # park K/V chunks (and their gradients) in host memory
     prefetch: int  # chunks fetched ahead of use
-    host_budget: int | None  # bytes; None: unbounded
+    host_budget: int | None  # bytes; None: half the physical memory on CUDA (check_host_budget)
     offload_inputs: bool = False  # FPDT: park the layer inputs (and their gradients) too
     recompute_kv: bool = False  # FPDT: park one layer's K/V at a time; recompute them in backward
     keep_output: bool = False  # FPDT: park each chunk's attention output and LSE; backward never re-runs attention
@@ -257,16 +258,28 @@ def host_bytes_needed(context: EngineContext, shard: Shard, settings: ChunkSetti
 
 
 def check_host_budget(context: EngineContext, shard: Shard, settings: ChunkSettings, engine: str) -> None:
-    """Refuse a step whose parked chunks cannot fit the host budget, before any work."""
-    if settings.host_budget is None or not (settings.offload or settings.offload_inputs):
+    """Refuse a step whose parked chunks cannot fit the host budget, before any work.
+
+    Without ``host_memory``, a CUDA run's budget is half the physical memory, as for every
+    pinned budget (:func:`~longtrain.memory.units.pinned_host_budget`): parked chunks are
+    page-locked, and past that the kernel's out-of-memory killer ends the run without a
+    word. Simulations (fake tensors) and CPU runs (nothing pinned) stay unbounded: the
+    planner weighs the host it is told about."""
+    if not (settings.offload or settings.offload_inputs):
         return
+    budget, default = settings.host_budget, False
+    if budget is None:
+        if shard.input_ids.device.type != "cuda" or is_fake(shard.input_ids):
+            return
+        budget, default = pinned_host_budget(), True
     dtype = context.adapter.base.get_input_embeddings().weight.dtype
     need = host_bytes_needed(context, shard, settings, dtype)
-    if need > settings.host_budget:
+    if need > budget:
+        which = " (half the physical memory, the default)" if default else ""
         raise LongtrainError(
             f"the {engine} engine needs {format_bytes(need)} of host memory for {shard.rotary_positions.shape[1]:,} tokens "
-            f"(batch {shard.input_ids.shape[0]}), the host budget is {format_bytes(settings.host_budget)}; "
-            "raise host_memory, shorten the sequence, or offload less"
+            f"(batch {shard.input_ids.shape[0]}), the host budget is {format_bytes(budget)}{which}; "
+            f"raise it ({engine}:host_memory=...), shorten the sequence, or offload less"
         )
 
 

@@ -58,7 +58,7 @@ class FPDT:
     offload: bool = False  # park K/V chunks in host memory (pinned pool, side streams)
     offload_inputs: bool | None = None  # park the layer inputs too; default: = offload
     prefetch: int = 1  # chunks fetched ahead (1 = double buffering)
-    host_memory: str | int | None = None  # host budget, e.g. "120GiB"; None: unbounded
+    host_memory: str | int | None = None  # host budget, e.g. "120GiB"; default: half the physical memory on CUDA
     recompute_kv: bool = True  # keep one layer's K/V; recompute them (attention sub-block) in backward
     keep_output: bool = False  # park each chunk's attention output + LSE (Memo's idea): backward never re-runs attention
     segment: int = 1  # park every segment-th layer's input only; backward recomputes the layers between (one more forward)

@@ -49,7 +49,7 @@ class SeCOOptions:
     chunk: int = 4096  # tokens per chunk
     offload: bool = False  # park K/V (and K/V gradients) in host memory
     prefetch: int = 1  # K/V chunks fetched ahead
-    host_memory: str | int | None = None  # host budget, e.g. "64GiB"
+    host_memory: str | int | None = None  # host budget, e.g. "64GiB"; default: half the physical memory on CUDA
 
     def __post_init__(self):
         validate.positive_int(self._name, "chunk", self.chunk)

@@ -6,7 +6,8 @@ device. With ``offload=True`` it parks them in host memory and brings them back 
 request:
 
 - host buffers come from a :class:`PinnedPool` that allocates page-locked memory once
-  and reuses it (pinning per tensor costs milliseconds each);
+  and reuses it (pinning per tensor costs milliseconds each), exactly the bytes asked
+  for (:mod:`longtrain.memory.pinned`: PyTorch's pinned allocator rounds to powers of two);
 - on CUDA, device→host and host→device copies run on two side streams, ordered against
   the compute stream by events, so :meth:`ChunkStore.prefetch` starts a copy that
   overlaps the current computation and nothing synchronizes the host; fetched copies are
@@ -30,6 +31,7 @@ from typing import Hashable
 import torch
 
 from ..errors import LongtrainError
+from .pinned import host_empty
 from .tracker import host_allocations
 from .units import format_bytes
 
@@ -57,7 +59,7 @@ class PinnedPool:
             flat, event = free.pop()
             return flat.view(shape), event
         with host_allocations():
-            flat = torch.empty(numel, dtype=dtype, device="cpu", pin_memory=self.pin)
+            flat = host_empty(numel, dtype, pin=self.pin)
         self.allocated_bytes += flat.nbytes
         return flat.view(shape), None
 
@@ -65,7 +67,7 @@ class PinnedPool:
         """Allocate a free buffer now for a later :meth:`acquire` of ``shape``/``dtype``
         (page-locking GBs is a slow system call: better in a step that measures nothing)."""
         with host_allocations():
-            flat = torch.empty(torch.Size(shape).numel(), dtype=dtype, device="cpu", pin_memory=self.pin)
+            flat = host_empty(torch.Size(shape).numel(), dtype, pin=self.pin)
         self.allocated_bytes += flat.nbytes
         self._free[(flat.numel(), dtype)].append((flat, None))
 

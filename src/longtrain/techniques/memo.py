@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .. import validate
 from ..errors import LongtrainError
 from ..memory.chunk_store import ChunkStore
+from ..memory.pinned import host_empty
 from ..memory.token_swap import LayerActivations, narrow_tokens, storage_id, token_axis
 from ..memory.units import format_bytes, pinned_host_budget
 from ..models.attention import AttentionCall
@@ -295,7 +296,7 @@ def _autocast_state(device: torch.device):
 def _measure_bandwidth(hidden: torch.Tensor) -> float:
     """Bytes/s of one device→host copy of ``hidden`` into page-locked memory."""
     cuda = hidden.device.type == "cuda"
-    buffer = torch.empty(hidden.shape, dtype=hidden.dtype, device="cpu", pin_memory=cuda)
+    buffer = host_empty(hidden.numel(), hidden.dtype, pin=cuda).view(hidden.shape)
     if cuda:
         torch.cuda.synchronize(hidden.device)
     started = time.perf_counter()
