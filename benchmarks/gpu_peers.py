@@ -13,8 +13,10 @@ step, no optimizer step (gradients freed between steps) — the method of
   optional ``liger`` extra); skipped with a note otherwise;
 - ``lt:...``: longtrain's strategies (backprop with checkpoint + MsT, attention kept
   — ``lt:recompute+mst`` reruns it as stock checkpointing does — and ``+liger`` with
-  Liger's fused norm/activation/rotary kernels; FPDT with and without offload and kept
-  attention outputs; Memo; SeCO);
+  Liger's fused norm/activation/rotary kernels; ``lt:checkpoint+offload+mst+liger`` with
+  the checkpointed inputs in host memory as well; FPDT with and without offload and kept
+  attention outputs; Memo; SeCO; the offloading cases with three quarters of the host as
+  their budget);
 - ``lt:auto``: what ``longtrain train --strategy auto`` runs on this device — the
   planner's fastest fitting strategy for its memory (at short and medium lengths
   ``checkpoint:except_last=N,mst``, the top N layers left whole) plus Liger; the notes
@@ -160,6 +162,12 @@ CASES = [
     # Layer checkpointing keeps attention's output (host memory) instead of rerunning it.
     Case("lt:checkpoint+mst", "longtrain", lambda n: lt.Strategy(checkpoint=True, mst=True)),
     Case("lt:checkpoint+mst+liger", "longtrain", lambda n: lt.Strategy(checkpoint=True, mst=True, liger=True)),
+    # ... with the checkpointed inputs in host memory too (what hf+liger+offload does with
+    # save_on_cpu): whole-sequence layers at 256K on 80 GB. Three quarters of the host, as
+    # the FPDT offload cases: the inputs first, kept attention outputs in what remains.
+    Case("lt:checkpoint+offload+mst+liger", "longtrain",
+         lambda n: lt.Strategy(checkpoint={"offload_inputs": True, "host_memory": physical_memory() * 3 // 4}, mst=True,
+                               liger=True)),
     # What `longtrain train --strategy auto` runs here: the planner's pick for this device's
     # memory (e.g. checkpoint:except_last=N,mst: the top N layers left whole), plus liger.
     Case("lt:auto", "auto", None),

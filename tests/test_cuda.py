@@ -38,6 +38,8 @@ CUDA_STRATEGIES = {
     "checkpoint+mst": lambda: lt.Strategy(checkpoint=True, mst=True),  # attention kept in pinned host memory
     "checkpoint(recompute attention)": lambda: lt.Strategy(checkpoint={"keep_attention": False}),
     "checkpoint(top layer whole)+mst": lambda: lt.Strategy(checkpoint={"except_last": 1}, mst=True),
+    "checkpoint(inputs parked)+mst": lambda: lt.Strategy(checkpoint={"offload_inputs": True}, mst=True),
+    "checkpoint(inputs parked, host full)": lambda: lt.Strategy(checkpoint={"offload_inputs": True, "host_memory": 1}),
     "fpdt": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 256}),
     "fpdt+offload(prefetch 1)": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 300, "offload": True}),
     "fpdt+offload(prefetch 2)+mst": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 256, "offload": True, "prefetch": 2},

@@ -10,6 +10,7 @@ import torch
 
 import longtrain as lt
 import longtrain.models.attention as attention_module
+from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
 from longtrain.strategy import applied_context
 from longtrain.techniques.checkpoint import CheckpointOptions
@@ -165,3 +166,95 @@ def test_a_layer_left_whole_under_seco_is_exact():
     strategy = lt.Strategy(engine="seco", engine_options={"chunk": 40}, checkpoint={"except_last": 1},
                            mst=lt.MsT(loss_chunks=3))
     check_step(stock, ours, strategy, packed_batch(stock.config.vocab_size), TOL, another_thread=True)
+
+
+# ---- offload_inputs: the checkpointed inputs in host memory too ----------------------------
+
+
+class _StoreLog:
+    """What the kept-attention store parks, fetches ahead and hands back, in order."""
+
+    def __init__(self, monkeypatch):
+        from longtrain.memory.chunk_store import ChunkStore
+
+        self.events = []
+        put, get, prefetch = ChunkStore.put, ChunkStore.get, ChunkStore.prefetch
+
+        def logged(kind, real):
+            def call(store, key, *args, **kwargs):
+                self.events.append((kind, key[1], key[0]))
+                return real(store, key, *args, **kwargs)
+            return call
+
+        monkeypatch.setattr(ChunkStore, "put", logged("put", put))
+        monkeypatch.setattr(ChunkStore, "get", logged("get", get))
+        monkeypatch.setattr(ChunkStore, "prefetch", logged("prefetch", prefetch))
+
+    def of(self, what: str, kind: str | None = None):
+        return [(k, layer) for k, w, layer in self.events if w == what and (kind is None or k == kind)]
+
+
+@pytest.mark.parametrize("batch", ["packed", "left-padded"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2"])
+def test_inputs_parked_in_host_memory_give_exact_gradients(preset, batch, monkeypatch):
+    """Every checkpointed layer's input waits in host memory and comes back for its
+    recomputation, the layer below's fetch started then; attention's output is kept too."""
+    stock, ours = stock_and_ours(preset)
+    calls, log = _KernelCalls(monkeypatch), _StoreLog(monkeypatch)
+    strategy = lt.Strategy(checkpoint={"offload_inputs": True}, mst=lt.MsT(loss_chunks=3, mlp_chunk=37))
+    data = packed_batch(stock.config.vocab_size) if batch == "packed" else padded_batch(
+        stock.config.vocab_size, lengths=(100, 70), left=True)
+    check_step(stock, ours, strategy, data, TOL, another_thread=True)
+    assert (calls.kept, calls.plain) == (2, 0)
+    bottom, top = [layer for _, layer in log.of("input", "put")]
+    assert bottom < top
+    # Backward recomputes the top layer first: its input is read, then the bottom one's fetched ahead.
+    assert log.of("input", "get")[0] == ("get", top) and ("prefetch", bottom) in log.of("input")
+    assert log.of("input").index(("prefetch", bottom)) < log.of("input").index(("get", bottom))
+
+
+def test_inputs_come_first_in_the_host_budget(monkeypatch):
+    """Room for both inputs and one attention output: the bottom layer, which would keep
+    its output first, leaves room for the input above it, so exactly one output is kept;
+    with room for one input only, the other input stays on the device. Exact either way."""
+    config = preset_config("tiny-llama")
+    tokens = 170
+    item = 8  # float64
+    hidden = tokens * config.hidden_size * item
+    output = tokens * config.hidden_size * item + config.num_attention_heads * tokens * 8
+    batch = padded_batch(config.vocab_size, lengths=(100, 70))  # 2 rows of 100 tokens, 170 real
+    assert batch["input_ids"].numel() == 200
+    hidden, output = hidden * 200 // tokens, output * 200 // tokens
+    for budget, kept, parked in ((2 * hidden + output, 1, 2), (hidden + hidden // 2, 0, 1)):
+        stock, ours = stock_and_ours("tiny-llama")
+        calls, log = _KernelCalls(monkeypatch), _StoreLog(monkeypatch)
+        strategy = lt.Strategy(checkpoint={"offload_inputs": True, "host_memory": budget})
+        check_step(stock, ours, strategy, batch, TOL, another_thread=True)
+        assert calls.kept == kept and len(log.of("input", "put")) == parked, (budget, calls.kept, log.events)
+
+
+def test_parked_inputs_with_outputs_kept_on_the_device_and_a_layer_left_whole(monkeypatch):
+    config = preset_config("tiny-llama")
+    config.num_hidden_layers = 3
+    stock, ours = stock_and_ours(config)
+    log = _StoreLog(monkeypatch)
+    strategy = lt.Strategy(checkpoint={"offload_inputs": True, "offload": False, "except_last": 1},
+                           mst=lt.MsT(loss_chunks=3))
+    check_step(stock, ours, strategy, packed_batch(config.vocab_size), TOL, another_thread=True)
+    assert len(log.of("input", "put")) == 2  # the layer left whole saves its activations itself
+
+
+def test_parked_inputs_without_kept_attention_replay_it():
+    stock, ours = stock_and_ours("tiny-qwen2")
+    strategy = lt.Strategy(checkpoint={"offload_inputs": True, "keep_attention": False}, mst=True)
+    check_step(stock, ours, strategy, padded_batch(stock.config.vocab_size, lengths=(90, 61), left=True), TOL,
+               another_thread=True)
+
+
+def test_parking_inputs_under_a_chunked_engine_or_without_attention_is_refused():
+    _, ours = stock_and_ours("tiny-llama")
+    with pytest.raises(lt.LongtrainError, match="offload_inputs.*seco engine parks its chunks itself"):
+        lt.apply(ours, lt.Strategy(engine="seco", engine_options={"chunk": 64}, checkpoint={"offload_inputs": True}))
+    ssm = build_from_config(preset_config("tiny-ssm"), torch.float32)
+    with pytest.raises(lt.LongtrainError, match="offload_inputs parks the inputs of attention layers and this model has none"):
+        lt.apply(ssm, lt.Strategy(checkpoint={"offload_inputs": True}))

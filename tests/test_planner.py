@@ -64,6 +64,49 @@ def test_memo_recomputing_every_token_is_predicted_as_checkpointing_with_attenti
     assert memo == pytest.approx(step_time(config, n, lt.Strategy(checkpoint=True, mst=True)).seconds, rel=0.01)
 
 
+def test_kept_outputs_take_what_the_host_budget_leaves_beside_parked_inputs():
+    """Llama-3-8B at 256K: a layer's input is 2 GiB, its attention output and LSE ~2.06 GiB.
+    62 GiB keep 30 outputs, or, with the 32 inputs parked first, none; 94 GiB keep 14 beside
+    them (16 of 30 with two layers left whole). Each output not kept is one attention forward more."""
+    from longtrain.plan.time_model import kept_output_share
+
+    config, n = preset_config("llama3-8b"), 256 * K
+
+    def share(**options):
+        return kept_output_share(config, n, lt.Strategy(checkpoint=options).techniques["checkpoint"])
+
+    assert share() == 1.0 and share(offload=False, host_memory=GIB) == 1.0 and share(keep_attention=False) == 0.0
+    assert share(host_memory=62 * GIB) == 30 / 32
+    assert share(host_memory=62 * GIB, offload_inputs=True) == 0.0
+    assert share(host_memory=94 * GIB, offload_inputs=True) == 14 / 32
+    assert share(host_memory=94 * GIB, offload_inputs=True, except_last=2) == 16 / 30  # 30 inputs: 34 GiB left
+    seconds = [step_time(config, n, lt.Strategy(checkpoint={"offload_inputs": True, "host_memory": gib * GIB}, mst=True)).seconds
+               for gib in (62, 94, 200)]
+    assert seconds == sorted(seconds, reverse=True) and len(set(seconds)) == 3
+    assert seconds[-1] == pytest.approx(step_time(config, n, lt.Strategy(checkpoint=True, mst=True)).seconds)
+
+
+def test_the_plan_parks_checkpointed_inputs_where_the_device_cannot_hold_them():
+    """Three layers of tiny-llama at 8K tokens: parking the inputs moves two hidden states
+    from the device to the host; where plain checkpointing no longer fits, the plan takes
+    it, not a chunked engine."""
+    config = preset_config("tiny-llama")
+    config.num_hidden_layers = 3
+    tokens = 8 * K
+    hidden = tokens * config.hidden_size * 2
+    whole = simulate_step(config, tokens, lt.Strategy(checkpoint={"host_memory": GIB}, mst=True), "bfloat16")
+    parked = simulate_step(config, tokens, lt.Strategy(checkpoint={"host_memory": GIB, "offload_inputs": True}, mst=True),
+                           "bfloat16")
+    assert parked[0] <= whole[0] - hidden and parked[1] >= whole[1] + 2 * hidden  # (a fetched input is back at the peak)
+    device = planner._reserved(lt.Strategy(checkpoint=True, mst=True), planner.budgets_for(
+        config, device_memory=GIB, host_memory=GIB, optimizer="none", dtype=torch.bfloat16)[1][0], whole[0]) - hidden
+    tight = plan(config, tokens, device_memory=device, host_memory=GIB, optimizer="none", optimizer_offload=False)
+    assert tight.best.name == "checkpoint:offload_inputs,mst", tight.table()
+    # Inputs past the host budget stay on the device: the bound before simulating counts them there.
+    strategy = lt.Strategy(checkpoint={"offload_inputs": True, "host_memory": hidden}, mst=True)
+    assert planner.parked_split(config, tokens, strategy, 2) == (2 * hidden, hidden)
+
+
 def test_the_plan_leaves_as_many_top_layers_whole_as_the_device_holds():
     """Roomy: every layer whole. Tight: some — the count the device holds at
     WHOLE_LAYERS_FILL of its memory — and faster than checkpointing them all. No room:

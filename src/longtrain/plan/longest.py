@@ -23,7 +23,6 @@ at 16K tokens and 84 KB at 512K for Llama-3-8B under FPDT with segments.)
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -33,8 +32,8 @@ import torch
 from ..errors import LongtrainError
 from ..models.loading import load_config, parse_dtype
 from ..strategy import Strategy
-from .planner import (CHUNKS, _Budget, _rebuilt, _reserved, budgets_for, candidates, chunk_curve_of, parked_bytes,
-                      simulate_step)
+from .planner import (CHUNKS, _Budget, _reserved, budgets_for, candidates, chunk_curve_of, host_budgets_beside_optimizer,
+                      parked_bytes, parked_split, simulate_step)
 from .time_model import H100, MachineRates, step_time
 
 GRANULE = 1024  # unchunked lengths are searched in multiples of this many tokens
@@ -151,8 +150,9 @@ def _parked_bound(config, strategy: Strategy, budget: _Budget, item: int, batch:
     """The length at which what ``strategy`` parks alone fills its side (device or host):
     an upper bound of the longest context."""
     per_token = parked_bytes(config, 2**20, strategy, item, batch) / 2**20
-    offload = getattr(strategy.engine_options, "offload", False) or "memo" in strategy.techniques
-    room = budget.host_memory - budget.host_state if offload else budget.device_memory - budget.persistent
+    on_device, on_host = parked_split(config, 2**20, strategy, item, batch)
+    room = (budget.host_memory - budget.host_state if on_host else 0) + \
+        (budget.device_memory - budget.persistent if on_device else 0)
     if per_token <= 0:
         return 2**20
     return int(max(GRANULE, min(LIMIT, room / per_token)))
@@ -187,9 +187,8 @@ def max_context(model, *, device_memory: int, host_memory: int, optimizer: str =
             continue  # parks more than the segmented schedule at the same chunk: never the longer context
         for budget in budgets:
             offloaded = budget.optimizer == "adamw-offload"
-            if offloaded and "memo" in strategy.techniques:  # Memo's host budget: what the optimizer leaves
-                memo = dataclasses.replace(strategy.techniques["memo"], host_memory=max(1, host_memory - budget.host_state))
-                strategy = _rebuilt(strategy, memo=memo)
+            if offloaded:
+                strategy = host_budgets_beside_optimizer(strategy, host_memory - budget.host_state)
             name = label + (" · optimizer in host memory" if offloaded else "")
             say(f"longest context of {name}")
             tokens, binds = longest_context(config, strategy, budget, dtype, lora_rank=lora_rank, label=name, progress=say)

@@ -65,6 +65,11 @@ def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_ch
     found = {
         # kept attention outputs wait in host memory, within the same budget as Memo's
         "checkpoint,mst": Strategy(checkpoint={"host_memory": host_memory} if host_memory else True, mst=True),
+        # ... and the checkpointed inputs too, first in that budget: whole-sequence layers past
+        # where their inputs fit on the device (256K tokens of Llama-3-8B on 80 GB)
+        "checkpoint:offload_inputs,mst": Strategy(checkpoint={"offload_inputs": True,
+                                                              **({"host_memory": host_memory} if host_memory else {})},
+                                                  mst=True),
         "memo,mst": Strategy(memo=Memo(host_memory=host_memory), mst=True),
     }
     segment = max(2, round(layers ** 0.5))  # √n segments park the fewest inputs
@@ -78,6 +83,30 @@ def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_ch
                 name = f"fpdt:chunk={chunk}" + (":offload" if offload else "") + variant + ",mst"
                 found[name] = Strategy(engine="fpdt", engine_options=options, mst=True)
     return found
+
+
+def host_budgets_beside_optimizer(strategy: Strategy, room: int) -> Strategy:
+    """``strategy`` with Memo's and checkpointing's host budgets cut to ``room``: what AdamW's
+    state and master weights leave of the host when they live there."""
+    changed = {}
+    if "memo" in strategy.techniques:
+        changed["memo"] = dataclasses.replace(strategy.techniques["memo"], host_memory=max(1, room))
+    checkpoint = strategy.techniques.get("checkpoint")
+    if checkpoint is not None and checkpoint.host_memory is not None:
+        changed["checkpoint"] = dataclasses.replace(checkpoint, host_memory=max(1, room))
+    return _rebuilt(strategy, **changed) if changed else strategy
+
+
+def parked_split(config, seq_len: int, strategy: Strategy, item: int, batch: int = 1) -> tuple[int, int]:
+    """:func:`parked_bytes` as (on the device, in host memory): checkpointing's parked
+    inputs (``offload_inputs``) fill its host budget and leave the rest on the device."""
+    parked = parked_bytes(config, seq_len, strategy, item, batch)
+    checkpoint = strategy.techniques.get("checkpoint")
+    if checkpoint is not None and checkpoint.offload_inputs and "memo" not in strategy.techniques:
+        on_host = parked if checkpoint.host_memory is None else min(parked, checkpoint.host_memory)
+        return parked - on_host, on_host
+    offload = getattr(strategy.engine_options, "offload", False) or "memo" in strategy.techniques
+    return (0, parked) if offload else (parked, 0)
 
 
 def parked_bytes(config, seq_len: int, strategy: Strategy, item: int, batch: int = 1) -> int:
@@ -376,9 +405,8 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
             label += f"+sp{gpus}"
         for budget in budgets:
             offloaded = budget.optimizer == "adamw-offload"
-            if offloaded and "memo" in strategy.techniques:  # Memo's host budget: what the optimizer leaves
-                memo = dataclasses.replace(strategy.techniques["memo"], host_memory=max(1, host_memory - budget.host_state))
-                strategy = _rebuilt(strategy, memo=memo)
+            if offloaded:
+                strategy = host_budgets_beside_optimizer(strategy, host_memory - budget.host_state)
             predicted = step_time(config, seq_len, strategy, rates, batch=batch, optimizer_offload=offloaded,
                                   trainable=params)
             name = label + (" · optimizer in host memory" if offloaded else "")
@@ -539,10 +567,9 @@ def _rebuilt(strategy: Strategy, sequence_parallel=None, **techniques) -> Strate
 
 def _bound(config, seq_len, strategy, budget: _Budget, item, batch, gpus) -> str | None:
     """Why ``strategy`` cannot fit whatever the simulation says (its parked bytes alone), or None."""
-    parked = parked_bytes(config, seq_len, strategy, item, batch) // gpus
-    offload = getattr(strategy.engine_options, "offload", False) or "memo" in strategy.techniques
-    device = budget.persistent + (0 if offload else parked)
-    host = budget.host_state + (parked if offload else 0)
+    on_device, on_host = parked_split(config, seq_len, strategy, item, batch)
+    device = budget.persistent + on_device // gpus
+    host = budget.host_state + on_host // gpus
     if device > budget.device_memory:
         return f"device memory: at least {format_bytes(device)} (what it parks; not simulated)"
     if host > budget.host_memory:

@@ -711,18 +711,28 @@ def _with_layers(config, layers: int):
 def _scaled_strategy(strategy: Strategy, config, layers: int) -> Strategy:
     """The strategy for a simulation with ``layers`` of the model's layers: host budgets that
     bound a whole step are lifted (checked on the extrapolated host peak instead), and
-    Memo's budget is scaled to the swapped layers, so its α is the full model's."""
+    Memo's and checkpointing's are scaled to the layers they cover, so Memo's α and the
+    share of layers keeping their attention output (and parking their input) are the
+    full model's."""
     options = strategy.engine_options
     if getattr(options, "host_memory", None) is not None:
         options = dataclasses.replace(options, host_memory=None)
+    from ..memory.units import pinned_host_budget
+
     techniques = dict(strategy.techniques)
+    full = _layers(config)
+
+    def share(budget: int | None, top: int) -> int:  # the budget of the layers below ``top``, as in the full model
+        return max(1, (budget or pinned_host_budget()) * max(1, layers - top) // max(1, full - top))
+
     memo = techniques.get("memo")
     if memo is not None:
-        from ..memory.units import pinned_host_budget
-
-        budget = memo.host_memory or pinned_host_budget()
-        full, kept = _layers(config), memo.keep_last
-        techniques["memo"] = dataclasses.replace(memo, host_memory=max(1, budget * max(1, layers - kept) // max(1, full - kept)))
+        techniques["memo"] = dataclasses.replace(memo, host_memory=share(memo.host_memory, memo.keep_last))
+    checkpoint = techniques.get("checkpoint")
+    if checkpoint is not None and (checkpoint.offload_inputs or (checkpoint.keep_attention and checkpoint.offload)):
+        # Kept outputs and parked inputs stop where the budget does, a share of the layers.
+        techniques["checkpoint"] = dataclasses.replace(
+            checkpoint, host_memory=share(checkpoint.host_memory, checkpoint.except_last))
     return Strategy(strategy.engine, options, strategy.sequence_parallel, **techniques)
 
 

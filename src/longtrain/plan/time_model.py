@@ -10,7 +10,8 @@ A step is counted per kind of work, each at the rate it runs at on the machine:
   or ``block_attention`` FLOP/s in chunks (FPDT's block kernels; ``chunkwise_attention`` for
   SeCO/SpaCO, whose blocks each merge and accumulate a K/V gradient), with
   its forward once more where a strategy recomputes it (checkpointing with
-  ``keep_attention=false``, FPDT without ``keep_output``);
+  ``keep_attention=false`` or in the layers whose outputs pass the host budget, FPDT
+  without ``keep_output``);
 - known slow spots, as measured on the H100 (docs/gpu_peers.md, 2026-11-23): MsT's tiled
   MLP backward runs at ``tiled_mlp_efficiency`` of the matmul rate and the chunked head's
   weight gradient at ``head_weight_grad`` FLOP/s; each (chunk, layer) pair of a chunked
@@ -76,6 +77,25 @@ def _shapes(config):
     return n, width, attn, mlp, config.vocab_size * d
 
 
+def kept_output_share(config, tokens: int, checkpoint) -> float:
+    """The share of checkpointed layers whose attention output is kept (their recomputation
+    skips attention's forward): all of them on the device; in host memory, as many as
+    ``host_memory`` holds beside the parked inputs (``offload_inputs``), which come first —
+    a budget not given is not this machine's default but unknown, taken as enough (the
+    planner always gives one). ``tokens``: of the whole batch; activations in bf16."""
+    if checkpoint is None or not checkpoint.keep_attention:
+        return 0.0
+    if not checkpoint.offload or checkpoint.host_memory is None:
+        return 1.0
+    layers = config.num_hidden_layers - min(checkpoint.except_last, config.num_hidden_layers)
+    if layers <= 0:
+        return 1.0
+    item = 2
+    output = tokens * (attention_width(config) * item + config.num_attention_heads * 4)  # and its float32 LSE
+    inputs = layers * tokens * config.hidden_size * item if checkpoint.offload_inputs else 0
+    return min(layers, max(0, (checkpoint.host_memory - inputs) // output)) / layers
+
+
 def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: dict | None = None,
               batch: int = 1, optimizer_offload: bool = False, trainable: int | None = None) -> StepTime:
     """Predicted seconds of one forward + backward of ``batch`` sequences of ``tokens``
@@ -103,8 +123,8 @@ def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: 
     recomputed = 1.0 - (min(checkpoint.except_last, n) / n if checkpoint is not None and n else 0.0)
     if checkpoint is not None or chunked:
         matmul += recomputed * layer_fwd
-        if chunked or not getattr(checkpoint, "keep_attention", False):
-            attention_passes += recomputed  # the recomputation runs attention again (kept outputs skip it)
+        kept = 0.0 if chunked else kept_output_share(config, s, checkpoint)
+        attention_passes += recomputed * (1 - kept)  # the recomputation runs attention again (kept outputs skip it)
         if tiled:
             matmul += recomputed * mlp_fwd  # the MLP forward a third time: checkpoint replays it, the tiled backward again
     if engine == "fpdt" and getattr(strategy.engine_options, "recompute_kv", False):

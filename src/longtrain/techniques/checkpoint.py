@@ -17,6 +17,15 @@ forward, the recomputation and the backward's two passes become forward and back
 Layers whose outputs would pass ``host_memory`` recompute as before; attention calls
 that cannot give their output (chunked engines' calls) recompute too.
 
+``offload_inputs`` parks each checkpointed layer's input in pinned host memory too (what
+Hugging Face runs as ``save_on_cpu`` around checkpointing), fetched a layer ahead in
+backward: device memory no longer grows by one hidden state per layer, which is what
+lets whole-sequence checkpointing run where only chunked attention did (256K tokens of
+Llama-3-8B on 80 GB). Inputs come first in the host budget — a layer needs its input
+to recompute, its attention output only saves time — so outputs are kept while the
+inputs of the layers still to run would fit beside them; an input past the budget
+stays on the device.
+
 ``except_last`` leaves the top layers whole: not checkpointed, their MLP not tiled by MsT
 (a tiled MLP recomputes its forward), nothing of theirs recomputed. Each costs one
 layer's activations in device memory (at 16K tokens of Llama-3-8B about 3 GiB as the
@@ -29,6 +38,7 @@ freed before any recomputation needs room (bottom layers' would sit under every 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -38,10 +48,14 @@ from torch.utils.checkpoint import checkpoint
 from .. import validate
 from ..errors import LongtrainError
 from ..memory.chunk_store import ChunkStore
+from ..memory.token_swap import storage_id
 from ..memory.units import pinned_host_budget
 from ..models.attention import AttentionCall
 from ..ops.causal_attention import attention_from_output
 from ..registry import register_technique
+
+
+_PARKED = object()  # what a parked input's pack hook leaves in the graph (the store has the tensor)
 
 
 @dataclass
@@ -52,9 +66,11 @@ class CheckpointOptions:
     offload: bool = True  # kept outputs wait in pinned host memory (false: on the device)
     host_memory: int | str | None = None  # budget for kept outputs on the host; default: half the physical memory
     except_last: int = 0  # the top layers left whole: not checkpointed, MLP not tiled (device memory for speed)
+    offload_inputs: bool = False  # park the checkpointed inputs in pinned host memory too (first in host_memory's budget)
 
     def __post_init__(self):
         validate.flag("checkpoint", "keep_attention", self.keep_attention)
+        validate.flag("checkpoint", "offload_inputs", self.offload_inputs)
         validate.positive_int("checkpoint", "except_last", self.except_last, minimum=0)
         validate.flag("checkpoint", "offload", self.offload)
         if self.host_memory is not None:
@@ -64,27 +80,31 @@ class CheckpointOptions:
 
 
 class KeptAttention:
-    """Every layer's kept attention output and LSE for one model, in one store.
+    """Every checkpointed layer's kept attention output and LSE (``keep_attention``) and
+    parked input (``offload_inputs``) for one model, in one store.
 
     Entries belong to one step's attention call and stay until the next step's first
     layer drops them (also when that step's backward never ran)."""
 
-    def __init__(self, options: CheckpointOptions, pool):
-        self.options, self.pool = options, pool
+    def __init__(self, options: CheckpointOptions, pool, layers: int):
+        self.options, self.pool, self.layers = options, pool, layers
         self.budget = options.host_memory if options.host_memory is not None else pinned_host_budget()
         self.store: ChunkStore | None = None
         self._step: AttentionCall | None = None  # the attention call of the step the entries belong to
         self._last: _KeepingAttention | None = None  # the latest layer of that step that kept its output
+        self._last_input: _KeepingAttention | None = None  # ... and that parked its input
         self._count = 0
+        self._index = 0  # checkpointed layers of this step so far
 
     def layer_call(self, inner: AttentionCall) -> "_KeepingAttention":
         """A fresh attention call for one layer's checkpointed forward and its replay."""
         if self._step is not inner:
             if self.store is not None:
                 self.store.clear()
-            self._step, self._last = inner, None
+            self._step, self._last, self._last_input, self._index = inner, None, None, 0
         self._count += 1
-        return _KeepingAttention(inner, self, self._count)
+        self._index += 1
+        return _KeepingAttention(inner, self, self._count, self._index)
 
     def _store(self, device: torch.device) -> ChunkStore:
         if self.store is None or self.store.device != device:
@@ -93,13 +113,50 @@ class KeptAttention:
             self.store = ChunkStore(device, offload=self.options.offload, pool=self.pool)
         return self.store
 
-    def has_room(self, q: torch.Tensor) -> bool:
-        """Whether the output (q's size) and the float32 LSE of this layer fit the host budget;
-        asked before attention runs, so a layer past it computes attention once, the plain way."""
+    def _host_used(self) -> int:
+        return self.store.host_bytes if self.store is not None else 0
+
+    def has_room(self, call: "_KeepingAttention", q: torch.Tensor) -> bool:
+        """Whether this layer keeps its output: with ``keep_attention``, whether the output
+        (q's size) and the float32 LSE fit the host budget beside the inputs the layers
+        above will park (``offload_inputs``: inputs come first). Asked before attention
+        runs, so a layer past it computes attention once, the plain way."""
+        if not self.options.keep_attention:
+            return False
         if not self.options.offload:
             return True
-        used = self.store.host_bytes if self.store is not None else 0
-        return used + q.nbytes + q[..., 0].numel() * 4 <= self.budget
+        inputs_above = (self.layers - call.index) * call.input_bytes if self.options.offload_inputs else 0
+        return self._host_used() + q.nbytes + q[..., 0].numel() * 4 + inputs_above <= self.budget
+
+    def parking_input(self, call: "_KeepingAttention", hidden: torch.Tensor):
+        """Saved-tensor hooks for one layer's checkpoint call: its input (what checkpointing
+        saves to recompute from) goes to pinned host memory, within the budget, and comes
+        back when backward recomputes the layer, the layer below's copy started then."""
+        # The hooks live as long as the graph: they hold the input's identity, not the input.
+        identity, shape = storage_id(hidden), hidden.shape
+        call.input_bytes = hidden.nbytes
+        key = (call.key, "input")
+
+        def pack(tensor):
+            if storage_id(tensor) != identity or tensor.shape != shape:
+                return tensor  # not the hidden state (the checkpoint's own marker tensor)
+            if self._host_used() + tensor.nbytes > self.budget:
+                return tensor  # past the budget: this input stays on the device
+            self._store(tensor.device).put(key, tensor.detach(), offload=True)
+            call.previous_input, self._last_input = self._last_input, call
+            return _PARKED
+
+        def unpack(packed):
+            if packed is not _PARKED:
+                return packed
+            store = self.store
+            tensor = store.get(key)
+            below = call.previous_input
+            if below is not None:  # its recomputation comes after this layer's backward
+                store.prefetch((below.key, "input"))
+            return tensor
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def keep(self, call: "_KeepingAttention", out: torch.Tensor, lse: torch.Tensor) -> None:
         store = self._store(out.device)
@@ -113,17 +170,19 @@ class _KeepingAttention(AttentionCall):
     output and LSE once and keeps them; its second (the recomputation in backward)
     returns the kept ones as the same autograd node, so the saved tensors match."""
 
-    def __init__(self, inner: AttentionCall, kept: KeptAttention, key: int):
-        self.inner, self.kept, self.key, self.mask = inner, kept, key, inner.mask
+    def __init__(self, inner: AttentionCall, kept: KeptAttention, key: int, index: int):
+        self.inner, self.kept, self.key, self.index, self.mask = inner, kept, key, index, inner.mask
         self.backward = None  # the kernels' backward; None: this layer recomputes attention
         self.previous: _KeepingAttention | None = None  # the layer below, whose replay comes next
+        self.previous_input: _KeepingAttention | None = None  # the layer below that parked its input
+        self.input_bytes = 0  # its input's size (the inputs above it will need as much each)
         self._calls = 0
 
     def attend(self, module, q, k, v, *, scale, window, softcap):
         self._calls += 1
         settings = dict(scale=scale, window=window, softcap=softcap)
         if self._calls == 1:
-            if not self.kept.has_room(q):  # past the host budget: this layer recomputes attention
+            if not self.kept.has_room(self, q):  # not kept (past the host budget): this layer recomputes attention
                 return self.inner.attend(module, q, k, v, **settings)
             try:
                 out, lse, backward = self.inner.attend_keeping_output(module, q, k, v, **settings)
@@ -152,11 +211,19 @@ def _checkpointed_forward(forward, kept: KeptAttention | None, *args, **kwargs):
     if not torch.is_grad_enabled():  # evaluation, or a chunked engine's no-grad pass: nothing to save
         return forward(*args, **kwargs)
     call = kwargs.get("attention_mask")
+    parking = contextlib.nullcontext()
     if kept is not None and isinstance(call, AttentionCall):
-        kwargs = {**kwargs, "attention_mask": kept.layer_call(call)}
+        layer = kept.layer_call(call)
+        kwargs = {**kwargs, "attention_mask": layer}
+        if kept.options.offload_inputs:
+            if not args:  # checkpointing saves positional tensors only; decoder layers take hidden_states first
+                args = (kwargs.pop("hidden_states"),)
+            parking = kept.parking_input(layer, args[0])
     # Non-reentrant: works with keyword arguments, frozen inputs (LoRA) and nested
-    # autograd, and lets the recomputation stop early once the saved tensors exist.
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    # autograd, and lets the recomputation stop early once the saved tensors exist. Its
+    # inputs are saved outside its own hooks, so ``parking``'s hooks see them.
+    with parking:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def whole_layers(strategy, layers: int) -> range:
@@ -174,6 +241,14 @@ def install_checkpoint(context, options: CheckpointOptions) -> None:
     if options.except_last > len(layers):
         raise LongtrainError(f"checkpoint except_last={options.except_last} leaves more layers whole than the model has "
                              f"({len(layers)}); use at most {len(layers)}")
-    kept = KeptAttention(options, context.pool) if options.keep_attention and context.adapter.has_attention else None
-    for layer in layers[:len(layers) - options.except_last]:
+    if options.offload_inputs and context.strategy.engine != "backprop":
+        raise LongtrainError(f"checkpoint offload_inputs parks whole-sequence layer inputs; the {context.strategy.engine} "
+                             f"engine parks its chunks itself: drop offload_inputs and set the engine's offload=true")
+    if options.offload_inputs and not context.adapter.has_attention:
+        raise LongtrainError("checkpoint offload_inputs parks the inputs of attention layers and this model has none; "
+                             "drop offload_inputs")
+    checkpointed = layers[:len(layers) - options.except_last]
+    keeps = (options.keep_attention or options.offload_inputs) and context.adapter.has_attention
+    kept = KeptAttention(options, context.pool, len(checkpointed)) if keeps else None
+    for layer in checkpointed:
         layer.forward = functools.partial(_checkpointed_forward, layer.forward, kept)
