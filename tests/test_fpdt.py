@@ -36,6 +36,27 @@ def test_recomputing_kv_parks_one_layer_of_kv_at_a_time():
     assert host_peak(False) - host_peak(True) >= (config.num_hidden_layers - 1) * kv
 
 
+def test_parking_kv_again_runs_no_output_projection():
+    """Backward's K/V re-park (``recompute_kv``) stops at attention: per chunk and layer
+    q/k/v run three times (forward, re-park, recompute) and o_proj twice; without the
+    re-park both twice."""
+    calls = {}
+
+    def counting(model):
+        for name, module in model.named_modules():
+            if name.endswith(("self_attn.q_proj", "self_attn.o_proj")):
+                module.register_forward_hook(lambda m, i, o, key=name.rsplit(".", 1)[1]: calls.update({key: calls.get(key, 0) + 1}))
+        return model
+
+    config = preset_config("tiny-llama", num_hidden_layers=2)
+    for recompute_kv, expected in ((True, {"q_proj": 3 * 2 * 3, "o_proj": 2 * 2 * 3}), (False, {"q_proj": 2 * 2 * 3, "o_proj": 2 * 2 * 3})):
+        calls.clear()
+        model = counting(build_from_config(config, torch.float32))
+        lt.apply(model, _fpdt(chunk=32, recompute_kv=recompute_kv))
+        lt.step(model, {"input_ids": torch.randint(0, config.vocab_size, (1, 80))})  # 3 chunks, the last short
+        assert calls == expected, (recompute_kv, calls)
+
+
 def test_sliding_window_spanning_many_chunks_equals_stock():
     # A 64-token window over 16-token chunks puts whole chunks outside it (never fetched).
     config = preset_config("tiny-mistral")

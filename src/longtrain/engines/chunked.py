@@ -34,7 +34,7 @@ from ..errors import LongtrainError
 from ..memory.chunk_store import ChunkStore
 from ..memory.tracker import mark_repeat
 from ..memory.units import format_bytes, pinned_host_budget
-from ..models.attention import AttentionCall
+from ..models.attention import AttentionCall, KeysParked
 from ..ops.causal_attention import attention_from_output
 from ..ops.chunked_attention import attend_chunk, attend_chunk_backward, attend_chunk_forward, chunk_bounds
 from ..ops.masking import BlockPlanner
@@ -199,7 +199,7 @@ class ChunkedRun:
             self.store.put(("k", layer, index), k.detach())
             self.store.put(("v", layer, index), v.detach())
         if mode == "kv":
-            return torch.zeros_like(q)  # only the K/V were wanted
+            raise KeysParked  # only the K/V were wanted: no attention, no output projection
         first = 0
         if window is not None:  # chunks wholly outside the window are never fetched
             bounds = self.planner.bounds

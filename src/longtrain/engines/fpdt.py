@@ -12,7 +12,8 @@ layer is done.
 
 **Backward** (layer-major, in reverse): the head's gradient chunk by chunk from the
 parked final outputs; then for each layer from the top — first parking its K/V again if
-they were dropped, by running only its attention sub-block — each chunk from the last
+they were dropped, by running its attention sub-block up to attention itself (no
+attention, no output projection) — each chunk from the last
 is recomputed on its parked input with gradients, attending over the parked K/V of
 earlier chunks, and backpropagated. The gradients of earlier chunks' K/V wait in the
 store and join those chunks' own K/V gradients when their turn comes, so the result is
@@ -20,7 +21,7 @@ exact. The first layer's backward runs on through the chunk's embeddings.
 
 Device memory holds one chunk's working set plus what the store keeps on the device
 (nothing with ``offload`` and ``offload_inputs``). Compute is that of layer
-checkpointing — one extra forward — plus, with ``recompute_kv``, each layer's attention
+checkpointing — one extra forward — plus, with ``recompute_kv``, each layer's q/k/v
 projections once more. With ``keep_output`` (Memo's idea, ../shared/papers/memo.txt §4)
 each chunk's attention output and LSE are parked too (beside its layer input), and the
 recomputation hands them to attention's backward instead of attending again: the

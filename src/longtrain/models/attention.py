@@ -32,6 +32,13 @@ from ..ops.sdpa import sdpa_gqa
 NAME = "longtrain_attn"
 
 
+class KeysParked(Exception):
+    """Raised by a call that wanted only the layer's keys and values (a chunked engine
+    parking them again in backward): the rest of the attention sub-block — the output
+    projection of an output nobody reads — is skipped (caught by the adapter's
+    ``run_attention``)."""
+
+
 class AttentionCall:
     """What an engine passes to a layer as its ``attention_mask``: it receives the layer's
     q (B, H, S, D), k, v (B, H_kv, S, D) and returns the output (B, H, S, D)."""

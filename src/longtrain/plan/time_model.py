@@ -128,7 +128,7 @@ def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: 
         if tiled:
             matmul += recomputed * mlp_fwd  # the MLP forward a third time: checkpoint replays it, the tiled backward again
     if engine == "fpdt" and getattr(strategy.engine_options, "recompute_kv", False):
-        matmul += 2.0 * s * attn_params * n / 2  # q/k/v projections once more (about half the attention block)
+        matmul += 2.0 * s * attn_params * n / 2  # q/k/v projections once more (o_proj is skipped: about half the block)
     if engine == "fpdt" and getattr(strategy.engine_options, "keep_output", False):
         attention_passes -= 1  # the recomputation hands the kept output to attention's backward
     segment = getattr(strategy.engine_options, "segment", 1) if engine == "fpdt" else 1

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ...errors import LongtrainError
+from ..attention import KeysParked
 from ..layers import unwrap
 
 _ADAPTERS: dict[str, type["DecoderAdapter"]] = {}
@@ -95,9 +96,13 @@ class DecoderAdapter:
 
     def run_attention(self, layer: nn.Module, hidden: torch.Tensor, position_embeddings, attention) -> None:
         """Only the layer's attention sub-block (its input norm and attention, no MLP):
-        enough for ``attention`` to see the layer's keys and values."""
-        layer.self_attn(hidden_states=layer.input_layernorm(hidden), position_embeddings=position_embeddings,
-                        attention_mask=attention)
+        enough for ``attention`` to see the layer's keys and values; a call that raises
+        :class:`~longtrain.models.attention.KeysParked` ends it there."""
+        try:
+            layer.self_attn(hidden_states=layer.input_layernorm(hidden), position_embeddings=position_embeddings,
+                            attention_mask=attention)
+        except KeysParked:
+            pass
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm()(hidden)
