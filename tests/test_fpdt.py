@@ -57,6 +57,38 @@ def test_parking_kv_again_runs_no_output_projection():
         assert calls == expected, (recompute_kv, calls)
 
 
+@pytest.mark.parametrize("preset,passes", [("tiny-llama", 2), ("tiny-gemma2", 3)])
+def test_the_recomputed_layer_does_not_compute_its_mlp_output(preset, passes, monkeypatch):
+    """FPDT recomputes a layer only to backpropagate through it: the tiled MLP runs
+    forward in the forward pass and in its own backward, not for the recomputed output
+    (tokens through down_proj per layer = 2 × tokens) — except where a later op saves
+    that output (Gemma-2's post-feed-forward norm: 3 ×). An adapter that wrongly said
+    nothing saves it would get NaN gradients, not silently wrong ones."""
+    tokens = []
+    config = preset_config(preset, num_hidden_layers=2)
+    seq = 96  # whole chunks: a chunk no longer than a tile runs its MLP untiled
+
+    def build():
+        model = build_from_config(config, torch.float32)
+        for name, module in model.named_modules():
+            if name.endswith("mlp.down_proj"):
+                module.register_forward_hook(lambda m, i, o: tokens.append(i[0].numel() // i[0].shape[-1]))
+        lt.apply(model, lt.Strategy(engine="fpdt", engine_options={"chunk": 32, "recompute_kv": False}, mst=lt.MsT(mlp_chunk=16)))
+        return model
+
+    batch = {"input_ids": torch.randint(0, config.vocab_size, (1, seq))}
+    model = build()
+    lt.step(model, batch)
+    assert sum(tokens) == passes * seq * config.num_hidden_layers
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters() if p.requires_grad)
+    if preset == "tiny-gemma2":
+        from longtrain.models.adapters.gemma2 import Gemma2Adapter
+        monkeypatch.setattr(Gemma2Adapter, "mlp_output_saved", False)
+        model = build()
+        lt.step(model, batch)
+        assert not all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
+
+
 def test_sliding_window_spanning_many_chunks_equals_stock():
     # A 64-token window over 16-token chunks puts whole chunks outside it (never fetched).
     config = preset_config("tiny-mistral")

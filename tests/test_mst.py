@@ -1,6 +1,7 @@
 """Mini-sequence MLP and LM-head loss (MsT): float64 proofs against stock autograd,
 memory properties measured exactly, and the integration switch."""
 
+import contextlib
 import copy
 
 import pytest
@@ -15,7 +16,7 @@ from longtrain.errors import LongtrainError
 from longtrain.memory import MemoryTracker
 from longtrain.models.loading import build_from_config
 from longtrain.ops.chunked_loss import chunked_causal_lm_loss
-from longtrain.ops.tiled_mlp import tiled_mlp
+from longtrain.ops.tiled_mlp import outputs_unread, tiled_mlp
 
 from conftest import check_step, grads, padded_batch, stock_and_ours, stock_lora_and_ours, stock_loss
 
@@ -220,6 +221,31 @@ def test_tiled_mlp_recomputes_under_the_forward_autocast_state():
     out.backward(torch.randn_like(out))  # outside autocast, as training loops do
     assert out.dtype == torch.bfloat16
     assert n_forward == 4 and len(seen) == 8 and all(seen)
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float64, False), (torch.float64, True), (torch.float32, True)])
+def test_an_unread_tiled_mlp_output_is_a_placeholder_with_the_same_gradients(dtype, autocast):
+    """Under outputs_unread the output node computes nothing — a NaN placeholder of the
+    output's shape and dtype (autocast's too) — and the gradients through it are those of
+    the computed output."""
+    mlp = _mlps()["gated"].to(dtype)
+    x = torch.randn(2, 100, 24, dtype=dtype)
+    grad_out = torch.randn(2, 100, 24, dtype=dtype)
+    results = []
+    for unread in (False, True):
+        calls = []
+        xi = x.clone().requires_grad_(True)
+        mlp.zero_grad(set_to_none=True)
+        context = outputs_unread() if unread else contextlib.nullcontext()
+        with context, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = tiled_mlp(lambda t: calls.append(t.shape[0]) or mlp(t), xi, list(mlp.parameters()), chunk_tokens=64)
+        forwards = sum(calls)
+        out.backward(grad_out.to(out.dtype))
+        results.append((out, xi.grad, [p.grad for p in mlp.parameters()], forwards, sum(calls) - forwards))
+    (out, dx, dw, forward_tokens, _), (placeholder, dx_u, dw_u, unread_tokens, backward_tokens) = results
+    assert placeholder.dtype == out.dtype and placeholder.shape == out.shape and placeholder.isnan().all()
+    assert forward_tokens == 200 and unread_tokens == 0 and backward_tokens == 200
+    assert torch.equal(dx, dx_u) and all(torch.equal(a, b) for a, b in zip(dw, dw_u))
 
 
 # ---- speed (issue 13): FLOPs and GEMMs counted on the CPU ----------------------------------------

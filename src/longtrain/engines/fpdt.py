@@ -21,8 +21,9 @@ exact. The first layer's backward runs on through the chunk's embeddings.
 
 Device memory holds one chunk's working set plus what the store keeps on the device
 (nothing with ``offload`` and ``offload_inputs``). Compute is that of layer
-checkpointing — one extra forward — plus, with ``recompute_kv``, each layer's q/k/v
-projections once more. With ``keep_output`` (Memo's idea, ../shared/papers/memo.txt §4)
+checkpointing — one extra forward, without the MLP's output (the recomputed layer is only
+backpropagated through: ``ops.tiled_mlp.outputs_unread``, where the adapter allows) — plus,
+with ``recompute_kv``, each layer's q/k/v projections once more. With ``keep_output`` (Memo's idea, ../shared/papers/memo.txt §4)
 each chunk's attention output and LSE are parked too (beside its layer input), and the
 recomputation hands them to attention's backward instead of attending again: the
 extra forward is token-wise work only, and the earlier chunks' K/V are fetched once per
@@ -37,6 +38,7 @@ Parameter gradients accumulate in ``.grad`` through autograd.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +46,7 @@ import torch
 from .. import validate
 from ..errors import LongtrainError
 from ..memory.units import parse_bytes
+from ..ops.tiled_mlp import outputs_unread
 from ..parallel.fsdp import gathered
 from ..registry import register_engine
 from .base import EngineContext
@@ -125,6 +128,7 @@ def backward_layer_major(run: ChunkedRun, grad_loss: torch.Tensor) -> None:
     store, adapter, n = run.store, run.adapter, len(run.layers)
     parked = run.settings.offload_inputs
     chunks = range(len(run.bounds))
+    unread_mlp_outputs = contextlib.nullcontext if adapter.mlp_output_saved else outputs_unread
     # Head: gradient of each chunk's loss with respect to the last layer's output.
     store.prefetch(("x", n, 0))
     for i in chunks:
@@ -155,7 +159,9 @@ def backward_layer_major(run: ChunkedRun, grad_loss: torch.Tensor) -> None:
                 x = store.pop(("x", layer, i)).detach().requires_grad_(True)
             else:
                 x = adapter.embed(run.input_ids(i))
-            torch.autograd.backward(run.run_layer(layer, x, i, "recompute"), store.pop(("dy", i)))
+            with unread_mlp_outputs():  # the layer's output is only backpropagated through, never read
+                out = run.run_layer(layer, x, i, "recompute")
+            torch.autograd.backward(out, store.pop(("dy", i)))
             if layer > 0:
                 store.put(("dy", i), x.grad, offload=parked)
             run.discard_kv(layer, i)

@@ -20,15 +20,42 @@ is the input saved by the first node, so the MLP's forward is not rerun there, a
 only recomputation is the one its own backward needs. Where a later op saves the MLP's
 output (Gemma-2's post-feed-forward norm) the recomputation must produce it: three
 forwards, as before.
+
+An engine that recomputes a single layer only to backpropagate through it (FPDT) never
+reads the layer's output, and so never the MLP's: under :func:`outputs_unread` the
+output node computes nothing and returns a NaN-filled placeholder of the output's shape
+and dtype (NaN, so that a reader shows at once), and the MLP's only forward there is the
+one its own backward needs. The placeholder has x's shape (a feed-forward block maps
+back to the residual width) and the dtype of its last linear (autocast's where autocast
+casts x, else x's); a mismatch would stop autograd with an error, not bend a gradient. Only valid where no
+later op of the layer saves the MLP output or anything computed from it (the adapter's
+``mlp_output_saved`` says so).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Callable, Sequence
 
 import torch
 
 from . import _autocast
+
+
+_unread = threading.local()  # set by outputs_unread() on the thread running the forward
+
+
+@contextlib.contextmanager
+def outputs_unread():
+    """Tiled MLPs run forward in this block will only be backpropagated through, their
+    output values never read (module docstring)."""
+    before = getattr(_unread, "active", False)
+    _unread.active = True
+    try:
+        yield
+    finally:
+        _unread.active = before
 
 
 class _Mailbox:
@@ -83,9 +110,13 @@ class _TiledMLPOutput(torch.autograd.Function):
     backward posts the output's gradient to the mailbox."""
 
     @staticmethod
-    def forward(ctx, fn, chunk_tokens, mailbox, x, token):
+    def forward(ctx, fn, chunk_tokens, mailbox, x, token, unread=False):
         ctx.mailbox = mailbox
         flat = x.reshape(-1, x.shape[-1])
+        if unread:  # a feed-forward block ends in a linear back to the width of x
+            _, autocast, dtype = _autocast.capture(x.device)
+            cast = autocast and x.dtype != torch.float64  # autocast leaves float64 alone
+            return torch.full_like(x, float("nan"), dtype=dtype if cast else x.dtype)
         out = None
         for start in range(0, flat.shape[0], chunk_tokens):
             y = fn(flat[start : start + chunk_tokens])
@@ -97,7 +128,7 @@ class _TiledMLPOutput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         ctx.mailbox.grad = grad_out
-        return None, None, None, None, torch.zeros((), dtype=grad_out.dtype, device=grad_out.device)
+        return None, None, None, None, torch.zeros((), dtype=grad_out.dtype, device=grad_out.device), None
 
 
 def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Sequence[torch.Tensor], chunk_tokens: int) -> torch.Tensor:
@@ -113,4 +144,4 @@ def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, param
         return fn(x)  # one chunk (or no backward): nothing to save by tiling
     mailbox = _Mailbox()
     token = _TiledMLPGrad.apply(fn, chunk_tokens, mailbox, x, *params)  # saves x first: see the module docstring
-    return _TiledMLPOutput.apply(fn, chunk_tokens, mailbox, x.detach(), token)
+    return _TiledMLPOutput.apply(fn, chunk_tokens, mailbox, x.detach(), token, getattr(_unread, "active", False))

@@ -67,6 +67,9 @@ class StepTime:
         return self.model_flops / (self.seconds * peak)
 
 
+MLP_OUTPUT_SAVED = ("gemma2",)  # families whose MLP output a later op saves (their adapters' mlp_output_saved)
+
+
 def _shapes(config):
     n, d = config.num_hidden_layers, config.hidden_size
     width = attention_width(config)
@@ -125,8 +128,12 @@ def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: 
         matmul += recomputed * layer_fwd
         kept = 0.0 if chunked else kept_output_share(config, s, checkpoint)
         attention_passes += recomputed * (1 - kept)  # the recomputation runs attention again (kept outputs skip it)
-        if tiled:
-            matmul += recomputed * mlp_fwd  # the MLP forward a third time: checkpoint replays it, the tiled backward again
+        if tiled and not (engine == "fpdt" and config.model_type not in MLP_OUTPUT_SAVED):
+            # The MLP forward a third time: checkpointing's (fitted: its replay stops before the
+            # MLP, but the measured steps carry this much more), SeCO's recomputed chunk, which
+            # the next layer reads; FPDT's recomputed layer is only backpropagated through and
+            # skips it (ops.tiled_mlp.outputs_unread) unless a later op saves the MLP output.
+            matmul += recomputed * mlp_fwd
     if engine == "fpdt" and getattr(strategy.engine_options, "recompute_kv", False):
         matmul += 2.0 * s * attn_params * n / 2  # q/k/v projections once more (o_proj is skipped: about half the block)
     if engine == "fpdt" and getattr(strategy.engine_options, "keep_output", False):

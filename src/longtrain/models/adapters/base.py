@@ -50,6 +50,11 @@ class DecoderAdapter:
 
     families: ClassVar[tuple[str, ...]] = ()
     has_attention: ClassVar[bool] = True
+    # Whether an op after the MLP saves its output (or something computed from it) for
+    # backward, as Gemma-2's post-feed-forward norm does; where none does, the MLP output
+    # only joins the residual stream and a recomputation that is only backpropagated
+    # through need not compute it (ops.tiled_mlp.outputs_unread).
+    mlp_output_saved: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module):
         self.model = model

@@ -10,6 +10,7 @@ from .base import DecoderAdapter, Head, register_adapter
 @register_adapter
 class Gemma2Adapter(DecoderAdapter):
     families = ("gemma2",)
+    mlp_output_saved = True  # its post-feed-forward norm saves the MLP output
 
     def head(self) -> Head:
         return Head(self.base.get_output_embeddings(), softcap=self.config.final_logit_softcapping)
