@@ -5,6 +5,7 @@ refusals. Its exactness against stock models is in test_exactness.py's table."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import longtrain as lt
 from conftest import STRATEGIES, AttentionKernelCalls, check_step, packed_batch, padded_batch, stock_and_ours
@@ -87,6 +88,32 @@ def test_the_recomputed_layer_does_not_compute_its_mlp_output(preset, passes, mo
         model = build()
         lt.step(model, batch)
         assert not all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
+
+
+def test_the_head_runs_forward_once_per_chunk_and_backward_in_the_forward_pass():
+    """The head's logits are computed twice per chunk — its forward, which in training
+    backpropagates at once, and the chunked loss's own recomputation in backward — not a
+    third time in the layers' backward; evaluation (no gradients) computes them once."""
+    logits = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ in ("mm", "addmm") and out.shape[-1] == config.vocab_size:
+                logits.append(out.shape[0])
+            return out
+
+    config = preset_config("tiny-llama", num_hidden_layers=2)
+    model = build_from_config(config, torch.float32)
+    lt.apply(model, lt.Strategy(engine="fpdt", engine_options={"chunk": 32, "offload": True}, mst=lt.MsT(loss_chunks=1)))
+    batch = {"input_ids": torch.randint(0, config.vocab_size, (2, 80))}
+    with Count():
+        loss = lt.step(model, batch)
+    assert len(logits) == 2 * 3 and sum(logits) == 2 * 2 * 80  # 3 chunks of 2 rows, 80 tokens each row
+    logits.clear()
+    with torch.no_grad(), Count():
+        assert torch.equal(lt.step(model, batch), loss)
+    assert len(logits) == 3
 
 
 def test_sliding_window_spanning_many_chunks_equals_stock():

@@ -234,7 +234,7 @@ def _attend_chunk_backward(history, planner, index, window, scale, softcap, grad
 def host_bytes_needed(context: EngineContext, shard: Shard, settings: ChunkSettings, dtype: torch.dtype) -> int:
     """Host memory a chunked step parks at its fullest on this rank: K/V of every layer and
     chunk (one layer's with ``recompute_kv``) with ``offload``; plus the inputs of every
-    layer but the first, the final output and the rotary tables with ``offload_inputs``. Under sequence
+    layer but the first, the gradient of the last one's output and the rotary tables with ``offload_inputs``. Under sequence
     parallelism K/V are the whole sequence's for this rank's heads."""
     config = context.adapter.config
     item = torch.tensor([], dtype=dtype).element_size()

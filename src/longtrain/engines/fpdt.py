@@ -7,11 +7,12 @@ the model's own layers run through its adapter (:mod:`.chunked` has the shared p
 on the chunk's embeddings, a lookup recomputed whenever needed), its attention parking
 the chunk's K/V and attending over the parked K/V of earlier chunks, and its output
 chunks are parked in the store as the next layer's inputs (the checkpoints). The head
-computes each chunk's loss. With ``recompute_kv`` a layer's K/V are dropped once the
-layer is done.
+takes each chunk of the last layer's output as it comes: its loss, and in training its
+backward at once (with gradients, the only part of the forward that has them), parking
+the gradient of that output — so the head runs forward once per step, not again in
+backward. With ``recompute_kv`` a layer's K/V are dropped once the layer is done.
 
-**Backward** (layer-major, in reverse): the head's gradient chunk by chunk from the
-parked final outputs; then for each layer from the top — first parking its K/V again if
+**Backward** (layer-major, in reverse): for each layer from the top — first parking its K/V again if
 they were dropped, by running its attention sub-block up to attention itself (no
 attention, no output projection) — each chunk from the last
 is recomputed on its parked input with gradients, attending over the parked K/V of
@@ -91,32 +92,47 @@ class FPDT:
         )
 
 
-def forward_layer_major(run: ChunkedRun) -> torch.Tensor:
-    """The summed loss; leaves every layer's input chunks but the first (embeddings are
-    recomputed: a lookup) and the final output parked."""
-    store, adapter, ahead = run.store, run.adapter, run.settings.prefetch
+def forward_layer_major(run: ChunkedRun, train: bool) -> torch.Tensor:
+    """The summed loss (detached); leaves every layer's input chunks but the first
+    (embeddings are recomputed: a lookup) parked, and with ``train`` the gradient of the
+    loss with respect to the last layer's output: each chunk's head runs forward and
+    backward as soon as that output exists, so backward never runs the head again."""
+    store, ahead = run.store, run.settings.prefetch
     parked = run.settings.offload_inputs
     chunks = range(len(run.bounds))
+    total = None
     for layer in range(len(run.layers)):
+        last = layer == len(run.layers) - 1
         run.prefetch_inputs(layer, 0)
         for i in chunks:
             for j in range(i + 1, i + 1 + ahead):
                 run.prefetch_inputs(layer, j)
             out = run.run_layer(layer, _layer_input(run, layer, i), i, "forward")
-            store.put(("x", layer + 1, i), out, offload=parked)
+            if last:
+                loss = _head(run, out, i, train)
+                total = loss if total is None else total + loss
+            else:
+                store.put(("x", layer + 1, i), out, offload=parked)
         if run.settings.recompute_kv:
             for i in chunks:
                 run.discard_kv(layer, i)
         if layer % run.settings.segment:  # inside a segment: backward recomputes this input
             for i in chunks:
                 store.discard(("x", layer, i))
-    total = None
-    store.prefetch(("x", len(run.layers), 0))
-    for i in chunks:
-        store.prefetch(("x", len(run.layers), i + 1))
-        loss = run.chunk_loss(adapter.final_norm(store.get(("x", len(run.layers), i))), i)
-        total = loss if total is None else total + loss
     return total
+
+
+def _head(run: ChunkedRun, out: torch.Tensor, i: int, train: bool) -> torch.Tensor:
+    """Chunk ``i``'s loss from the last layer's output; with ``train`` its backward too,
+    the output's gradient parked for the layers' backward."""
+    if not train:
+        return run.chunk_loss(run.adapter.final_norm(out), i)
+    with torch.enable_grad():
+        y = out.detach().requires_grad_(True)
+        loss = run.chunk_loss(run.adapter.final_norm(y), i)
+        torch.autograd.backward(loss)
+    run.store.put(("dy", i), y.grad, offload=run.settings.offload_inputs)
+    return loss.detach()
 
 
 def _layer_input(run: ChunkedRun, layer: int, i: int) -> torch.Tensor:
@@ -124,18 +140,13 @@ def _layer_input(run: ChunkedRun, layer: int, i: int) -> torch.Tensor:
     return run.adapter.embed(run.input_ids(i)) if layer == 0 else run.store.get(("x", layer, i))
 
 
-def backward_layer_major(run: ChunkedRun, grad_loss: torch.Tensor) -> None:
+def backward_layer_major(run: ChunkedRun) -> None:
+    """The layers' backward, from the gradients of the last layer's output that the
+    forward parked (:func:`forward_layer_major` with ``train``)."""
     store, adapter, n = run.store, run.adapter, len(run.layers)
     parked = run.settings.offload_inputs
     chunks = range(len(run.bounds))
     unread_mlp_outputs = contextlib.nullcontext if adapter.mlp_output_saved else outputs_unread
-    # Head: gradient of each chunk's loss with respect to the last layer's output.
-    store.prefetch(("x", n, 0))
-    for i in chunks:
-        store.prefetch(("x", n, i + 1))
-        y = store.pop(("x", n, i)).detach().requires_grad_(True)
-        torch.autograd.backward(run.chunk_loss(adapter.final_norm(y), i), grad_loss)
-        store.put(("dy", i), y.grad, offload=parked)
     # Layers from the top; in each, chunks from the last. The first layer's backward goes
     # on through the embeddings of its chunk, in the same pass.
     segment = run.settings.segment
@@ -207,11 +218,12 @@ def fpdt_step(context: EngineContext, batch, num_label_tokens: int | None = None
     shard = context.shard(prepare_batch(batch, num_label_tokens), chunk=settings.chunk)
     check_host_budget(context, shard, settings, "fpdt")
     run = ChunkedRun(context, shard, settings)
+    train = torch.is_grad_enabled()
     try:
         with torch.no_grad():
-            loss = forward_layer_major(run)
-        if torch.is_grad_enabled():
-            backward_layer_major(run, torch.ones_like(loss))
+            loss = forward_layer_major(run, train)
+        if train:
+            backward_layer_major(run)
     finally:
         run.store.clear()
     return context.finish(loss)
