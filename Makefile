@@ -29,7 +29,7 @@ demo: $(STAMP)
 	$(VENV)/bin/longtrain train --out $(DEMO_OUT)
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2
+	$(PY) -m pytest -n 2 --dist worksteal
 
 clean:
 	rm -rf $(VENV) runs

@@ -80,3 +80,19 @@ def test_a_case_killed_by_sigkill_is_reported_as_out_of_host_memory(monkeypatch)
                                         expandable_segments="longtrain", attention_kernel=None)
     row = gpu_peers.run_isolated(gpu_peers.BY_NAME["lt:memo+mst"], 131072, args, timeout=10)
     assert row["status"] == "out of host memory (killed by SIGKILL)"
+
+
+def test_step_work_counts_fpdt_matmuls_as_checkpointing_and_writes_its_report(tmp_path):
+    """benchmarks/step_work.py at toy size: FPDT without the K/V re-park does exactly layer
+    checkpointing's matmul work (its recomputed layers skip the MLP output nobody reads, its
+    head runs backward in the forward pass); kept outputs run each attention block forward once."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import step_work
+
+    step_work.main(["--tokens", "200", "--chunk", "64", "--layers", "2", "--width", "32", "--out", str(tmp_path)])
+    rows = {r["strategy"]: r for r in json.loads((tmp_path / "step_work.json").read_text())["rows"]}
+    assert rows["fpdt:recompute_kv=false,mst"]["matmul_vs_backprop"] == rows["checkpoint,mst"]["matmul_vs_backprop"]
+    assert rows["fpdt,mst"]["matmul_vs_backprop"] > rows["checkpoint,mst"]["matmul_vs_backprop"]  # q/k/v again
+    kept = rows["fpdt:keep_output,mst"]
+    assert kept["attention_forward_calls"] == kept["attention_backward_calls"] == rows["fpdt,mst"]["attention_forward_calls"] // 2
+    assert rows["checkpoint,mst"]["attention_forward_calls"] == 2 and (tmp_path / "step_work.md").exists()
