@@ -16,7 +16,6 @@ instant from a small event log, so keeping the breakdown costs O(1) per allocati
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -25,23 +24,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..thread_flag import ThreadFlag
+
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 DEVICE, HOST = "device", "host"
 
 _ACTIVE: list["MemoryTracker"] = []
-_HOST_ALLOCATION = threading.local()
+_HOST_ALLOCATION = ThreadFlag()
 
 
-@contextlib.contextmanager
 def host_allocations():
     """Tensors created inside this block live in host memory (a pinned pool, say):
     active trackers count them as host bytes from the start."""
-    previous = getattr(_HOST_ALLOCATION, "on", False)
-    _HOST_ALLOCATION.on = True
-    try:
-        yield
-    finally:
-        _HOST_ALLOCATION.on = previous
+    return _HOST_ALLOCATION.raised()
 
 
 def mark_repeat(kind: str) -> None:
@@ -337,7 +332,7 @@ class MemoryTracker(TorchDispatchMode):
         if nbytes == 0:
             return None
         self._clock += 1
-        location = HOST if getattr(_HOST_ALLOCATION, "on", False) else DEVICE
+        location = HOST if _HOST_ALLOCATION.on else DEVICE
         record = _Record(nbytes, self._clock, category, location, shape, dtype, origin)
         self._live[key] = record
         self._records.append(record)

@@ -34,28 +34,21 @@ later op of the layer saves the MLP output or anything computed from it (the ada
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from typing import Callable, Sequence
 
 import torch
 
+from ..thread_flag import ThreadFlag
 from . import _autocast
 
 
-_unread = threading.local()  # set by outputs_unread() on the thread running the forward
+_unread = ThreadFlag()  # raised by outputs_unread() on the thread running the forward
 
 
-@contextlib.contextmanager
 def outputs_unread():
     """Tiled MLPs run forward in this block will only be backpropagated through, their
     output values never read (module docstring)."""
-    before = getattr(_unread, "active", False)
-    _unread.active = True
-    try:
-        yield
-    finally:
-        _unread.active = before
+    return _unread.raised()
 
 
 class _Mailbox:
@@ -144,4 +137,4 @@ def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, param
         return fn(x)  # one chunk (or no backward): nothing to save by tiling
     mailbox = _Mailbox()
     token = _TiledMLPGrad.apply(fn, chunk_tokens, mailbox, x, *params)  # saves x first: see the module docstring
-    return _TiledMLPOutput.apply(fn, chunk_tokens, mailbox, x.detach(), token, getattr(_unread, "active", False))
+    return _TiledMLPOutput.apply(fn, chunk_tokens, mailbox, x.detach(), token, _unread.on)
