@@ -320,3 +320,15 @@ def test_plan_over_several_gpus_shards_states_and_splits_the_sequence():
     assert row_two.strategy["sequence_parallel"]["degree"] == 2
     assert row_two.device_bytes < row_one.device_bytes
     assert "2× h100" in two.verdict()
+
+
+def test_fpdt_is_predicted_without_the_mlp_output_only_where_the_adapter_allows():
+    """FPDT's recomputed layer skips its MLP output unless a later op saves it (Gemma-2):
+    the same shapes predict one MLP forward per layer more as Gemma-2 than as Llama."""
+    config = preset_config("tiny-gemma2")
+    fpdt = lt.Strategy.parse("mst", engine="fpdt:chunk=256")
+    gemma = step_time(config, 4096, fpdt).parts["matmul"]
+    config.model_type = "llama"
+    llama = step_time(config, 4096, fpdt).parts["matmul"]
+    mlp = 2.0 * 4096 * 3 * config.hidden_size * config.intermediate_size * config.num_hidden_layers
+    assert gemma - llama == pytest.approx(mlp / H100.matmul)

@@ -27,9 +27,9 @@ output node computes nothing and returns a NaN-filled placeholder of the output'
 and dtype (NaN, so that a reader shows at once), and the MLP's only forward there is the
 one its own backward needs. The placeholder has x's shape (a feed-forward block maps
 back to the residual width) and the dtype of its last linear (autocast's where autocast
-casts x, else x's); a mismatch would stop autograd with an error, not bend a gradient. Only valid where no
-later op of the layer saves the MLP output or anything computed from it (the adapter's
-``mlp_output_saved`` says so).
+casts x, else x's); a mismatch would stop autograd with an error, not bend a gradient.
+Only valid where no later op of the layer saves the MLP output or anything computed
+from it (the adapter's ``mlp_output_saved`` says so).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..memory.flops import attention_width
+from ..models.adapters import adapter_class
 
 
 @dataclass(frozen=True)
@@ -65,9 +66,6 @@ class StepTime:
 
     def mfu(self, peak: float) -> float:
         return self.model_flops / (self.seconds * peak)
-
-
-MLP_OUTPUT_SAVED = ("gemma2",)  # families whose MLP output a later op saves (their adapters' mlp_output_saved)
 
 
 def _shapes(config):
@@ -128,7 +126,7 @@ def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: 
         matmul += recomputed * layer_fwd
         kept = 0.0 if chunked else kept_output_share(config, s, checkpoint)
         attention_passes += recomputed * (1 - kept)  # the recomputation runs attention again (kept outputs skip it)
-        if tiled and not (engine == "fpdt" and config.model_type not in MLP_OUTPUT_SAVED):
+        if tiled and not (engine == "fpdt" and not adapter_class(config.model_type).mlp_output_saved):
             # The MLP forward a third time: checkpointing's (fitted: its replay stops before the
             # MLP, but the measured steps carry this much more), SeCO's recomputed chunk, which
             # the next layer reads; FPDT's recomputed layer is only backpropagated through and

@@ -123,6 +123,12 @@ def supported_families() -> list[str]:
     return sorted(_ADAPTERS)
 
 
+def adapter_class(family: str | None) -> type[DecoderAdapter]:
+    """The adapter class of ``family`` (a config's ``model_type``), or the Llama-layout
+    base class for one not registered: what it knows without a model (e.g. for the planner)."""
+    return _ADAPTERS.get(family, DecoderAdapter)
+
+
 def adapter_for(model: nn.Module) -> DecoderAdapter:
     """The adapter of ``model``'s family, or one clear line naming the supported ones."""
     base = unwrap(model)
