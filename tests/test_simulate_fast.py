@@ -154,3 +154,33 @@ def test_simulate_reports_progress_on_stderr(capsys):
     code, _, err = _cli(capsys, "simulate", "--model", "tiny-llama", "--seq-len", "256", "--exact")
     assert code == 0 and "longtrain simulate: simulating all 2 layers at 256 tokens" in err
     assert "step 2 of 2 (measured)" in err
+
+
+@pytest.mark.parametrize("spec", ["mst:mlp_chunk=16:loss_chunks=40", "checkpoint,mst:mlp_chunk=16:loss_chunks=40"])
+def test_fake_tensors_run_three_tiles_and_keep_every_peak(spec, monkeypatch):
+    """On fake tensors the tiled MLP and the chunked head run their first two tiles and the
+    last (ops/tiles.py): the simulated step's peaks and categories are those of every tile
+    to the byte (here 38 MLP tiles and 40 head chunks, the last partial), and agree with the
+    exact CPU measurement within tests/test_memory.py's 2%."""
+    import longtrain.ops.tiles as tiles
+
+    build = lambda: build_from_config(preset_config("tiny-llama", num_hidden_layers=2))  # noqa: E731
+    skipped, _ = run_training_steps(build, seq_len=600, strategy=spec, fake=True, iterations=1)
+    monkeypatch.setattr(tiles, "is_fake", lambda tensor: False)
+    every, _ = run_training_steps(build, seq_len=600, strategy=spec, fake=True, iterations=1)
+    measured, _ = run_training_steps(build, seq_len=600, strategy=spec, fake=False, iterations=1)
+    assert (skipped.peak_device_bytes, skipped.peak_host_bytes) == (every.peak_device_bytes, every.peak_host_bytes)
+    assert skipped.by_category == every.by_category
+    assert abs(skipped.peak_device_bytes - measured.peak_device_bytes) <= 0.02 * measured.peak_device_bytes
+
+
+def test_tile_starts_are_every_tile_on_real_tensors_and_three_on_fake_ones():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from longtrain.ops.tiles import tile_starts
+
+    assert list(tile_starts(100, 16, torch.empty(1))) == list(range(0, 100, 16))
+    with FakeTensorMode():
+        fake = torch.empty(1)
+    assert tile_starts(100, 16, fake) == [0, 16, 96]
+    assert list(tile_starts(48, 16, fake)) == [0, 16, 32]

@@ -40,6 +40,7 @@ import torch
 
 from ..thread_flag import ThreadFlag
 from . import _autocast
+from .tiles import tile_starts
 
 
 _unread = ThreadFlag()  # raised by outputs_unread() on the thread running the forward
@@ -82,7 +83,7 @@ class _TiledMLPGrad(torch.autograd.Function):
         wanted = [p for p, needed in zip(ctx.params, ctx.needs_input_grad[4:]) if needed]
         grad_x = torch.empty_like(flat) if want_x else None
         sums: list[torch.Tensor | None] = [None] * len(wanted)
-        for start in range(0, flat.shape[0], ctx.chunk_tokens):
+        for start in tile_starts(flat.shape[0], ctx.chunk_tokens, flat):
             piece = flat[start : start + ctx.chunk_tokens].detach().requires_grad_(want_x)
             with torch.enable_grad(), _autocast.restore(ctx.autocast):
                 y = ctx.fn(piece)
@@ -111,7 +112,7 @@ class _TiledMLPOutput(torch.autograd.Function):
             cast = autocast and x.dtype != torch.float64  # autocast leaves float64 alone
             return torch.full_like(x, float("nan"), dtype=dtype if cast else x.dtype)
         out = None
-        for start in range(0, flat.shape[0], chunk_tokens):
+        for start in tile_starts(flat.shape[0], chunk_tokens, flat):
             y = fn(flat[start : start + chunk_tokens])
             if out is None:
                 out = y.new_empty((flat.shape[0], y.shape[-1]))
