@@ -110,7 +110,9 @@ ratios at width {args.width} ({config.intermediate_size} intermediate, vocabular
 8 query / 2 K/V heads), {args.tokens} tokens, float32 on the CPU; chunked engines at
 {args.chunk}-token chunks. Matmul FLOPs are relative to plain backprop's (which recomputes
 nothing): what each strategy's recomputation costs in matmuls, counted; MsT recomputes the
-MLP in its tiled backward and the head's logits in its chunked loss. Attention kernel calls
+MLP in its tiled backward (its chunked head forms its gradients with its logits, once), SeCO
+forms a chunk's logits twice. At this width the head is 38% of the matmul parameters (Llama-3-8B:
+7%), so the head weighs five times more in each ratio than in Llama-3-8B. Attention kernel calls
 count blocks (the chunked engines call one per block of the causal triangle); aten operations
 are everything dispatched, views included — a proxy for host launch work, which grows with
 the number of chunks."""

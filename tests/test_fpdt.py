@@ -90,10 +90,10 @@ def test_the_recomputed_layer_does_not_compute_its_mlp_output(preset, passes, mo
         assert not all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
 
 
-def test_the_head_runs_forward_once_per_chunk_and_backward_in_the_forward_pass():
-    """The head's logits are computed twice per chunk — its forward, which in training
-    backpropagates at once, and the chunked loss's own recomputation in backward — not a
-    third time in the layers' backward; evaluation (no gradients) computes them once."""
+def test_the_head_forms_its_logits_once_per_chunk_and_backpropagates_in_the_forward_pass():
+    """The head's logits are computed once per chunk, training or not: its forward, which
+    in training backpropagates at once (the chunked loss forms its gradients with the
+    logits), and not again in the layers' backward."""
     logits = []
 
     class Count(TorchDispatchMode):
@@ -109,7 +109,7 @@ def test_the_head_runs_forward_once_per_chunk_and_backward_in_the_forward_pass()
     batch = {"input_ids": torch.randint(0, config.vocab_size, (2, 80))}
     with Count():
         loss = lt.step(model, batch)
-    assert len(logits) == 2 * 3 and sum(logits) == 2 * 2 * 80  # 3 chunks of 2 rows, 80 tokens each row
+    assert len(logits) == 3 and sum(logits) == 2 * 80  # 3 chunks of 2 rows, 80 tokens each row
     logits.clear()
     with torch.no_grad(), Count():
         assert torch.equal(lt.step(model, batch), loss)

@@ -327,33 +327,52 @@ def test_checkpointed_tiled_mlp_runs_no_third_forward():
     assert _mlp_passes("tiny-gemma2", lt.Strategy(checkpoint=True, mst=mst)) == [3.0, 3.0]
 
 
-def test_head_weight_gradient_is_one_input_dtype_gemm_per_chunk():
-    """A bf16 head's backward runs, per chunk, three bf16 GEMMs (logits again, the input's
-    gradient, the weight's gradient into the float32 buffer) and no float32 GEMM (the
-    first GPU run found the weight gradient as float32 addmm_ calls at ~50 TFLOP/s).
-    Counted by dispatch and by torch.profiler; float64 stays one addmm_ per chunk."""
+def test_head_forms_logits_once_and_its_weight_gradient_is_one_input_dtype_gemm_per_chunk():
+    """A bf16 head's step runs, per chunk, three bf16 GEMMs, all in forward (the logits, the
+    input's gradient, the weight's gradient into the float32 buffer) and none in backward
+    (it only scales the stored gradients): the logits are formed once, as Liger's fused loss
+    does, where they were formed again in backward; and no float32 GEMM (the first GPU run
+    found the weight gradient as float32 addmm_ calls at ~50 TFLOP/s). Evaluation (no_grad)
+    runs the logits' GEMM only. Counted by dispatch and by torch.profiler; float64 stays one
+    addmm_ per chunk."""
     from torch.profiler import ProfilerActivity, profile
 
     n, d, vocab, chunks = 1024, 32, 512, 8
     x = torch.randn(1, n, d, dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(vocab, d, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, vocab, (1, n))
-    loss = chunked_causal_lm_loss(x, weight, labels, chunks=chunks)
-    with _MatmulFlops() as counted:
+    with _MatmulFlops() as forward:
+        loss = chunked_causal_lm_loss(x, weight, labels, chunks=chunks)
+    with _MatmulFlops() as backward:
         loss.backward()
     assert weight.grad.dtype == torch.bfloat16
-    assert len(counted.matmuls) == 3 * chunks
-    assert all(dtypes[-2:] == (torch.bfloat16, torch.bfloat16) for _, dtypes, _ in counted.matmuls), counted.matmuls
-    assert sum(shape == (vocab, d) for _, _, shape in counted.matmuls) == chunks  # the weight gradient
+    assert len(forward.matmuls) == 3 * chunks and backward.matmuls == []
+    assert all(dtypes[-2:] == (torch.bfloat16, torch.bfloat16) for _, dtypes, _ in forward.matmuls), forward.matmuls
+    assert sum(shape == (vocab, d) for _, _, shape in forward.matmuls) == chunks  # the weight gradient
     x.grad = weight.grad = None
-    loss = chunked_causal_lm_loss(x, weight, labels, chunks=chunks)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        loss.backward()
+        chunked_causal_lm_loss(x, weight, labels, chunks=chunks).backward()
     names = [e.name for e in prof.events() if e.name in ("aten::mm", "aten::addmm", "aten::addmm_")]
     assert len(names) == 3 * chunks
+    with torch.no_grad(), _MatmulFlops() as evaluation:
+        chunked_causal_lm_loss(x, weight, labels, chunks=chunks)
+    assert len(evaluation.matmuls) == chunks
     # float64: the weight gradient accumulates in place, one addmm_ per chunk
     x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
-    loss = chunked_causal_lm_loss(x64, w64, labels, chunks=chunks)
     with _MatmulFlops() as counted:
-        loss.backward()
+        chunked_causal_lm_loss(x64, w64, labels, chunks=chunks).backward()
     assert [name for name, _, _ in counted.matmuls].count("addmm_") == chunks
+
+
+def test_head_gradients_scale_with_the_incoming_gradient_and_survive_a_retained_graph():
+    """Backward multiplies the gradients formed in forward by the loss's incoming gradient
+    (a loss scaled for accumulation), into new tensors: a retained graph's second backward
+    adds the same again."""
+    hidden, weight, bias, labels = _head_case(300)
+    ref = _reference(hidden, weight, bias, labels, 0.0, None, 7)
+    got = chunked_causal_lm_loss(hidden, weight, labels, bias=bias, num_label_tokens=7, chunks=5)
+    expected = torch.autograd.grad(ref * 0.25, (hidden, weight, bias))
+    actual = torch.autograd.grad(got * 0.25, (hidden, weight, bias), retain_graph=True)
+    assert max(rel(a, b) for a, b in zip(actual, expected)) <= TOL
+    again = torch.autograd.grad(got * 0.25, (hidden, weight, bias))
+    assert all(torch.equal(a, b) for a, b in zip(actual, again))

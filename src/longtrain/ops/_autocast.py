@@ -18,3 +18,12 @@ def restore(state: tuple[str, bool, torch.dtype]):
     if not enabled:
         return contextlib.nullcontext()
     return torch.autocast(device_type=kind, dtype=dtype)
+
+
+def off(device: torch.device):
+    """Autocast switched off for ``device`` where it is on: work that must run in its
+    operands' own dtypes, as autograd's backward (outside autocast) would run it."""
+    kind = device.type
+    if kind not in ("cpu", "cuda") or not torch.is_autocast_enabled(kind):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=kind, enabled=False)

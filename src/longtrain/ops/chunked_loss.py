@@ -1,17 +1,20 @@
 """LM head + cross-entropy in mini-sequences: the full logits are never materialized.
 
-Forward computes, chunk by chunk of tokens, the logits, their log-sum-exp in float32
-and the loss terms, and keeps only the head input and one float per token (the LSE).
-Backward recomputes each chunk's logits and forms the gradient of the loss with
-respect to the logits in closed form, so the peak holds one chunk's logits instead of
-all of them: (softmax − (1−ε)·onehot − ε/V) · scale, times the soft-cap derivative when
-logits are soft-capped (Gemma-2) and the logit scale when the head has one (Granite,
-Cohere). Gradients go to the input, the weight and the bias;
-a frozen head gets none (and no buffer). No step reads a value back to the host, so
-the chunks run without synchronizing. Per chunk, backward runs three GEMMs in the input
-dtype — the logits again, the input's gradient, and the weight's gradient added into one
-preallocated buffer (float32 for a half-precision head, accumulated by the GEMM itself
-on CUDA) — so the head's backward runs at tensor-core speed.
+Chunk by chunk of tokens, forward computes the logits, their log-sum-exp in float32 and
+the loss terms and, when a gradient will be wanted (grad mode on and the input, weight or
+bias requiring one), the gradients too, while the chunk's logits exist: the loss's
+gradient with respect to the logits is closed-form, (softmax − (1−ε)·onehot − ε/V) per
+target token over the normalizer, times the soft-cap derivative when logits are soft-capped
+(Gemma-2) and the logit scale when the head has one (Granite, Cohere). So the logits are
+formed once per step, not again in backward (Liger's fused linear cross-entropy does the
+same), and the peak holds one chunk's logits instead of all of them. Per chunk that is
+three GEMMs in the input dtype — the logits, the input's gradient, and the weight's
+gradient added into one preallocated buffer (float32 for a half-precision head,
+accumulated by the GEMM itself on CUDA) — at tensor-core speed. Backward only multiplies
+the stored gradients by the loss's incoming gradient (1 for ``loss.backward()``, where the
+product is exact) into new tensors, so a retained graph can run backward again. A frozen
+head gets no gradient (and no buffer). No step reads a value back to the host, so the
+chunks run without synchronizing.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ import warnings
 import torch
 
 from . import _autocast
-
 from .loss import IGNORE_INDEX, shift_labels
+from .tiles import tile_starts
 
 
 def _logits(x, weight, bias, logit_scale, softcap):
@@ -64,73 +67,83 @@ def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc += a @ b
 
 
+def _logits_grad(z, lse, targets, weights, label_smoothing, logit_scale, softcap, dtype):
+    """The gradient of ``Σ weights·(token loss)`` with respect to the chunk's pre-cap logits,
+    formed in ``z``'s buffer (``z`` is consumed), returned in ``dtype`` — the input's, as
+    autograd rounds the logits' gradient of a half-precision head — for tensor-core GEMMs."""
+    # d/du of softcap·tanh(u/softcap), taken before z is overwritten below
+    cap_slope = 1 - (z / softcap) ** 2 if softcap else None
+    dz = z.sub_(lse[:, None]).exp_()  # softmax, in z's buffer
+    dz.scatter_add_(1, targets[:, None], torch.full_like(dz[:, :1], -(1 - label_smoothing)))
+    if label_smoothing:
+        dz -= label_smoothing / dz.shape[1]
+    dz *= weights[:, None].to(dz.dtype)
+    if cap_slope is not None:
+        dz *= cap_slope
+        del cap_slope
+    if logit_scale != 1.0:
+        dz *= logit_scale
+    return dz.to(dtype)
+
+
+def _times(grad: torch.Tensor | None, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """``grad · factor`` as a new tensor of ``dtype``, rounded once (a float32 weight-gradient
+    buffer goes straight to a bf16 head's dtype)."""
+    if grad is None:
+        return None
+    return torch.mul(grad, factor, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, targets, normalizer, chunk_tokens, ignore_index, label_smoothing, logit_scale, softcap):
+    def forward(ctx, x, weight, bias, targets, normalizer, chunk_tokens, ignore_index, label_smoothing, logit_scale, softcap,
+                with_grads):
         n_tokens = x.shape[0]
         valid = targets != ignore_index
         safe_targets = torch.where(valid, targets, 0)
-        lse = torch.empty(n_tokens, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=x.device)
-        total = torch.zeros((), dtype=lse.dtype, device=x.device)
-        for start in range(0, n_tokens, chunk_tokens):
+        acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        total = torch.zeros((), dtype=acc_dtype, device=x.device)
+        want_x, want_w = with_grads and ctx.needs_input_grad[0], with_grads and ctx.needs_input_grad[1]
+        want_b = with_grads and bias is not None and ctx.needs_input_grad[2]
+        # Half-precision weights accumulate their gradient in float32, rounded once in backward.
+        grad_dtype = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
+        grad_x = torch.empty_like(x) if want_x else None
+        grad_w = torch.zeros(weight.shape, dtype=grad_dtype, device=weight.device) if want_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=grad_dtype, device=weight.device) if want_b else None
+        per_token = valid / normalizer  # each target's weight in the loss: a tensor, no host sync
+        for start in tile_starts(n_tokens, chunk_tokens, x):
             sl = slice(start, start + chunk_tokens)
             z = _logits(x[sl], weight, bias, logit_scale, softcap)
-            chunk_lse = torch.logsumexp(z, dim=-1)
-            lse[sl] = chunk_lse
+            lse = torch.logsumexp(z, dim=-1)
             target_logit = z.gather(1, safe_targets[sl, None]).squeeze(1)
-            terms = chunk_lse - (1 - label_smoothing) * target_logit
+            terms = lse - (1 - label_smoothing) * target_logit
             if label_smoothing:
                 terms = terms - label_smoothing * z.mean(dim=-1)
             total = total + (terms * valid[sl]).sum()
-            del z, terms  # drop this chunk's logits before the next chunk's exist
-        ctx.save_for_backward(x, weight, bias, safe_targets, valid, lse, normalizer)
-        ctx.chunk_tokens, ctx.label_smoothing, ctx.logit_scale, ctx.softcap = chunk_tokens, label_smoothing, logit_scale, softcap
-        ctx.autocast = _autocast.capture(x.device)
+            del terms
+            if not (want_x or want_w or want_b):
+                del z  # drop this chunk's logits before the next chunk's exist
+                continue
+            # The gradient's GEMMs run in the input dtype, as autograd's backward would run them
+            # (outside autocast, which would cast a float32 head's operands down).
+            with _autocast.off(x.device):
+                dz = _logits_grad(z, lse, safe_targets[sl], per_token[sl], label_smoothing, logit_scale, softcap, x.dtype)
+                del z  # the logits' buffer became their gradient; only its input-dtype copy is left
+                if want_b:
+                    grad_b += dz.sum(0).to(grad_dtype)
+                if want_w:
+                    _add_product(grad_w, dz.t(), x[sl])
+                if want_x:
+                    torch.mm(dz, weight, out=grad_x[sl])
+                del dz
+        ctx.save_for_backward(grad_x, grad_w, grad_b)
+        ctx.dtypes = x.dtype, weight.dtype, None if bias is None else bias.dtype
         return total / normalizer
 
     @staticmethod
     def backward(ctx, grad_loss):
-        x, weight, bias, targets, valid, lse, normalizer = ctx.saved_tensors
-        eps, softcap, logit_scale = ctx.label_smoothing, ctx.softcap, ctx.logit_scale
-        want_x, want_w, want_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
-        scale = grad_loss / normalizer  # d(total/normalizer)/d(total), a 0-d tensor: no host sync
-        grad_x = torch.empty_like(x) if want_x else None
-        # Half-precision weights accumulate their gradient in float32, rounded once at the end.
-        acc_dtype = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
-        grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if want_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=acc_dtype, device=weight.device) if want_b else None
-        vocab = weight.shape[0]
-        for start in range(0, x.shape[0], ctx.chunk_tokens):
-            sl = slice(start, start + ctx.chunk_tokens)
-            with _autocast.restore(ctx.autocast):
-                z = _logits(x[sl], weight, bias, logit_scale, softcap)
-            # d/du of softcap·tanh(u/softcap), taken before z is overwritten below
-            cap_slope = 1 - (z / softcap) ** 2 if softcap else None
-            dz = z.sub_(lse[sl, None]).exp_()  # softmax, in z's buffer
-            dz.scatter_add_(1, targets[sl, None], torch.full_like(dz[:, :1], -(1 - eps)))
-            if eps:
-                dz -= eps / vocab
-            dz *= (valid[sl, None] * scale).to(dz.dtype)
-            if cap_slope is not None:
-                dz *= cap_slope
-                del cap_slope
-            if logit_scale != 1.0:
-                dz *= logit_scale
-            if want_b:
-                grad_b += dz.sum(0).to(acc_dtype)
-            # Both matmuls take dz in the input dtype (the logits' gradient, rounded as
-            # autograd rounds it for a half-precision head): tensor-core GEMMs, never a
-            # float32 GEMM or a float32 copy of x (that ran at a twentieth of the speed).
-            dz_in = dz.to(x.dtype)
-            del z, dz
-            if want_w:
-                _add_product(grad_w, dz_in.t(), x[sl])
-            if want_x:
-                grad_x[sl] = dz_in @ weight
-            del dz_in
-        grad_w = grad_w.to(weight.dtype) if want_w else None
-        grad_b = grad_b.to(bias.dtype) if want_b else None
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+        grads = ctx.saved_tensors
+        return (*(_times(g, grad_loss, dtype) for g, dtype in zip(grads, ctx.dtypes)), *(None,) * 8)
 
 
 def chunked_causal_lm_loss(
@@ -179,7 +192,10 @@ def chunked_causal_lm_loss(
         normalizer = torch.as_tensor(num_label_tokens, dtype=torch.float32, device=x.device)
     if x.dtype == torch.float64:
         normalizer = normalizer.double()
+    # Gradients are formed with the logits (no second pass over them in backward) wherever
+    # autograd will record this call; under no_grad (evaluation, SeCO's first pass) only the loss.
+    with_grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     return _ChunkedLinearCrossEntropy.apply(
         x, weight, bias, targets, normalizer, chunk_tokens, ignore_index, float(label_smoothing), float(logit_scale),
-        float(softcap or 0.0),
+        float(softcap or 0.0), with_grads,
     )

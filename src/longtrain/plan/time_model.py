@@ -4,8 +4,10 @@ A step is counted per kind of work, each at the rate it runs at on the machine:
 
 - **matmuls** (projections, MLP, head) at ``matmul`` FLOP/s — with what each strategy
   recomputes: checkpointing a layer forward (none in the layers ``except_last`` leaves whole), MsT's tiled MLP its forward once more in
-  backward (and the MLP forward a third time under checkpointing), the chunked head its
-  logits, Memo the (1 − α) share of the token-wise forward;
+  backward (and the MLP forward a third time under checkpointing), SeCO/SpaCO a chunk's
+  logits (its no-grad pass and its recomputation; the chunked head forms its gradients
+  with its logits, so no engine's backward forms them again), Memo the (1 − α) share of
+  the token-wise forward;
 - **attention** at ``fused_attention`` FLOP/s over the whole sequence (one fused kernel)
   or ``block_attention`` FLOP/s in chunks (FPDT's block kernels; ``chunkwise_attention`` for
   SeCO/SpaCO, whose blocks each merge and accumulate a K/V gradient), with
@@ -156,8 +158,8 @@ def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: 
             exposed = n * max(0.0, moved / rates.host_bandwidth - layer_seconds)
     elif tiled and "checkpoint" not in techniques and not chunked:
         matmul += mlp_fwd
-    if chunked_head:
-        matmul += head_fwd  # logits again in backward
+    if engine in ("seco", "spaco"):
+        matmul += head_fwd  # a chunk's logits in its no-grad forward and again in its recomputation
     parts = {"matmul": matmul / rates.matmul}
     if tiled:  # the tiled MLP's backward (2 forward units of work) at its measured efficiency
         parts["tiled_mlp_slowdown"] = recomputed * 2 * mlp_fwd / rates.matmul * (1 / rates.tiled_mlp_efficiency - 1)
