@@ -93,10 +93,22 @@ class _TiledMLPGrad(torch.autograd.Function):
                 grad_x[start : start + piece.shape[0]] = grads.pop(0)
             for i, g in enumerate(grads):
                 if g is not None:
-                    sums[i] = g if sums[i] is None else sums[i].add_(g)
+                    sums[i] = _widened(g) if sums[i] is None else sums[i].add_(g)
         it = iter(sums)
-        param_grads = [next(it) if needed else None for needed in ctx.needs_input_grad[4:]]
+        param_grads = [_rounded(next(it), p) if needed else None for p, needed in zip(ctx.params, ctx.needs_input_grad[4:])]
         return (None, None, None, grad_x.view_as(x) if want_x else None, *param_grads)
+
+
+def _widened(grad: torch.Tensor) -> torch.Tensor:
+    """The first tile's weight gradient as the sum's buffer: float32 for a half-precision
+    weight. Summed in bf16, each tile's add rounds the running sum to 8 bits, and the error
+    grows with the tile count (64 tiles: twice a stock bf16 backward's, 256: four times —
+    tests/test_mst.py); in float32 the sum is rounded once, as stock's single GEMM is."""
+    return grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+
+
+def _rounded(total: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:
+    return None if total is None else total.to(param.dtype)
 
 
 class _TiledMLPOutput(torch.autograd.Function):
