@@ -25,7 +25,7 @@ fit is not simulated. The rest are simulated fastest-predicted first; once one f
 the slower ones are listed as such without simulating them (``exhaustive=True``
 simulates them all), ``workers`` at a time in processes of their own. Each simulation
 covers the whole length (:func:`simulate_step`: the simulator extends per-phase peaks
-itself, about a minute per 8B candidate); simulations are cached in the process.
+itself, seconds to half a minute per 8B candidate); simulations are cached in the process.
 ``longest=True`` adds, per simulated strategy, the longest context it reaches (a search:
 :mod:`longtrain.plan.longest`).
 """
@@ -276,8 +276,8 @@ def simulate_step(config, seq_len: int, strategy: Strategy, dtype: str, batch: i
     state and streamed gradients. Cached in the process.
 
     Always the whole length: the simulator extends each phase's peak from a few layers and
-    chunks itself (plan/simulate.py), so a step of an 8B model costs about a minute at any
-    length; a chunked engine at a length of whole chunks reads its
+    chunks itself (plan/simulate.py), so a step of an 8B model costs seconds to half a minute at
+    any length; a chunked engine at a length of whole chunks reads its
     :func:`chunk_curve_of`, which shares those small simulations between lengths. (A line
     through the peaks at two and four FPDT chunks, used here before, underestimated long
     contexts: the peak moves from one phase to another as the length grows — Llama-3-8B,
@@ -460,7 +460,7 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
 
 class _Simulations:
     """The planned candidates' simulations (:func:`simulate_step`), in ``workers`` processes
-    when more than one: an 8B candidate takes a minute of one core, so a plan on two cores
+    when more than one: an 8B candidate takes up to half a minute of one core, so a plan on two cores
     answers in about half the time. Results are cached in this process as simulate_step's."""
 
     def __init__(self, workers: int):
