@@ -56,6 +56,7 @@ def batches(kind: str, dp_rank: int, dp: int) -> list[dict]:
 
 def strategy(name: str, degree: int) -> lt.Strategy:
     compute = None
+    name = name.removesuffix("/bf16-params")  # (run_case puts the parameters in bf16)
     if name.endswith("/bf16"):  # FSDP2 mixed precision: the float64 parameters compute in bfloat16
         name, compute = name[:-len("/bf16")], "bfloat16"
     engines = {
@@ -80,6 +81,8 @@ def run_case(model_kind: str, batch_kind: str, engine: str, degree: int, lora: b
         stock, ours = add_lora(stock, rank=4), add_lora(ours, rank=4)
         randomize_lora(stock)
         ours.load_state_dict(stock.state_dict())
+    if engine.endswith("/bf16-params"):  # bf16 parameters, sharded as they are: FPDT sums their chunk gradients in float32
+        ours.to(torch.bfloat16)
     every = [b for g in range(dp) for b in batches(batch_kind, g, dp)]
     mine = batches(batch_kind, dp_rank, dp)
     total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in every)

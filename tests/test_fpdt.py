@@ -2,13 +2,17 @@
 on, a chunk store that keeps its accounts, device memory that stops growing, and clear
 refusals. Its exactness against stock models is in test_exactness.py's table."""
 
+import contextlib
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import longtrain as lt
-from conftest import STRATEGIES, AttentionKernelCalls, check_step, packed_batch, padded_batch, stock_and_ours
+from conftest import (STRATEGIES, AttentionKernelCalls, backward_on_another_thread, check_step, packed_batch, padded_batch,
+                      stock_and_ours)
 from longtrain.memory.chunk_store import ChunkStore
 from longtrain.plan.simulate import run_training_steps
 from longtrain.memory.tracker import MemoryTracker
@@ -552,3 +556,92 @@ def test_host_reads_per_step_do_not_grow_with_the_layers(strategy):
             lt.step(model, batch)
         counts.append(reads.count)
     assert counts[0] == counts[1], counts
+
+
+def _bf16_gradients(strategy, batch, reference, threads=False):
+    """Every parameter's gradient of one step of ``strategy`` on the bf16 copy of
+    ``reference``, and its error against the float64 gradient, relative to its norm."""
+    model = copy.deepcopy(reference).to(torch.bfloat16)
+    if strategy is not None:
+        lt.apply(model, strategy)
+    with backward_on_another_thread() if threads else contextlib.nullcontext():
+        lt.step(model, batch)
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def bf16_case():
+    """Tiny-Llama (2 layers) in float64, 1,024 tokens, and its float64 gradients."""
+    config = preset_config("tiny-llama", num_hidden_layers=2)
+    torch.manual_seed(0)
+    exact = build_from_config(config, torch.float64)
+    batch = {"input_ids": torch.randint(0, config.vocab_size, (1, 1024), generator=torch.Generator().manual_seed(0))}
+    model = copy.deepcopy(exact)
+    lt.step(model, batch)
+    return exact, batch, {name: p.grad for name, p in model.named_parameters()}
+
+
+def _errors(grads, exact):
+    """Each weight matrix's error relative to its norm, and the norm weights' together
+    (vectors of 64: one at a time their errors are too few numbers to compare)."""
+    def rel(names):
+        return float(torch.cat([(grads[n].double() - exact[n]).flatten() for n in names]).norm()
+                     / torch.cat([exact[n].flatten() for n in names]).norm())
+    errors = {n: rel([n]) for n, g in grads.items() if g.dim() > 1}
+    errors["norms"] = rel([n for n, g in grads.items() if g.dim() == 1])
+    return errors
+
+
+def test_bf16_gradients_are_summed_over_chunks_in_float32_whatever_the_chunk_count(bf16_case):
+    """FPDT backpropagates each layer once per chunk; a bf16 layer's (and the head's)
+    gradients are summed over the chunks in float32 and rounded once, so in 64 chunks
+    every gradient is as close to float64 as stock bf16 backprop's (one GEMM over every
+    token, one rounding). Summed in bf16 by autograd (``float32_grad_sum=false``), the
+    LM head's error was 2.2x stock's, ``down_proj``'s 1.6x, ``o_proj``'s up to 1.6x."""
+    exact, batch, reference = bf16_case
+    stock = _errors(_bf16_gradients(None, batch, exact), reference)
+    summed = _errors(_bf16_gradients(_fpdt(chunk=16), batch, exact, threads=True), reference)
+    ratios = {n: summed[n] / stock[n] for n in stock}
+    assert max(ratios.values()) < 1.2, ratios
+    autograd = _errors(_bf16_gradients(_fpdt(chunk=16, float32_grad_sum=False), batch, exact), reference)
+    assert autograd["lm_head.weight"] > 1.8 * stock["lm_head.weight"]  # what the float32 sum removes
+
+
+def test_summed_gradients_add_to_what_earlier_micro_batches_left(bf16_case):
+    """A second micro-batch's float32 sum is added to ``.grad`` before the one rounding:
+    the same batch twice gives exactly twice the first gradient (the sum rounds to the
+    first's bf16 value within half a unit, and twice that is representable)."""
+    exact, batch, _ = bf16_case
+    model = copy.deepcopy(exact).to(torch.bfloat16)
+    lt.apply(model, _fpdt(chunk=64, offload=True))
+    lt.step(model, batch)
+    first = {n: p.grad.clone() for n, p in model.named_parameters()}
+    lt.step(model, batch)
+    for n, p in model.named_parameters():
+        if "embed" not in n:  # the embeddings' gradient is autograd's sum (it does not grow with the chunks)
+            assert torch.equal(p.grad, 2 * first[n]), n
+
+
+def test_seco_sums_in_float32_when_asked(bf16_case):
+    exact, batch, reference = bf16_case
+    stock = _errors(_bf16_gradients(None, batch, exact), reference)
+    seco = lt.Strategy(engine="seco", engine_options={"chunk": 16, "float32_grad_sum": True})
+    summed = _errors(_bf16_gradients(seco, batch, exact), reference)
+    assert max(summed[n] / stock[n] for n in stock) < 1.2
+
+
+def test_float32_sum_leaves_other_parameters_and_dtypes_to_autograd():
+    from longtrain.engines.gradient_sum import Float32GradientSum
+
+    half, full = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16)), torch.nn.Parameter(torch.ones(3))
+    frozen = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16), requires_grad=False)
+    half.grad = torch.full((3,), 256.0, dtype=torch.bfloat16)
+    with Float32GradientSum([half, full, frozen, half]) as sums:
+        assert sums.params == [half] and half.grad is None
+        for _ in range(4):  # 256 + 4 x 1 is 260 in float32; bf16 (8 bits) would stay at 256 after every add
+            (half.sum() + full.sum()).backward()
+            sums.collect()
+        assert half.grad is None and torch.equal(full.grad, torch.full((3,), 4.0))
+    assert torch.equal(half.grad, torch.full((3,), 260.0, dtype=torch.bfloat16))
+    with Float32GradientSum([half], enabled=False) as sums:
+        assert sums.params == [] and half.grad is not None

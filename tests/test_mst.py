@@ -101,6 +101,28 @@ def test_chunked_loss_is_exact(length, smoothing, softcap, logit_scale):
         assert max(rel(a, b) for a, b in zip(actual, expected)) <= TOL
 
 
+def test_a_carry_sums_the_head_gradients_over_calls_and_hands_them_over_once():
+    """FPDT's head runs once per chunk of the sequence: with one GradientCarry the weight's
+    and bias's gradients stay in the op's buffer until the last call, which hands their
+    sum to autograd — the whole sequence's gradients, in one .grad assignment."""
+    from longtrain.ops.chunked_loss import GradientCarry
+    from longtrain.ops.loss import shift_labels
+
+    hidden, weight, bias, labels = _head_case(61)
+    ref = _reference(hidden, weight, bias, labels, 0.0, None, 7)
+    expected = torch.autograd.grad(ref, (hidden, weight, bias))
+    targets, carry = shift_labels(labels), GradientCarry()
+    pieces = [(0, 23), (23, 46), (46, 61)]
+    for n, (a, b) in enumerate(pieces):
+        carry.last = n == len(pieces) - 1
+        loss = chunked_causal_lm_loss(hidden[:, a:b], weight, targets[:, a:b], bias=bias, num_label_tokens=7, shifted=True,
+                                      chunks=2, carry=carry)
+        loss.backward()
+        assert (weight.grad is None and bias.grad is None) == (not carry.last)
+    assert carry.weight is None and carry.bias is None  # the last call handed the buffers over
+    assert max(rel(a, b) for a, b in zip((hidden.grad, weight.grad, bias.grad), expected)) <= TOL
+
+
 def test_chunked_loss_reductions_and_frozen_head():
     hidden, weight, bias, labels = _head_case(300)
     n_valid = int((labels[:, 1:] != -100).sum())

@@ -2,6 +2,7 @@
 AdamW on the device, gradients streamed to the host during backward, checkpoints that
 resume bit for bit."""
 
+import copy
 import json
 
 import pytest
@@ -95,6 +96,31 @@ def test_half_precision_parameters_get_float32_masters():
     # Small updates accumulate in the masters even where the bf16 weights cannot show them.
     for p, m in zip(params, optimizer.masters):
         assert torch.equal(p.detach(), m.to(torch.bfloat16))
+
+
+def test_streamed_gradients_are_fpdts_float32_sums():
+    """FPDT sums a bf16 layer's chunk gradients in float32 and writes the sum to ``.grad``
+    when the layer is done: the gradients streamed to the host during backward (two
+    micro-batches) are exactly those the same steps leave on the device without offload,
+    and each group leaves the device once, before the end of backward."""
+    ours, _ = _pair("tiny-llama")
+    ours.to(torch.bfloat16)
+    reference = copy.deepcopy(ours)
+    strategy = lt.Strategy(engine="fpdt", engine_options={"chunk": 16})
+    lt.apply(ours, strategy), lt.apply(reference, strategy)
+    batches = [padded_batch(ours.config.vocab_size, seed=s) for s in (1, 2)]
+    params = [p for p in ours.parameters() if p.requires_grad]
+    optimizer = HostAdamW(params, parameter_groups(ours, params))
+    flushed = []
+    flush = optimizer._flush
+    optimizer._flush = lambda indices: (flushed.append(sorted(indices)), flush(indices))
+    for k, batch in enumerate(batches):
+        with streaming(optimizer, last=k == 1):
+            lt.step(ours, batch, num_label_tokens=60)
+        lt.step(reference, batch, num_label_tokens=60)
+    for host, p in zip(optimizer.host_grads, reference.parameters()):
+        assert torch.equal(host, p.grad)
+    assert len(flushed) > 2 and len({i for indices in flushed for i in indices}) == sum(map(len, flushed))
 
 
 def test_offloaded_run_resumes_bit_for_bit(tmp_path, capsys):

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_map
 
 from ..memory.chunk_store import PinnedPool
 from ..models.adapters import DecoderAdapter, Head
-from ..ops.chunked_loss import chunked_causal_lm_loss
+from ..ops.chunked_loss import GradientCarry, chunked_causal_lm_loss
 from ..ops.loss import logits_loss
 
 if TYPE_CHECKING:  # the strategy module sits above the engines; only its type is named here
@@ -40,12 +40,12 @@ class LossHead(nn.Module):
         self.plain_linear = head.linear is not None  # decided before any wrapper (FSDP) changes its class
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor, num_label_tokens: int, fused: bool,
-                chunks: int | None) -> torch.Tensor:
+                chunks: int | None, carry: GradientCarry | None = None) -> torch.Tensor:
         if not fused:
             return logits_loss(self.head(hidden), targets, num_label_tokens, logit_scale=self.logit_scale, softcap=self.softcap)
         return chunked_causal_lm_loss(
             hidden, self.head.weight, targets, bias=self.head.bias, shifted=True, num_label_tokens=num_label_tokens,
-            chunks=chunks, logit_scale=self.logit_scale, softcap=self.softcap,
+            chunks=chunks, logit_scale=self.logit_scale, softcap=self.softcap, carry=carry,
         )
 
 
@@ -63,10 +63,12 @@ class HeadLoss:
     fused: bool
     chunks: int | None = None
 
-    def __call__(self, hidden: torch.Tensor, targets: torch.Tensor, num_label_tokens: int) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, targets: torch.Tensor, num_label_tokens: int,
+                 carry: GradientCarry | None = None) -> torch.Tensor:
         """Sum of the token losses of ``hidden`` (B, S, d) against position-aligned
-        ``targets`` (B, S), divided by ``num_label_tokens``."""
-        return self.module(hidden, targets, num_label_tokens, self.fused, self.chunks)
+        ``targets`` (B, S), divided by ``num_label_tokens``. ``carry`` (fused only): the
+        head's gradients summed over calls (:class:`~longtrain.ops.chunked_loss.GradientCarry`)."""
+        return self.module(hidden, targets, num_label_tokens, self.fused, self.chunks, carry)
 
 
 @dataclass

@@ -36,10 +36,12 @@ from ..memory.tracker import mark_repeat
 from ..memory.units import format_bytes, pinned_host_budget
 from ..models.attention import AttentionCall, KeysParked
 from ..ops.causal_attention import attention_from_output
+from ..ops.chunked_loss import GradientCarry
 from ..ops.chunked_attention import attend_chunk, attend_chunk_backward, attend_chunk_forward, chunk_bounds
 from ..ops.masking import BlockPlanner
 from .base import EngineContext, HeadLoss
 from .batch import Shard
+from .gradient_sum import Float32GradientSum
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class ChunkSettings:
     recompute_kv: bool = False  # FPDT: park one layer's K/V at a time; recompute them in backward
     keep_output: bool = False  # FPDT: park each chunk's attention output and LSE; backward never re-runs attention
     segment: int = 1  # FPDT: layers per checkpoint segment (only every segment-th layer's input is parked)
+    float32_grad_sum: bool = False  # bf16 parameters: chunk gradients summed in float32, rounded once (engines/gradient_sum.py)
 
 
 _PARKED = object()  # marks a rotary table whose chunks live in the store
@@ -187,10 +190,29 @@ class ChunkedRun:
     def run_layer(self, index: int, hidden: torch.Tensor, i: int, mode: str) -> torch.Tensor:
         return self.adapter.run_layer(self.layers[index], hidden, self.position_embeddings(i), self.call(i, mode))
 
-    def chunk_loss(self, hidden: torch.Tensor, i: int) -> torch.Tensor:
+    def head_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters the head's backward reaches, for a :meth:`gradient_sum`: the final
+        norm's, and the LM head's unless the fused op sums them itself (:meth:`head_carry`)."""
+        fused = self.head_loss.fused
+        return [*self.adapter.norm().parameters(), *(() if fused else self.context.loss_head.parameters())]
+
+    def head_carry(self) -> GradientCarry | None:
+        """Where the settings ask for float32 sums over more than one chunk and the head is
+        the fused op: one carry for the step's head calls, which sum the weight's gradient
+        in the op's own float32 buffer and hand it to autograd once, at the last chunk."""
+        if self.head_loss.fused and self.settings.float32_grad_sum and len(self.bounds) > 1:
+            return GradientCarry()
+        return None
+
+    def gradient_sum(self, params) -> Float32GradientSum:
+        """A float32 sum of ``params``' gradients over this step's chunks, where the settings
+        ask for it and there is more than one chunk (:mod:`.gradient_sum`)."""
+        return Float32GradientSum(params, enabled=self.settings.float32_grad_sum and len(self.bounds) > 1)
+
+    def chunk_loss(self, hidden: torch.Tensor, i: int, carry: GradientCarry | None = None) -> torch.Tensor:
         mark_repeat("head chunk")
         a, b = self.bounds[i]
-        return self.head_loss(hidden, self.shard.targets[:, a:b], self.shard.num_label_tokens)
+        return self.head_loss(hidden, self.shard.targets[:, a:b], self.shard.num_label_tokens, carry)
 
     # ---- called by the attention backend ---------------------------------------------------
     def attend(self, index, mode, module, q, k, v, *, scale, window, softcap):

@@ -34,7 +34,9 @@ about a fifth of the attention time (forward, recomputed forward and backward â‰
 layer inputs (Llama-3-8B: 8 KiB + 128 B per token and layer in bf16), which could
 exceed the host silently; ``longtrain plan`` / ``--strategy auto`` weigh the
 ``keep_output`` candidates and choose them where memory allows (docs/speed.md).
-Parameter gradients accumulate in ``.grad`` through autograd.
+Parameter gradients reach ``.grad`` through autograd; with ``float32_grad_sum`` (default)
+a bf16/fp16 layer's gradients are summed over its chunks in float32 and rounded once
+(:mod:`.gradient_sum`), the head's over the last layer's forward likewise.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class FPDT:
     recompute_kv: bool = True  # keep one layer's K/V; recompute them (attention sub-block) in backward
     keep_output: bool = False  # park each chunk's attention output + LSE (Memo's idea): backward never re-runs attention
     segment: int = 1  # park every segment-th layer's input only; backward recomputes the layers between (one more forward)
+    float32_grad_sum: bool = True  # bf16/fp16 parameters: sum each layer's chunk gradients in float32, round once
 
     def __post_init__(self):
         validate.positive_int("fpdt", "chunk", self.chunk)
@@ -75,6 +78,7 @@ class FPDT:
         validate.flag("fpdt", "recompute_kv", self.recompute_kv)
         validate.flag("fpdt", "keep_output", self.keep_output)
         validate.positive_int("fpdt", "segment", self.segment)
+        validate.flag("fpdt", "float32_grad_sum", self.float32_grad_sum)
         if self.segment > 1 and (self.keep_output or not self.recompute_kv):
             raise LongtrainError("fpdt: segment > 1 parks fewer layer inputs; keep_output and recompute_kv=false park "
                                  "something per layer again â€” use segment alone (or segment=1 with them)")
@@ -89,6 +93,7 @@ class FPDT:
             host_budget=None if self.host_memory is None else parse_bytes(self.host_memory),
             offload_inputs=self.offload if self.offload_inputs is None else self.offload_inputs,
             recompute_kv=self.recompute_kv, keep_output=self.keep_output, segment=self.segment,
+            float32_grad_sum=self.float32_grad_sum,
         )
 
 
@@ -101,18 +106,23 @@ def forward_layer_major(run: ChunkedRun, train: bool) -> torch.Tensor:
     parked = run.settings.offload_inputs
     chunks = range(len(run.bounds))
     total = None
+    carry = run.head_carry() if train else None
     for layer in range(len(run.layers)):
         last = layer == len(run.layers) - 1
         run.prefetch_inputs(layer, 0)
-        for i in chunks:
-            for j in range(i + 1, i + 1 + ahead):
-                run.prefetch_inputs(layer, j)
-            out = run.run_layer(layer, _layer_input(run, layer, i), i, "forward")
-            if last:
-                loss = _head(run, out, i, train)
-                total = loss if total is None else total + loss
-            else:
-                store.put(("x", layer + 1, i), out, offload=parked)
+        # The head's gradients, one backward per chunk, are summed in float32 (bf16 weights): the
+        # fused head's in its own buffer (carry), the final norm's (and an unfused head's) here.
+        with run.gradient_sum(run.head_parameters() if last and train else ()) as sums:
+            for i in chunks:
+                for j in range(i + 1, i + 1 + ahead):
+                    run.prefetch_inputs(layer, j)
+                out = run.run_layer(layer, _layer_input(run, layer, i), i, "forward")
+                if last:
+                    loss = _head(run, out, i, train, carry)
+                    sums.collect()
+                    total = loss if total is None else total + loss
+                else:
+                    store.put(("x", layer + 1, i), out, offload=parked)
         if run.settings.recompute_kv:
             for i in chunks:
                 run.discard_kv(layer, i)
@@ -122,14 +132,17 @@ def forward_layer_major(run: ChunkedRun, train: bool) -> torch.Tensor:
     return total
 
 
-def _head(run: ChunkedRun, out: torch.Tensor, i: int, train: bool) -> torch.Tensor:
+def _head(run: ChunkedRun, out: torch.Tensor, i: int, train: bool, carry=None) -> torch.Tensor:
     """Chunk ``i``'s loss from the last layer's output; with ``train`` its backward too,
-    the output's gradient parked for the layers' backward."""
+    the output's gradient parked for the layers' backward. ``carry``: the fused head's
+    weight gradient is summed over the chunks and reaches ``.grad`` at the last one."""
     if not train:
         return run.chunk_loss(run.adapter.final_norm(out), i)
+    if carry is not None:
+        carry.last = i == len(run.bounds) - 1
     with torch.enable_grad():
         y = out.detach().requires_grad_(True)
-        loss = run.chunk_loss(run.adapter.final_norm(y), i)
+        loss = run.chunk_loss(run.adapter.final_norm(y), i, carry)
         torch.autograd.backward(loss)
     run.store.put(("dy", i), y.grad, offload=run.settings.offload_inputs)
     return loss.detach()
@@ -164,21 +177,26 @@ def backward_layer_major(run: ChunkedRun) -> None:
                                           run.call(i, "kv"))
         # While chunk i is recomputed and backpropagated, what chunk i - 1 reads comes back.
         _prefetch_backward(run, layer, chunks[-1])
-        for i in reversed(chunks):
-            _prefetch_backward(run, layer, i - 1)
-            if layer > 0:
-                x = store.pop(("x", layer, i)).detach().requires_grad_(True)
-            else:
-                x = adapter.embed(run.input_ids(i))
-            with unread_mlp_outputs():  # the layer's output is only backpropagated through, never read
-                out = run.run_layer(layer, x, i, "recompute")
-            torch.autograd.backward(out, store.pop(("dy", i)))
-            if layer > 0:
-                store.put(("dy", i), x.grad, offload=parked)
-            run.discard_kv(layer, i)
-            if i > 0 and run.settings.prefetch:  # chunk i sent chunk i - 1's K/V its last gradient: back while i - 1 recomputes
-                store.prefetch(("dk", layer, i - 1))
-                store.prefetch(("dv", layer, i - 1))
+        # The layer's gradients are summed over its chunks in float32 (bf16 weights); not the
+        # embeddings' (the first layer's backward runs on through them): a token's row gets
+        # gradients only from its own occurrences, and its error does not grow with the chunks.
+        with run.gradient_sum(run.layers[layer].parameters()) as sums:
+            for i in reversed(chunks):
+                _prefetch_backward(run, layer, i - 1)
+                if layer > 0:
+                    x = store.pop(("x", layer, i)).detach().requires_grad_(True)
+                else:
+                    x = adapter.embed(run.input_ids(i))
+                with unread_mlp_outputs():  # the layer's output is only backpropagated through, never read
+                    out = run.run_layer(layer, x, i, "recompute")
+                torch.autograd.backward(out, store.pop(("dy", i)))
+                sums.collect()
+                if layer > 0:
+                    store.put(("dy", i), x.grad, offload=parked)
+                run.discard_kv(layer, i)
+                if i > 0 and run.settings.prefetch:  # chunk i sent chunk i - 1's K/V its last gradient: back while i - 1 recomputes
+                    store.prefetch(("dk", layer, i - 1))
+                    store.prefetch(("dv", layer, i - 1))
 
 
 def _prefetch_backward(run: ChunkedRun, layer: int, i: int) -> None:

@@ -50,9 +50,13 @@ class SeCOOptions:
     offload: bool = False  # park K/V (and K/V gradients) in host memory
     prefetch: int = 1  # K/V chunks fetched ahead
     host_memory: str | int | None = None  # host budget, e.g. "64GiB"; default: half the physical memory on CUDA
+    # bf16/fp16 parameters: sum the chunks' gradients in float32 and round once (stock's precision at any
+    # chunk count) at the price of a float32 copy of every trainable parameter during backward.
+    float32_grad_sum: bool = False
 
     def __post_init__(self):
         validate.positive_int(self._name, "chunk", self.chunk)
+        validate.flag(self._name, "float32_grad_sum", self.float32_grad_sum)
         validate.positive_int(self._name, "prefetch", self.prefetch, minimum=0)
         validate.flag(self._name, "offload", self.offload)
         if self.host_memory is not None:
@@ -60,7 +64,8 @@ class SeCOOptions:
 
     def settings(self) -> ChunkSettings:
         return ChunkSettings(chunk=self.chunk, offload=self.offload, prefetch=self.prefetch,
-                             host_budget=None if self.host_memory is None else parse_bytes(self.host_memory))
+                             host_budget=None if self.host_memory is None else parse_bytes(self.host_memory),
+                             float32_grad_sum=self.float32_grad_sum)
 
 
 @dataclass
@@ -96,17 +101,20 @@ def backward_chunk_major(run: ChunkedRun, grad_loss: torch.Tensor, own_factor: f
     """Chunks from the last, each recomputed through the whole model against the parked
     K/V of earlier chunks and backpropagated from its own loss (times ``own_factor``)
     plus the K/V gradients later chunks relayed to it. With ``run.selected`` set
-    (SpaCO), only those chunks are recomputed."""
-    for i in reversed(range(len(run.bounds))):
-        if run.selected is None or i in run.selected:
-            # K/V gradients reach this chunk inside attend_chunk's backward (take_grad, which
-            # brings back the layer below's while this one runs); the top layer's start now.
-            if run.settings.prefetch:
-                run.store.prefetch(("dk", len(run.layers) - 1, i))
-                run.store.prefetch(("dv", len(run.layers) - 1, i))
-            torch.autograd.backward(_chunk_forward(run, i, "recompute"), grad_loss * own_factor)
-        for layer in range(len(run.layers)):
-            run.discard_kv(layer, i)
+    (SpaCO), only those chunks are recomputed. Every chunk's backward reaches every
+    layer: with ``float32_grad_sum`` the whole model's gradients are summed in float32."""
+    with run.gradient_sum(run.adapter.model.parameters()) as sums:
+        for i in reversed(range(len(run.bounds))):
+            if run.selected is None or i in run.selected:
+                # K/V gradients reach this chunk inside attend_chunk's backward (take_grad, which
+                # brings back the layer below's while this one runs); the top layer's start now.
+                if run.settings.prefetch:
+                    run.store.prefetch(("dk", len(run.layers) - 1, i))
+                    run.store.prefetch(("dv", len(run.layers) - 1, i))
+                torch.autograd.backward(_chunk_forward(run, i, "recompute"), grad_loss * own_factor)
+                sums.collect()
+            for layer in range(len(run.layers)):
+                run.discard_kv(layer, i)
 
 
 def _chunk_forward(run: ChunkedRun, i: int, mode: str) -> torch.Tensor:

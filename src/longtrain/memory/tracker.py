@@ -59,6 +59,14 @@ def mark_host_resident(tensor: torch.Tensor) -> None:
         tracker.set_location(tensor, HOST)
 
 
+def mark_gradient(tensor: torch.Tensor) -> None:
+    """Declare that ``tensor`` holds parameter gradients that autograd did not put in
+    ``.grad`` (a float32 sum of them, say, or such a sum written back): active trackers
+    count it under gradients. Without a tracker it does nothing."""
+    for tracker in _ACTIVE:
+        tracker.track(tensor, "gradients")
+
+
 @dataclass
 class TensorInfo:
     """One storage alive at the peak."""

@@ -15,6 +15,12 @@ the stored gradients by the loss's incoming gradient (1 for ``loss.backward()``,
 product is exact) into new tensors, so a retained graph can run backward again. A frozen
 head gets no gradient (and no buffer). No step reads a value back to the host, so the
 chunks run without synchronizing.
+
+A caller that runs the head on one sequence in several calls (FPDT: once per chunk, each
+backpropagated at once with gradient 1) passes one :class:`GradientCarry` to all of
+them: the weight's and bias's float32 buffers are carried from call to call, and only
+the last call hands their sum to autograd, rounded once — instead of one rounded
+gradient per call, summed in the weight's dtype.
 """
 
 from __future__ import annotations
@@ -26,6 +32,19 @@ import torch
 from . import _autocast
 from .loss import IGNORE_INDEX, shift_labels
 from .tiles import tile_starts
+
+
+class GradientCarry:
+    """The head's weight and bias gradient buffers, carried over a sequence's calls of
+    :func:`chunked_causal_lm_loss`. Every call adds its gradients to them; only the one
+    made with ``last`` set returns them through autograd (and starts the carry afresh).
+    Valid only where each call's loss is backpropagated with gradient 1 — the earlier
+    calls' share is summed before any incoming gradient is seen."""
+
+    def __init__(self):
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self.last = False
 
 
 def _logits(x, weight, bias, logit_scale, softcap):
@@ -97,7 +116,7 @@ def _times(grad: torch.Tensor | None, factor: torch.Tensor, dtype: torch.dtype) 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, targets, normalizer, chunk_tokens, ignore_index, label_smoothing, logit_scale, softcap,
-                with_grads):
+                with_grads, carry):
         n_tokens = x.shape[0]
         valid = targets != ignore_index
         safe_targets = torch.where(valid, targets, 0)
@@ -108,8 +127,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # Half-precision weights accumulate their gradient in float32, rounded once in backward.
         grad_dtype = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
         grad_x = torch.empty_like(x) if want_x else None
-        grad_w = torch.zeros(weight.shape, dtype=grad_dtype, device=weight.device) if want_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=grad_dtype, device=weight.device) if want_b else None
+        grad_w = _buffer(carry, "weight", weight.shape, grad_dtype, weight.device) if want_w else None
+        grad_b = _buffer(carry, "bias", weight.shape[:1], grad_dtype, weight.device) if want_b else None
         per_token = valid / normalizer  # each target's weight in the loss: a tensor, no host sync
         for start in tile_starts(n_tokens, chunk_tokens, x):
             sl = slice(start, start + chunk_tokens)
@@ -136,6 +155,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 if want_x:
                     torch.mm(dz, weight, out=grad_x[sl])
                 del dz
+        if carry is not None:
+            if not carry.last:  # the sum goes on in the next call: nothing for autograd yet
+                grad_w = grad_b = None
+            else:
+                carry.weight = carry.bias = None
         ctx.save_for_backward(grad_x, grad_w, grad_b)
         ctx.dtypes = x.dtype, weight.dtype, None if bias is None else bias.dtype
         return total / normalizer
@@ -143,7 +167,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grads = ctx.saved_tensors
-        return (*(_times(g, grad_loss, dtype) for g, dtype in zip(grads, ctx.dtypes)), *(None,) * 8)
+        return (*(_times(g, grad_loss, dtype) for g, dtype in zip(grads, ctx.dtypes)), *(None,) * 9)
+
+
+def _buffer(carry: GradientCarry | None, name: str, shape, dtype, device) -> torch.Tensor:
+    """A zeroed gradient buffer, or the one ``carry`` brings from earlier calls (kept there)."""
+    buffer = None if carry is None else getattr(carry, name)
+    if buffer is None:
+        buffer = torch.zeros(shape, dtype=dtype, device=device)
+        if carry is not None:
+            setattr(carry, name, buffer)
+    return buffer
 
 
 def chunked_causal_lm_loss(
@@ -161,6 +195,7 @@ def chunked_causal_lm_loss(
     logit_scale: float = 1.0,
     softcap: float | None = None,
     shifted: bool = False,
+    carry: GradientCarry | None = None,
 ) -> torch.Tensor:
     """Next-token loss of an LM head ``hidden @ weight.T + bias`` over (B, S, d) hidden states.
 
@@ -171,7 +206,8 @@ def chunked_causal_lm_loss(
     mini-sequences (default V/d, the paper's rule) or in chunks of ``chunk_tokens``.
     ``shifted=True``: ``labels`` are already the targets of each position (a slice of a
     longer sequence's shifted labels, as the chunked engines pass). ``logit_scale``
-    multiplies the logits (head output, bias included) before soft-capping.
+    multiplies the logits (head output, bias included) before soft-capping. ``carry``:
+    the weight's and bias's gradients are summed over calls (:class:`GradientCarry`).
     """
     if reduction not in ("normalized", "sum", "mean"):
         raise ValueError(f"reduction must be 'normalized', 'sum' or 'mean', got {reduction!r}")
@@ -197,5 +233,5 @@ def chunked_causal_lm_loss(
     with_grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     return _ChunkedLinearCrossEntropy.apply(
         x, weight, bias, targets, normalizer, chunk_tokens, ignore_index, float(label_smoothing), float(logit_scale),
-        float(softcap or 0.0), with_grads,
+        float(softcap or 0.0), with_grads, carry,
     )
