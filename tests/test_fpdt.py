@@ -559,8 +559,8 @@ def test_host_reads_per_step_do_not_grow_with_the_layers(strategy):
 
 
 def _bf16_gradients(strategy, batch, reference, threads=False):
-    """Every parameter's gradient of one step of ``strategy`` on the bf16 copy of
-    ``reference``, and its error against the float64 gradient, relative to its norm."""
+    """Every parameter's gradient of one step of ``strategy`` (None: plain backprop) on a
+    bf16 copy of ``reference``."""
     model = copy.deepcopy(reference).to(torch.bfloat16)
     if strategy is not None:
         lt.apply(model, strategy)

@@ -56,9 +56,9 @@ class SeCOOptions:
 
     def __post_init__(self):
         validate.positive_int(self._name, "chunk", self.chunk)
-        validate.flag(self._name, "float32_grad_sum", self.float32_grad_sum)
         validate.positive_int(self._name, "prefetch", self.prefetch, minimum=0)
         validate.flag(self._name, "offload", self.offload)
+        validate.flag(self._name, "float32_grad_sum", self.float32_grad_sum)
         if self.host_memory is not None:
             validate.byte_size(self._name, "host_memory", self.host_memory)
 
