@@ -23,21 +23,35 @@ from longtrain.memory.chunk_store import ChunkStore, PinnedPool
 from longtrain.memory.tracker import MemoryTracker
 
 
+def _mapped(address: int) -> bool:
+    """Whether ``address`` lies in one of this process's memory mappings (Linux)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= address < end:
+                return True
+    return False
+
+
 class FakeRuntime:
-    """Records what a CUDA runtime would lock and unlock; ``status`` is what registering returns."""
+    """Records what a CUDA runtime would lock and unlock; ``status`` is what registering
+    returns, and a failure stays the thread's ``last_error`` until read, as the runtime's does."""
 
     def __init__(self, status: int = 0):
-        self.status, self.log, self.locked = status, [], {}
+        self.status, self.log, self.locked, self.last_error = status, [], {}, 0
 
     def cudaHostRegister(self, address, nbytes, flags):
         self.log.append(("register", address, nbytes))
         if self.status == 0:
             assert address not in self.locked, "registered twice"
             self.locked[address] = nbytes
+        else:
+            self.last_error = self.status
         return self.status
 
     def cudaHostUnregister(self, address):
         self.log.append(("unregister", address))
+        assert _mapped(address), "unlocking pages that are no longer mapped"
         assert self.locked.pop(address, None) is not None, "unregistered memory that was not registered"
         return 0
 
@@ -77,6 +91,8 @@ def test_without_pinning_or_elements_nothing_is_locked(runtime):
 def test_a_refused_registration_falls_back_to_pytorchs_pinned_memory(monkeypatch):
     fake = FakeRuntime(status=1)  # e.g. the locked-memory limit
     monkeypatch.setattr(pinned, "_cudart", lambda: fake)
+    # The next kernel's launch check would raise the refusal as its own error: it is read at once.
+    monkeypatch.setattr(pinned, "_clear_last_error", lambda: setattr(fake, "last_error", 0))
     fallback = []
     real_empty = torch.empty
 
@@ -86,7 +102,23 @@ def test_a_refused_registration_falls_back_to_pytorchs_pinned_memory(monkeypatch
 
     monkeypatch.setattr(pinned.torch, "empty", empty)
     buffer = pinned.host_empty(1000, torch.float32, pin=True)
-    assert buffer.shape == (1000,) and fallback[-1] is True and fake.locked == {}
+    assert buffer.shape == (1000,) and fallback[-1] is True and fake.locked == {} and fake.last_error == 0
+
+
+@pytest.mark.parametrize("strategy", [lt.Strategy(engine="fpdt", engine_options={"chunk": 64, "offload": True}),
+                                      lt.Strategy(checkpoint=True, mst=True), lt.Strategy(memo=lt.Memo(alpha=0.5, keep_last=1))])
+def test_a_simulation_on_a_gpu_machine_locks_nothing(strategy, runtime, monkeypatch):
+    """The pools pin on a machine with CUDA; a simulation (fake tensors: ``longtrain plan``,
+    ``--strategy auto``) allocates nothing, so it must lock nothing — a real locked buffer
+    under fake tensors failed the simulation's first view of it."""
+    from longtrain.models.loading import build_from_config
+    from longtrain.models.presets import preset_config
+    from longtrain.plan.simulate import run_training_steps
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    report, _ = run_training_steps(lambda: build_from_config(preset_config("tiny-llama"), torch.float32), seq_len=256,
+                                   strategy=strategy, optimizer="none", iterations=1)
+    assert report.peak_host_bytes > 0 and runtime.log == []
 
 
 def test_the_pool_locks_each_buffer_once_and_counts_the_bytes_asked_for(runtime):
@@ -127,7 +159,7 @@ def _shard(device: str):
 
 
 def _check(monkeypatch, shard, budget=None, need=10 * 2**30, default=2**30):
-    monkeypatch.setattr(chunked, "host_bytes_needed", lambda *args: need)
+    monkeypatch.setattr(chunked, "host_bytes_needed", lambda *args, **kwargs: need)
     monkeypatch.setattr(chunked, "pinned_host_budget", lambda: default)
     embeddings = types.SimpleNamespace(weight=torch.zeros(1, dtype=torch.bfloat16))
     context = types.SimpleNamespace(adapter=types.SimpleNamespace(
