@@ -154,9 +154,10 @@ STRATEGIES = {
     "fpdt+offload+mst": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "offload": True, "prefetch": 2},
                                             mst=lt.MsT(loss_chunks=3)),
     "fpdt+offload,kv-kept": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "offload": True, "recompute_kv": False}),
-    # Attention outputs kept per chunk: the recomputation never attends again.
+    # Attention outputs kept per chunk in the lowest layer (keep_output=1 of the 2): its
+    # recomputation never attends again, the layer above's does.
     "fpdt+offload,output-kept+mst": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "offload": True,
-                                                                                       "keep_output": True},
+                                                                                       "keep_output": 1},
                                                         mst=lt.MsT(loss_chunks=3)),
     # Segments of two layers: only layer 0's input (its embeddings) parked; backward recomputes layer 1's.
     "fpdt+segment+offload": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "offload": True, "segment": 2}),

@@ -4,6 +4,7 @@ refusals. Its exactness against stock models is in test_exactness.py's table."""
 
 import contextlib
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -426,15 +427,66 @@ def test_kept_attention_outputs_mean_attention_runs_forward_once():
     (tests/test_exactness.py runs 'fpdt+offload,output-kept+mst' on every family)."""
     batch = {"input_ids": torch.randint(3, 300, (2, 160), generator=torch.Generator().manual_seed(0))}
     counts = {}
-    for keep in (False, True):
+    for keep in (False, True, 1):  # 1: the lowest of the 2 layers only
         model = build_from_config(preset_config("tiny-llama"))
         lt.apply(model, lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "keep_output": keep}))
         with AttentionKernelCalls() as kernels:
             lt.step(model, batch)
-        counts[keep] = kernels.calls
+        counts[repr(keep)] = kernels.calls  # (not keep itself: 1 == True as a key)
     forward, backward = "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"
-    assert counts[True][backward] == counts[False][backward] == counts[True][forward]
-    assert counts[False][forward] == 2 * counts[True][forward]
+    every, none, lowest = counts["True"], counts["False"], counts["1"]
+    assert every[backward] == none[backward] == lowest[backward] == every[forward]
+    assert none[forward] == 2 * every[forward]
+    assert 2 * lowest[forward] == 3 * every[forward]  # the upper layer attends again
+
+
+def test_keep_output_fit_keeps_as_many_layers_outputs_as_the_host_budget_holds(monkeypatch):
+    """``keep_output=fit``: the lowest layers whose attention outputs fit the host budget
+    beside the parked inputs and K/V keep them, the others attend again; the step stays
+    exact (float64, backward on another thread), its parked bytes within the budget, and a
+    budget that does not hold even the inputs is refused in one line before any work."""
+    from longtrain.engines import chunked
+
+    resolved = []
+    count = chunked.kept_output_layers
+
+    def recording(context, shard, settings):
+        resolved.append((count(context, shard, settings), context, shard, settings))
+        return resolved[-1][0]
+
+    monkeypatch.setattr(chunked, "kept_output_layers", recording)
+    peaks = []  # each step's store at its fullest
+    reserve = ChunkStore._reserve
+
+    def reserving(self, nbytes, key):
+        reserve(self, nbytes, key)
+        if not peaks or self.host_bytes > peaks[-1][1]:
+            peaks.append((self, self.host_bytes))
+
+    monkeypatch.setattr(ChunkStore, "_reserve", reserving)
+    config = preset_config("tiny-llama")
+    config.num_hidden_layers = 4
+    batch = padded_batch(config.vocab_size, lengths=(101, 77))
+
+    def fpdt(**options):
+        return lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "offload": True, "keep_output": "fit", **options})
+
+    # Unbounded on the CPU (nothing is pinned there): every layer keeps its output.
+    lt.step(lt.apply(build_from_config(config), fpdt()), batch)
+    kept, context, shard, settings = resolved[-1]
+    assert kept == 4
+    parked = chunked.host_bytes_needed(context, shard, settings, torch.float64, kept_outputs=0)
+    per_layer = chunked.host_bytes_needed(context, shard, settings, torch.float64, kept_outputs=1) - parked
+    budget = parked + 5 * per_layer // 2
+
+    stock, ours = stock_and_ours(config)
+    check_step(stock, ours, fpdt(host_memory=budget), batch, another_thread=True)
+    kept, context, shard, settings = resolved[-1]
+    # What the check counts bounds what the store parks (its own budget would stop the step midway).
+    assert kept == 2 and peaks[-1][1] <= chunked.host_bytes_needed(context, shard, settings, torch.float64) <= budget
+    assert count(context, shard, dataclasses.replace(settings, offload_inputs=False)) == 0  # inputs on the device: none
+    with pytest.raises(lt.LongtrainError, match="needs .* of host memory .* the host budget is"):
+        lt.step(lt.apply(build_from_config(config, torch.float64), fpdt(host_memory=parked - 1)), batch)
 
 
 @pytest.mark.parametrize("engine,options", [("fpdt", dict(keep_output=True)), ("fpdt", dict(segment=2)), ("seco", {})])
@@ -645,3 +697,35 @@ def test_float32_sum_leaves_other_parameters_and_dtypes_to_autograd():
     assert torch.equal(half.grad, torch.full((3,), 260.0, dtype=torch.bfloat16))
     with Float32GradientSum([half], enabled=False) as sums:
         assert sums.params == [] and half.grad is not None
+
+
+@pytest.mark.parametrize("engine,options", [
+    ("fpdt", {}), ("fpdt", {"keep_output": True}), ("fpdt", {"keep_output": 2, "prefetch": 2}), ("fpdt", {"segment": 2}),
+    ("fpdt", {"recompute_kv": False}), ("fpdt", {"offload_inputs": False}), ("seco", {}), ("spaco", {"budget": 2}),
+])
+def test_the_host_budget_check_bounds_what_the_store_parks(engine, options, monkeypatch):
+    """The refusal before a step counts at least what the step's store parks at its fullest
+    (K/V-gradient sums included: one layer's in FPDT, every layer's in the chunk-major
+    engines): a budget the check lets through is never exceeded midway, where the store's own
+    check would end the step after its forward."""
+    from longtrain.engines import chunked
+
+    counted, peak = [], [0]
+    needed, reserve = chunked.host_bytes_needed, ChunkStore._reserve
+
+    def counting(*args, **kwargs):
+        counted.append(needed(*args, **kwargs))
+        return counted[-1]
+
+    def reserving(self, nbytes, key):
+        reserve(self, nbytes, key)
+        peak[0] = max(peak[0], self.host_bytes)
+
+    monkeypatch.setattr(chunked, "host_bytes_needed", counting)
+    monkeypatch.setattr(ChunkStore, "_reserve", reserving)
+    config = preset_config("tiny-llama")
+    config.num_hidden_layers = 4
+    model = build_from_config(config, torch.float64)
+    lt.apply(model, lt.Strategy(engine=engine, engine_options={"chunk": 40, "offload": True, "host_memory": "1GiB", **options}))
+    lt.step(model, packed_batch(config.vocab_size))
+    assert 0 < peak[0] <= counted[-1]

@@ -333,3 +333,31 @@ def test_fpdt_is_predicted_without_the_mlp_output_only_where_the_adapter_allows(
     llama = step_time(config, 4096, fpdt).parts["matmul"]
     mlp = 2.0 * 4096 * 3 * config.hidden_size * config.intermediate_size * config.num_hidden_layers
     assert gemma - llama == pytest.approx(mlp / H100.matmul)
+
+
+def test_fpdt_keeps_as_many_attention_outputs_as_the_host_holds():
+    """Where every layer's attention output does not fit the host beside the parked inputs,
+    the planner weighs FPDT keeping the lowest layers' outputs that do: the candidate
+    names its count (so its simulation's chunk curve does not count again per length), the
+    simulated step's host peak stays within the budget, and its predicted time lies between
+    keeping none and keeping all."""
+    config = preset_config("llama3-8b", num_hidden_layers=4, hidden_size=256, intermediate_size=704, vocab_size=2048,
+                           num_attention_heads=4, num_key_value_heads=2)
+    tokens = 2048
+    options = {"chunk": 512, "offload": True}
+    every = lt.Strategy(engine="fpdt", engine_options={**options, "keep_output": True}, mst=True)
+    none = lt.Strategy(engine="fpdt", engine_options=options, mst=True)
+    _, host_none, _ = simulate_step(config, tokens, none, "bfloat16")
+    _, host_every, _ = simulate_step(config, tokens, every, "bfloat16")
+    room = (host_none + host_every) // 2
+    fit = lt.Strategy(engine="fpdt", engine_options={**options, "keep_output": "fit"}, mst=True)
+    label, counted = planner.outputs_kept_within(config, tokens, fit, 2, 1, room)
+    kept = counted.engine_options.keep_output
+    assert label == f":keep_output={kept}" and 0 < kept < 4
+    _, host, _ = simulate_step(config, tokens, counted, "bfloat16")
+    assert host_none < host <= room
+    seconds = [step_time(config, tokens, s).seconds for s in (every, counted, none)]
+    assert seconds == sorted(seconds) and seconds[0] < seconds[2]
+    assert planner.outputs_kept_within(config, tokens, fit, 2, 1, host_every * 2) is None  # every layer's: that candidate
+    assert planner.outputs_kept_within(config, tokens, fit, 2, 1, host_none // 2) is None  # none: the plain one
+    assert planner.outputs_kept_within(config, tokens, none, 2, 1, room) == ("", none)

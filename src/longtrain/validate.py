@@ -82,7 +82,12 @@ def _from_text(owner: str, name: str, text: str, kinds: tuple):
     if type(None) in kinds and word.lower() in _NONE:
         return None
     if bool in kinds:
-        return to_flag(owner, name, word)
+        if not set(kinds) - {bool, type(None)}:
+            return to_flag(owner, name, word)
+        # An option that takes a count or a word too (fpdt keep_output): true/false/yes/no are
+        # the flag, digits the count, anything else the word.
+        if word.lower() in _TRUE + _FALSE and not (int in kinds and word.isdigit()):
+            return word.lower() in _TRUE
     for kind in (int, float):
         if kind in kinds:
             try:
@@ -107,7 +112,7 @@ def coerce(owner: str, options_cls: type, values: dict) -> dict:
         kinds = _kinds(hint)
         if isinstance(value, str):
             out[key] = _from_text(owner, key, value, kinds)
-        elif bool in kinds and not isinstance(value, bool) and value is not None:
+        elif bool in kinds and not isinstance(value, bool) and value is not None and not (int in kinds and isinstance(value, int)):
             out[key] = to_flag(owner, key, value)
         else:
             out[key] = value

@@ -52,7 +52,7 @@ class ChunkSettings:
     host_budget: int | None  # bytes; None: half the physical memory on CUDA (check_host_budget)
     offload_inputs: bool = False  # FPDT: park the layer inputs (and their gradients) too
     recompute_kv: bool = False  # FPDT: park one layer's K/V at a time; recompute them in backward
-    keep_output: bool = False  # FPDT: park each chunk's attention output and LSE; backward never re-runs attention
+    keep_output: bool | int | str = False  # FPDT: park attention outputs + LSEs of every layer (True), the lowest N, or "fit"
     segment: int = 1  # FPDT: layers per checkpoint segment (only every segment-th layer's input is parked)
     float32_grad_sum: bool = False  # bf16 parameters: chunk gradients summed in float32, rounded once (engines/gradient_sum.py)
 
@@ -134,6 +134,8 @@ class ChunkedRun:
         self.selected: set[int] | None = None  # chunks backpropagated (None: all)
         self.hop_factor = 1.0  # multiplies K/V gradients relayed to earlier chunks
         self._rotary = None  # (leaves, spec) of the whole sequence's rotary tables (_PARKED: in the store)
+        # The lowest this-many layers park their attention output (keep_output, resolved for this shard).
+        self.kept_outputs = kept_output_layers(context, shard, settings)
 
     # ---- pieces of the forward -----------------------------------------------------------
     def call(self, index: int, mode: str):
@@ -227,12 +229,13 @@ class ChunkedRun:
             bounds = self.planner.bounds
             first = next(j for j, (_, end) in enumerate(bounds) if bounds[index][0] - (end - 1) < window)
         history = _LayerHistory(self, layer, index, first)
-        if self.settings.keep_output and mode == "forward":  # (a no-grad pass) keep what the recompute would redo
+        keep = layer < self.kept_outputs
+        if keep and mode == "forward":  # (a no-grad pass) keep what the recompute would redo
             out, lse = attend_chunk_forward(q, k, v, history, self.planner, index, window, scale, softcap)
             self.store.put(("o", layer, index), out, offload=self.settings.offload_inputs)
             self.store.put(("lse", layer, index), lse, offload=self.settings.offload_inputs)
             return out
-        if self.settings.keep_output and mode == "recompute":
+        if keep and mode == "recompute":
             out, lse = self.store.pop(("o", layer, index)), self.store.pop(("lse", layer, index))
             backward = functools.partial(_attend_chunk_backward, history, self.planner, index, window, scale, softcap)
             return attention_from_output(q, k, v, out, lse, backward)
@@ -253,49 +256,114 @@ def _attend_chunk_backward(history, planner, index, window, scale, softcap, grad
     return attend_chunk_backward(grad_out, q, k, v, out, lse, history, planner, index, window, scale, softcap)
 
 
-def host_bytes_needed(context: EngineContext, shard: Shard, settings: ChunkSettings, dtype: torch.dtype) -> int:
-    """Host memory a chunked step parks at its fullest on this rank: K/V of every layer and
-    chunk (one layer's with ``recompute_kv``) with ``offload``; plus the inputs of every
-    layer but the first, the gradient of the last one's output and the rotary tables with ``offload_inputs``. Under sequence
-    parallelism K/V are the whole sequence's for this rank's heads."""
-    config = context.adapter.config
-    item = torch.tensor([], dtype=dtype).element_size()
-    batch, length = shard.input_ids.shape
-    n = config.num_hidden_layers
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads, kv_length = getattr(config, "num_key_value_heads", None) or heads, length
+def host_bytes_needed(context: EngineContext, shard: Shard, settings: ChunkSettings, dtype: torch.dtype,
+                      kept_outputs: int | None = None, chunk_major: bool = False) -> int:
+    """Host memory a chunked step parks at its fullest on this rank (an upper bound): K/V of
+    every layer and chunk (one layer's with ``recompute_kv``) and one layer's K/V-gradient
+    sums (every layer's in a ``chunk_major`` schedule: SeCO, SpaCO) with ``offload``; plus the inputs of every
+    layer but the first, the gradient of the last one's output, the rotary tables and the
+    attention outputs of ``kept_outputs`` layers (default: as ``keep_output`` resolves) with
+    ``offload_inputs``. Under sequence parallelism K/V are the whole sequence's for this
+    rank's heads."""
+    kv_heads = kv_length = None
     sp = context.sequence_parallel
     if sp is not None:  # the whole (padded) sequence, this rank's K/V heads (repeated where they do not group evenly)
         kv_heads = len(sp.kv_index) if sp.kv_index is not None else len(sp.heads.kv_heads_of(sp.rank))
         kv_length = shard.rotary_positions.shape[1]
-    kv = 2 * batch * kv_length * kv_heads * head_dim * item
+    if kept_outputs is None:
+        kept_outputs = kept_output_layers(context, shard, settings)
+    batch, length = shard.input_ids.shape
+    return parked_host_bytes(context.adapter.config, batch, length, torch.tensor([], dtype=dtype).element_size(), settings,
+                             kept_outputs, kv_heads=kv_heads, kv_length=kv_length,
+                             position_rows=shard.position_ids.shape[0], chunk_major=chunk_major)
+
+
+def parked_host_bytes(config, batch: int, length: int, item: int, settings: ChunkSettings, kept_outputs: int, *,
+                      kv_heads: int | None = None, kv_length: int | None = None, position_rows: int = 1,
+                      chunk_major: bool = False) -> int:
+    """:func:`host_bytes_needed` from the model's config and the batch's shape (what the
+    planner knows): ``item`` bytes per element, ``kv_heads``/``kv_length`` this rank's
+    K/V heads and their sequence length (default: the model's, ``length``)."""
+    n = config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = kv_heads or getattr(config, "num_key_value_heads", None) or heads
+    kv = 2 * batch * (kv_length or length) * kv_heads * head_dim * item
     # With segments: the parked segment inputs, plus one segment's inner inputs in backward.
     parked_layers = n if settings.segment <= 1 else -(-n // settings.segment) + settings.segment - 1
-    inputs = parked_layers * batch * length * config.hidden_size * item + 2 * shard.position_ids.shape[0] * length * head_dim * item
-    kv_layers = 1 if settings.recompute_kv else n
-    if settings.keep_output:  # every layer's attention output (and float32 LSE) per token
-        inputs += n * batch * length * heads * (head_dim * item + 4)
+    inputs = parked_layers * batch * length * config.hidden_size * item + 2 * position_rows * length * head_dim * item
+    # K/V of every layer (one with recompute_kv), and in backward the K/V-gradient sums of the
+    # layer running (layer-major) or of every layer (chunk-major: each chunk's backward reaches them all).
+    kv_layers = (1 if settings.recompute_kv else n) + (n if chunk_major else 1)
+    # The attention output and its LSE per token (float32, float64 in a float64 step).
+    inputs += kept_outputs * batch * length * heads * (head_dim * item + max(4, item))
     return kv_layers * kv * settings.offload + inputs * settings.offload_inputs
 
 
-def check_host_budget(context: EngineContext, shard: Shard, settings: ChunkSettings, engine: str) -> None:
-    """Refuse a step whose parked chunks cannot fit the host budget, before any work.
+def outputs_that_fit(keep_output: bool | int | str, layers: int, offload_inputs: bool, budget: int | None,
+                     parked: int, per_layer: int) -> int:
+    """How many layers park their attention output: none (False), every one (True), the
+    lowest N (an integer), or for ``"fit"`` as many as ``budget`` holds beside the
+    ``parked`` bytes of everything else, ``per_layer`` bytes each — in host memory only
+    (none with the inputs on the device: FPDT's point is device memory); every layer
+    where the budget is unbounded (None)."""
+    if keep_output == "fit":
+        if not offload_inputs:
+            return 0
+        if budget is None:
+            return layers
+        return max(0, min(layers, (budget - parked) // max(1, per_layer)))
+    return layers if keep_output is True else min(int(keep_output), layers)
 
-    Without ``host_memory``, a CUDA run's budget is half the physical memory, as for every
-    pinned budget (:func:`~longtrain.memory.units.pinned_host_budget`): parked chunks are
-    page-locked, and past that the kernel's out-of-memory killer ends the run without a
-    word. Simulations (fake tensors) and CPU runs (nothing pinned) stay unbounded: the
-    planner weighs the host it is told about."""
+
+def kept_output_layers(context: EngineContext, shard: Shard, settings: ChunkSettings) -> int:
+    """``settings.keep_output`` resolved for ``shard``: the count of layers (the lowest)
+    whose attention outputs are parked; ``"fit"`` against the host budget."""
+    n = context.adapter.config.num_hidden_layers
+    if settings.keep_output != "fit":
+        return outputs_that_fit(settings.keep_output, n, settings.offload_inputs, None, 0, 0)
+    budget, _ = host_budget(shard, settings)
+    dtype = context.adapter.base.get_input_embeddings().weight.dtype
+    parked = host_bytes_needed(context, shard, settings, dtype, kept_outputs=0)
+    per_layer = host_bytes_needed(context, shard, settings, dtype, kept_outputs=1) - parked
+    return outputs_that_fit("fit", n, settings.offload_inputs, budget, parked, per_layer)
+
+
+def planned_kept_outputs(config, length: int, settings: ChunkSettings, item: int, batch: int = 1) -> int:
+    """:func:`kept_output_layers` from the model's config (the planner's and the time
+    model's view of a step of ``batch`` × ``length`` tokens, ``item`` bytes per element): a
+    ``"fit"`` without ``host_budget`` keeps every layer, as a simulation does."""
+    n = config.num_hidden_layers
+    if settings.keep_output != "fit":
+        return outputs_that_fit(settings.keep_output, n, settings.offload_inputs, None, 0, 0)
+    parked = parked_host_bytes(config, batch, length, item, settings, 0)
+    per_layer = parked_host_bytes(config, batch, length, item, settings, 1) - parked
+    return outputs_that_fit("fit", n, settings.offload_inputs, settings.host_budget, parked, per_layer)
+
+
+def host_budget(shard: Shard, settings: ChunkSettings) -> tuple[int | None, bool]:
+    """(the host budget in bytes, whether it is the default): ``host_budget`` where given;
+    else on CUDA half the physical memory, as for every pinned budget
+    (:func:`~longtrain.memory.units.pinned_host_budget`); simulations (fake tensors) and CPU
+    runs (nothing pinned) are unbounded (None): the planner weighs the host it is told about."""
+    if settings.host_budget is not None:
+        return settings.host_budget, False
+    if shard.input_ids.device.type != "cuda" or is_fake(shard.input_ids):
+        return None, False
+    return pinned_host_budget(), True
+
+
+def check_host_budget(context: EngineContext, shard: Shard, settings: ChunkSettings, engine: str) -> None:
+    """Refuse a step whose parked chunks cannot fit the host budget (:func:`host_budget`),
+    before any work. Parked chunks are page-locked, and past the budget the kernel's
+    out-of-memory killer could end the run without a word."""
     if not (settings.offload or settings.offload_inputs):
         return
-    budget, default = settings.host_budget, False
+    budget, default = host_budget(shard, settings)
     if budget is None:
-        if shard.input_ids.device.type != "cuda" or is_fake(shard.input_ids):
-            return
-        budget, default = pinned_host_budget(), True
+        return
     dtype = context.adapter.base.get_input_embeddings().weight.dtype
-    need = host_bytes_needed(context, shard, settings, dtype)
+    need = host_bytes_needed(context, shard, settings, dtype, chunk_major=engine != "fpdt")
     if need > budget:
         which = " (half the physical memory, the default)" if default else ""
         raise LongtrainError(

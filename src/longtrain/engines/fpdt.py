@@ -30,10 +30,12 @@ recomputation hands them to attention's backward instead of attending again: the
 extra forward is token-wise work only, and the earlier chunks' K/V are fetched once per
 chunk in backward instead of twice. At long lengths, where attention dominates, that is
 about a fifth of the attention time (forward, recomputed forward and backward ≈ 1 + 1 +
-2.5 become 1 + 2.5). It stays off by default because it parks about as much again as the
-layer inputs (Llama-3-8B: 8 KiB + 128 B per token and layer in bf16), which could
-exceed the host silently; ``longtrain plan`` / ``--strategy auto`` weigh the
-``keep_output`` candidates and choose them where memory allows (docs/speed.md).
+2.5 become 1 + 2.5). It parks about as much again as the layer inputs (Llama-3-8B: 8 KiB + 128 B per token
+and layer in bf16), so it is off by default; ``keep_output=N`` keeps the lowest N layers'
+outputs and ``keep_output=fit`` as many layers' as the host budget holds beside the parked
+inputs and K/V (with ``offload``; the rest re-run attention as without it), and
+``longtrain plan`` / ``--strategy auto`` weigh every layer's, as many as fit, and none
+(docs/speed.md).
 Parameter gradients reach ``.grad`` through autograd; with ``float32_grad_sum`` (default)
 a bf16/fp16 layer's gradients are summed over its chunks in float32 and rounded once
 (:mod:`.gradient_sum`), the head's over the last layer's forward likewise.
@@ -67,7 +69,7 @@ class FPDT:
     prefetch: int = 1  # chunks fetched ahead (1 = double buffering)
     host_memory: str | int | None = None  # host budget, e.g. "120GiB"; default: half the physical memory on CUDA
     recompute_kv: bool = True  # keep one layer's K/V; recompute them (attention sub-block) in backward
-    keep_output: bool = False  # park each chunk's attention output + LSE (Memo's idea): backward never re-runs attention
+    keep_output: bool | int | str = False  # park attention output + LSE (Memo's idea): every layer, the lowest N, or "fit"
     segment: int = 1  # park every segment-th layer's input only; backward recomputes the layers between (one more forward)
     float32_grad_sum: bool = True  # bf16/fp16 parameters: sum each layer's chunk gradients in float32, round once
 
@@ -76,7 +78,10 @@ class FPDT:
         validate.positive_int("fpdt", "prefetch", self.prefetch, minimum=0)
         validate.flag("fpdt", "offload", self.offload)
         validate.flag("fpdt", "recompute_kv", self.recompute_kv)
-        validate.flag("fpdt", "keep_output", self.keep_output)
+        keep = self.keep_output
+        if not (isinstance(keep, bool) or keep == "fit" or (isinstance(keep, int) and keep >= 0)):
+            raise LongtrainError(f"fpdt option keep_output must be true, false, fit (as many layers as the host budget "
+                                 f"holds) or a number of layers, got {keep!r}")
         validate.positive_int("fpdt", "segment", self.segment)
         validate.flag("fpdt", "float32_grad_sum", self.float32_grad_sum)
         if self.segment > 1 and (self.keep_output or not self.recompute_kv):
@@ -206,7 +211,7 @@ def _prefetch_backward(run: ChunkedRun, layer: int, i: int) -> None:
         return
     run.prefetch_inputs(layer, i)
     run.store.prefetch(("dy", i))
-    if run.settings.keep_output:
+    if layer < run.kept_outputs:
         run.store.prefetch(("o", layer, i))
         run.store.prefetch(("lse", layer, i))
 

@@ -2,8 +2,8 @@
 this machine — decided before renting it.
 
 For each candidate strategy (layer checkpointing + MsT; Memo + MsT; FPDT at a few chunk
-sizes, with and without host offload, with kept attention outputs or with checkpoint
-segments of several layers) and each place for AdamW's state (the device, or host memory
+sizes, with and without host offload, with kept attention outputs — every layer's, or as
+many as the host holds — or with checkpoint segments of several layers) and each place for AdamW's state (the device, or host memory
 with fp32 master weights: ``--optimizer-offload``):
 
 1. **memory** — the simulator runs one training step on fake tensors (no optimizer step);
@@ -40,6 +40,7 @@ from typing import Callable
 
 import torch
 
+from ..engines.chunked import planned_kept_outputs
 from ..errors import LongtrainError
 from ..memory.units import format_bytes
 from ..models.loading import load_config, parse_dtype
@@ -77,8 +78,10 @@ def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_ch
         if not every_chunk and (chunk >= seq_len or seq_len // chunk > 32):  # one chunk is no chunking; many cost host time
             continue
         for offload in (True, False):
-            for variant, extra in (("", {}), (":keep_output", {"keep_output": True}),
-                                   (f":segment={segment}", {"segment": segment})):
+            variants = [("", {}), (":keep_output", {"keep_output": True}), (f":segment={segment}", {"segment": segment})]
+            if offload and host_memory:  # as many layers' outputs as the host holds (plan() counts them)
+                variants.append((":keep_output=fit", {"keep_output": "fit"}))
+            for variant, extra in variants:
                 options = {"chunk": chunk, "offload": offload, **extra}
                 name = f"fpdt:chunk={chunk}" + (":offload" if offload else "") + variant + ",mst"
                 found[name] = Strategy(engine="fpdt", engine_options=options, mst=True)
@@ -95,6 +98,28 @@ def host_budgets_beside_optimizer(strategy: Strategy, room: int) -> Strategy:
     if checkpoint is not None and checkpoint.host_memory is not None:
         changed["checkpoint"] = dataclasses.replace(checkpoint, host_memory=max(1, room))
     return _rebuilt(strategy, **changed) if changed else strategy
+
+
+def outputs_kept_within(config, seq_len: int, strategy: Strategy, item: int, batch: int,
+                        room: int) -> tuple[str, Strategy] | None:
+    """(label suffix, strategy) of a candidate with FPDT's ``keep_output=fit`` made a count:
+    the layers whose attention outputs ``room`` bytes of host memory hold beside the parked
+    inputs and K/V, as the engine counts them (``engines.chunked.planned_kept_outputs``) —
+    a count, so the simulation's chunk curve does not count again at each length. None
+    where that count is no layer or every one (the plain and ``:keep_output`` candidates)
+    or under sequence parallelism (ranks share the host; not planned yet). Other
+    candidates come back as they are."""
+    options = strategy.engine_options
+    if strategy.engine != "fpdt" or options.keep_output != "fit":
+        return "", strategy
+    if strategy.sequence_parallel is not None:
+        return None
+    fitted = dataclasses.replace(options, host_memory=max(1, room)).settings()
+    kept = planned_kept_outputs(config, seq_len, fitted, item, batch)
+    if kept in (0, config.num_hidden_layers):
+        return None
+    return f":keep_output={kept}", Strategy(engine="fpdt", engine_options=dataclasses.replace(options, keep_output=kept),
+                                             sequence_parallel=strategy.sequence_parallel, **strategy.techniques)
 
 
 def parked_split(config, seq_len: int, strategy: Strategy, item: int, batch: int = 1) -> tuple[int, int]:
@@ -127,7 +152,7 @@ def parked_bytes(config, seq_len: int, strategy: Strategy, item: int, batch: int
     segment = getattr(options, "segment", 1)
     inputs = (n - 1 if segment <= 1 else -(-n // segment) - 1) * tokens * d * item
     kv = 2 * tokens * kv_heads * head_dim * item * (1 if options.recompute_kv else n)
-    kept = n * tokens * heads * (head_dim * item + 4) if options.keep_output else 0
+    kept = planned_kept_outputs(config, seq_len, options.settings(), item, batch) * tokens * heads * (head_dim * item + 4)
     return inputs + kv + kept
 
 
@@ -407,12 +432,16 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
             offloaded = budget.optimizer == "adamw-offload"
             if offloaded:
                 strategy = host_budgets_beside_optimizer(strategy, host_memory - budget.host_state)
-            predicted = step_time(config, seq_len, strategy, rates, batch=batch, optimizer_offload=offloaded,
+            fitted = outputs_kept_within(config, seq_len, strategy, item, batch, host_memory - budget.host_state)
+            if fitted is None:
+                continue
+            fitted_label, fitted_strategy = fitted
+            predicted = step_time(config, seq_len, fitted_strategy, rates, batch=batch, optimizer_offload=offloaded,
                                   trainable=params)
-            name = label + (" · optimizer in host memory" if offloaded else "")
+            name = label.replace(":keep_output=fit", fitted_label) + (" · optimizer in host memory" if offloaded else "")
             if label in fallback:
                 many.add(name)
-            jobs.append((predicted.seconds, name, strategy, budget))
+            jobs.append((predicted.seconds, name, fitted_strategy, budget))
     jobs.sort(key=lambda job: (job[1] in many, job[0]))
     bounds = [_bound(config, seq_len, strategy, budget, item, batch, gpus) for _, _, strategy, budget in jobs]
     to_simulate = [i for i, bound in enumerate(bounds) if bound is None]

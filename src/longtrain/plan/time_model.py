@@ -13,7 +13,7 @@ A step is counted per kind of work, each at the rate it runs at on the machine:
   SeCO/SpaCO, whose blocks each merge and accumulate a K/V gradient), with
   its forward once more where a strategy recomputes it (checkpointing with
   ``keep_attention=false`` or in the layers whose outputs pass the host budget, FPDT
-  without ``keep_output``);
+  in the layers ``keep_output`` does not keep);
 - known slow spots, as measured on the H100 (docs/gpu_peers.md, 2026-11-23): MsT's tiled
   MLP backward runs at ``tiled_mlp_efficiency`` of the matmul rate and the chunked head's
   weight gradient at ``head_weight_grad`` FLOP/s; each (chunk, layer) pair of a chunked
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..engines.chunked import planned_kept_outputs
 from ..memory.flops import attention_width
 from ..models.adapters import adapter_class
 
@@ -137,7 +138,9 @@ def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: 
     if engine == "fpdt" and getattr(strategy.engine_options, "recompute_kv", False):
         matmul += 2.0 * s * attn_params * n / 2  # q/k/v projections once more (o_proj is skipped: about half the block)
     if engine == "fpdt" and getattr(strategy.engine_options, "keep_output", False):
-        attention_passes -= 1  # the recomputation hands the kept output to attention's backward
+        # The recomputation hands a kept output to attention's backward (bf16 bytes for "fit").
+        kept = planned_kept_outputs(config, tokens, strategy.engine_options.settings(), 2, batch)
+        attention_passes -= kept / n if n else 0.0
     segment = getattr(strategy.engine_options, "segment", 1) if engine == "fpdt" else 1
     inner = (segment - 1) / segment  # share of layers whose input backward recomputes (segment > 1)
     matmul += inner * layer_fwd
