@@ -418,3 +418,33 @@ def test_head_gradients_scale_with_the_incoming_gradient_and_survive_a_retained_
     assert max(rel(a, b) for a, b in zip(actual, expected)) <= TOL
     again = torch.autograd.grad(got * 0.25, (hidden, weight, bias))
     assert all(torch.equal(a, b) for a, b in zip(actual, again))
+
+
+def test_a_simulated_bf16_head_plans_the_gpus_gemm_not_a_weight_sized_product():
+    """On CUDA a half-precision head's weight gradient is one GEMM per chunk accumulating
+    into the float32 buffer in place; the CPU forms the bf16 product (the weight's size, 1 GiB
+    for Llama-3-8B) and adds it. A simulation plans a GPU: on fake tensors it takes the GEMM
+    into the buffer, so no weight-sized bf16 product is formed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ in ("mm", "addmm"):
+                self.shapes.append((func.overloadpacket.__name__, tuple(out.shape), out.dtype))
+            return out
+
+    for fake in (False, True):
+        with FakeTensorMode() if fake else contextlib.nullcontext():
+            weight = torch.randn(512, 64, dtype=torch.bfloat16, requires_grad=True)
+            hidden = torch.randn(1, 96, 64, dtype=torch.bfloat16, requires_grad=True)
+            labels = torch.randint(0, 512, (1, 96))
+            with Products() as products:
+                chunked_causal_lm_loss(hidden, weight, labels, chunks=3).backward()
+        weight_sized = [p for p in products.shapes if p[1] == (512, 64)]
+        # the CPU: three bf16 products added; a simulation: three GEMMs into the float32 buffer
+        assert weight_sized == ([("addmm", (512, 64), torch.float32)] if fake else [("mm", (512, 64), torch.bfloat16)]) * 3

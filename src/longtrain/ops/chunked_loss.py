@@ -10,7 +10,7 @@ formed once per step, not again in backward (Liger's fused linear cross-entropy 
 same), and the peak holds one chunk's logits instead of all of them. Per chunk that is
 three GEMMs in the input dtype — the logits, the input's gradient, and the weight's
 gradient added into one preallocated buffer (float32 for a half-precision head,
-accumulated by the GEMM itself on CUDA) — at tensor-core speed. Backward only multiplies
+accumulated by the GEMM itself on CUDA, and so planned by simulations) — at tensor-core speed. Backward only multiplies
 the stored gradients by the loss's incoming gradient (1 for ``loss.backward()``, where the
 product is exact) into new tensors, so a retained graph can run backward again. A frozen
 head gets no gradient (and no buffer). No step reads a value back to the host, so the
@@ -28,6 +28,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from . import _autocast
 from .loss import IGNORE_INDEX, shift_labels
@@ -73,7 +74,9 @@ def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
         return
-    if acc.device.type == "cuda" and acc.device not in _dtype_addmm_fails:
+    # A simulation (fake tensors) plans a GPU: it takes the CUDA GEMM's path, which forms no
+    # product the size of the weight (the CPU's would add 1 GiB for Llama-3-8B's head).
+    if (acc.device.type == "cuda" or is_fake(acc)) and acc.device not in _dtype_addmm_fails:
         try:
             torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
             return
