@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -301,44 +302,37 @@ def parked_host_bytes(config, batch: int, length: int, item: int, settings: Chun
 
 
 def outputs_that_fit(keep_output: bool | int | str, layers: int, offload_inputs: bool, budget: int | None,
-                     parked: int, per_layer: int) -> int:
-    """How many layers park their attention output: none (False), every one (True), the
-    lowest N (an integer), or for ``"fit"`` as many as ``budget`` holds beside the
-    ``parked`` bytes of everything else, ``per_layer`` bytes each — in host memory only
-    (none with the inputs on the device: FPDT's point is device memory); every layer
-    where the budget is unbounded (None)."""
-    if keep_output == "fit":
-        if not offload_inputs:
-            return 0
-        if budget is None:
-            return layers
-        return max(0, min(layers, (budget - parked) // max(1, per_layer)))
-    return layers if keep_output is True else min(int(keep_output), layers)
+                     parked_with: Callable[[int], int]) -> int:
+    """How many layers (the lowest) park their attention output: none (False), every one
+    (True), N (an integer), or for ``"fit"`` as many as ``budget`` holds — ``parked_with(k)``
+    being what the step parks with k layers' outputs — in host memory only (none with the
+    inputs on the device: FPDT's point is device memory); every layer where the budget is
+    unbounded (None)."""
+    if keep_output != "fit":
+        return layers if keep_output is True else min(int(keep_output), layers)
+    if not offload_inputs:
+        return 0
+    if budget is None:
+        return layers
+    parked = parked_with(0)
+    per_layer = max(1, parked_with(1) - parked)
+    return max(0, min(layers, (budget - parked) // per_layer))
 
 
 def kept_output_layers(context: EngineContext, shard: Shard, settings: ChunkSettings) -> int:
-    """``settings.keep_output`` resolved for ``shard``: the count of layers (the lowest)
-    whose attention outputs are parked; ``"fit"`` against the host budget."""
-    n = context.adapter.config.num_hidden_layers
-    if settings.keep_output != "fit":
-        return outputs_that_fit(settings.keep_output, n, settings.offload_inputs, None, 0, 0)
-    budget, _ = host_budget(shard, settings)
+    """``settings.keep_output`` resolved for ``shard``, ``"fit"`` against the host budget."""
     dtype = context.adapter.base.get_input_embeddings().weight.dtype
-    parked = host_bytes_needed(context, shard, settings, dtype, kept_outputs=0)
-    per_layer = host_bytes_needed(context, shard, settings, dtype, kept_outputs=1) - parked
-    return outputs_that_fit("fit", n, settings.offload_inputs, budget, parked, per_layer)
+    return outputs_that_fit(settings.keep_output, context.adapter.config.num_hidden_layers, settings.offload_inputs,
+                            host_budget(shard, settings)[0],
+                            lambda kept: host_bytes_needed(context, shard, settings, dtype, kept_outputs=kept))
 
 
 def planned_kept_outputs(config, length: int, settings: ChunkSettings, item: int, batch: int = 1) -> int:
     """:func:`kept_output_layers` from the model's config (the planner's and the time
     model's view of a step of ``batch`` × ``length`` tokens, ``item`` bytes per element): a
     ``"fit"`` without ``host_budget`` keeps every layer, as a simulation does."""
-    n = config.num_hidden_layers
-    if settings.keep_output != "fit":
-        return outputs_that_fit(settings.keep_output, n, settings.offload_inputs, None, 0, 0)
-    parked = parked_host_bytes(config, batch, length, item, settings, 0)
-    per_layer = parked_host_bytes(config, batch, length, item, settings, 1) - parked
-    return outputs_that_fit("fit", n, settings.offload_inputs, settings.host_budget, parked, per_layer)
+    return outputs_that_fit(settings.keep_output, config.num_hidden_layers, settings.offload_inputs,
+                            settings.host_budget, lambda kept: parked_host_bytes(config, batch, length, item, settings, kept))
 
 
 def host_budget(shard: Shard, settings: ChunkSettings) -> tuple[int | None, bool]:

@@ -140,7 +140,7 @@ def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: 
     if engine == "fpdt" and getattr(strategy.engine_options, "keep_output", False):
         # The recomputation hands a kept output to attention's backward (bf16 bytes for "fit").
         kept = planned_kept_outputs(config, tokens, strategy.engine_options.settings(), 2, batch)
-        attention_passes -= kept / n if n else 0.0
+        attention_passes -= kept / n
     segment = getattr(strategy.engine_options, "segment", 1) if engine == "fpdt" else 1
     inner = (segment - 1) / segment  # share of layers whose input backward recomputes (segment > 1)
     matmul += inner * layer_fwd
