@@ -58,6 +58,8 @@ def test_a_cuda_summary_reports_the_reservation_and_the_setting():
     assert "40.00 GiB (cuda-allocator), 42.00 GiB reserved (1.05×, allocator expandable_segments:True)" in text
     cpu = dict(summary, device="cpu", measured_with="tracked-storages", measured_reserved_bytes=None, allocator=None)
     assert "reserved" not in format_summary(cpu) and "kernel" not in format_summary(cpu)
+    kept = dict(summary, strategy_notes={"kept_attention_outputs": 13})  # what fpdt:keep_output=fit came to
+    assert "the lowest 13 layers keep their attention output" in format_summary(kept)
 
 
 def test_metrics_plot_draws_the_reservation_beside_the_allocation(tmp_path, monkeypatch):

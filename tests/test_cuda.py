@@ -233,6 +233,43 @@ def test_liger_kernels_under_each_engine_equal_float64(preset, strategy, dtype, 
             assert _global_error(got, ref_grads) <= bound
 
 
+def _synchronizing_calls(strategy, layers: int) -> int:
+    """CUDA calls that make the host wait for the device (PyTorch's sync debug mode warns
+    at each: scalar reads, copies from pageable memory, explicit synchronizes) in the
+    second step of a bf16 model with ``layers`` layers."""
+    import warnings
+
+    config = cuda_config("tiny-llama")
+    config.num_hidden_layers = layers
+    model = lt.apply(build_from_config(config, torch.bfloat16).cuda().train(), strategy)
+    batch = _batch("cuda")
+    lt.step(model, batch)  # one-time work (Memo's α, the pinned pool) stays out of the count
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            lt.step(model, batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint+mst", "fpdt+offload(prefetch 2)+mst", "fpdt+offload,output-kept",
+                                      "seco+offload+checkpoint+mst", "memo(α=0.3)+mst"])
+def test_the_host_waits_for_the_device_a_fixed_few_times_per_step(strategy):
+    """A synchronization in the chunk or layer loop serializes host and device work (the
+    fitted per-chunk-and-layer overhead of the chunked engines is 8 ms). On the CPU,
+    tests/test_fpdt.py counts the ops that would synchronize; here the device says. The
+    count may not grow with the layers or, for the chunked engines, with the chunks."""
+    two, four = (_synchronizing_calls(CUDA_STRATEGIES[strategy](), layers) for layers in (2, 4))
+    assert two == four, (two, four)
+    chunked = CUDA_STRATEGIES[strategy]()
+    if chunked.engine != "backprop":
+        halved = lt.Strategy.parse(chunked, engine_options={"chunk": chunked.engine_options.chunk // 2})
+        assert _synchronizing_calls(halved, 2) == two, (two, _synchronizing_calls(halved, 2))
+
+
 def test_offload_keeps_kv_and_inputs_off_the_device():
     """Growing the sequence 4× grows the device peak (CUDA allocator) far less with
     offload than with every chunk kept on the device."""

@@ -546,10 +546,13 @@ def test_segment_refuses_options_that_park_per_layer():
 
 
 class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Ops that read a device value back to the host (a synchronization on a GPU):
-    scalar reads (``.item()``, ``bool()``, ``int()`` of a tensor) and data-dependent shapes."""
+    """Ops that make the host wait for the GPU: scalar reads (``.item()``, ``bool()``,
+    ``int()`` of a tensor), data-dependent shapes, and host data turned into a tensor
+    (``torch.tensor``/``as_tensor``: on a GPU a copy from pageable memory, which PyTorch
+    synchronizes — the chunked head's loss normalizer did so once per chunk)."""
 
-    NAMES = ("_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "unique", "_unique2")
+    NAMES = ("_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "unique", "_unique2",
+             "lift_fresh", "lift_fresh_copy")
 
     def __init__(self):
         super().__init__()

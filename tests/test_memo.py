@@ -95,6 +95,31 @@ def test_auto_alpha_is_measured_and_reported():
     assert notes["memo_layer_seconds"] > 0 and notes["memo_host_bandwidth"] > 0 and notes["memo_other_bytes"] > 0
 
 
+def test_alpha_is_timed_without_the_first_steps_host_allocations(monkeypatch):
+    """T_layer is the layer's compute. On the H100 it was timed around the first step's
+    training forward, which also page-locked the host buffers its parked tensors took
+    (~1 s per few GB): 80 ms measured at 16K for ~20 ms of compute, so α came out 1.00
+    and the copies did not hide. Here every host allocation takes 0.3 s; the measured
+    layer time must not contain one."""
+    import time
+
+    from longtrain.memory import chunk_store
+
+    slow = 0.3
+    allocate = chunk_store.host_empty
+
+    def slow_host_empty(*args, **kwargs):
+        time.sleep(slow)
+        return allocate(*args, **kwargs)
+
+    monkeypatch.setattr(chunk_store, "host_empty", slow_host_empty)
+    _, ours = stock_and_ours("tiny-llama")
+    lt.apply(ours, memo("auto", host_memory="1GiB"))
+    lt.step(ours, {"input_ids": torch.randint(3, 320, (1, 96), generator=torch.Generator().manual_seed(5))})
+    notes = ours._longtrain.notes
+    assert notes["memo_measured"] and 0 < notes["memo_layer_seconds"] < slow / 2, notes["memo_layer_seconds"]
+
+
 @pytest.mark.parametrize("strategy,layers", [
     (lt.Strategy(memo=lt.Memo(host_memory="1GiB"), mst=True), 6),  # α measured in the first step
     (lt.Strategy(memo=lt.Memo(host_memory="1GiB"), mst=True), 4),  # the first layer at α keeps on the device

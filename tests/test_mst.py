@@ -420,12 +420,23 @@ def test_head_gradients_scale_with_the_incoming_gradient_and_survive_a_retained_
     assert all(torch.equal(a, b) for a, b in zip(actual, again))
 
 
-def test_a_simulated_bf16_head_plans_the_gpus_gemm_not_a_weight_sized_product():
+def test_a_simulated_bf16_head_plans_the_gpus_gemm_not_a_weight_sized_product(monkeypatch, recwarn):
     """On CUDA a half-precision head's weight gradient is one GEMM per chunk accumulating
     into the float32 buffer in place; the CPU forms the bf16 product (the weight's size, 1 GiB
     for Llama-3-8B) and adds it. A simulation plans a GPU: on fake tensors it takes the GEMM
-    into the buffer, so no weight-sized bf16 product is formed."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    into the buffer, so no weight-sized bf16 product is formed — without running it: fake
+    tensors in torch 2.11 (the GPU machines') fail that call, which warned and fell back to
+    the CPU's product (emulated here)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+    addmm = torch.addmm
+
+    def addmm_of_torch_2_11(*args, **kwargs):
+        if kwargs.get("out_dtype") is not None and any(is_fake(t) for t in args):
+            raise TypeError("unsupported operand type(s) for *: 'torch.dtype' and 'FakeTensor'")
+        return addmm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "addmm", addmm_of_torch_2_11)
 
     class Products(TorchDispatchMode):
         def __init__(self):
@@ -446,5 +457,6 @@ def test_a_simulated_bf16_head_plans_the_gpus_gemm_not_a_weight_sized_product():
             with Products() as products:
                 chunked_causal_lm_loss(hidden, weight, labels, chunks=3).backward()
         weight_sized = [p for p in products.shapes if p[1] == (512, 64)]
-        # the CPU: three bf16 products added; a simulation: three GEMMs into the float32 buffer
-        assert weight_sized == ([("addmm", (512, 64), torch.float32)] if fake else [("mm", (512, 64), torch.bfloat16)]) * 3
+        # the CPU: three bf16 products added; a simulation: three GEMMs into the float32 buffer, which allocate nothing
+        assert weight_sized == ([] if fake else [("mm", (512, 64), torch.bfloat16)] * 3)
+    assert not [w for w in recwarn if "addmm" in str(w.message)]

@@ -54,6 +54,35 @@ def test_extrapolated_simulation_equals_the_full_one(case):
     assert sum(fast.peak.device_bytes(c) for c in fast.peak.by_category) == fast.device_peak_bytes
 
 
+@pytest.mark.parametrize("where", ["host", "device", "fit"])
+def test_attention_outputs_kept_by_the_lowest_layers_are_simulated_at_full_scale(where):
+    """FPDT keeping the outputs of its lowest 6 of 7 layers (the small simulations, of 4–6
+    layers, would keep every one, consistently), against the whole model: in host memory to
+    the byte; on the device an upper bound (2.4% over on this tiny model, where the outputs
+    are a large share of the step); ``fit`` with a budget for 3 of 7 equal and within it
+    (before, every layer was kept and the step refused)."""
+    from longtrain.engines.chunked import parked_host_bytes
+
+    config = preset_config("tiny-llama", num_hidden_layers=7)
+    engine = {"host": "fpdt:chunk=16:offload=true:keep_output=6", "device": "fpdt:chunk=16:keep_output=6"}.get(where)
+    if where == "fit":
+        settings = lt.FPDT(chunk=16, offload=True, keep_output="fit").settings()
+        budget = parked_host_bytes(config, 1, 48, 4, settings, 3) + 100
+        engine = f"fpdt:chunk=16:offload=true:keep_output=fit:host_memory={budget}"
+    strategy = lt.Strategy.parse("none", engine=engine)
+    fast = simulate(config, 48, strategy=strategy, dtype="float32", optimizer="none")
+    full = simulate(config, 48, strategy=strategy, dtype="float32", optimizer="none", exact=True)
+    assert fast.method.startswith("extrapolated")
+    assert fast.notes["kept_attention_outputs"] == (3 if where == "fit" else 6)
+    if where == "device":
+        assert full.device_peak_bytes <= fast.device_peak_bytes <= 1.05 * full.device_peak_bytes
+    else:
+        assert fast.peak.peak_host_bytes == full.peak.peak_host_bytes
+        assert _close(fast.device_peak_bytes, full.device_peak_bytes)
+    if where == "fit":
+        assert fast.peak.peak_host_bytes <= budget
+
+
 @pytest.mark.parametrize("engine, optimizer", [("fpdt:chunk=16:offload=true:segment=2", "none"),
                                                ("fpdt:chunk=16", "adamw-offload")])
 def test_a_chunk_curve_is_the_simulation_at_every_length(engine, optimizer):

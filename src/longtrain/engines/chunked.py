@@ -137,6 +137,8 @@ class ChunkedRun:
         self._rotary = None  # (leaves, spec) of the whole sequence's rotary tables (_PARKED: in the store)
         # The lowest this-many layers park their attention output (keep_output, resolved for this shard).
         self.kept_outputs = kept_output_layers(context, shard, settings)
+        if settings.keep_output is not False:  # what "fit" (or a count) came to, for the run's summary
+            context.notes["kept_attention_outputs"] = self.kept_outputs
 
     # ---- pieces of the forward -----------------------------------------------------------
     def call(self, index: int, mode: str):
@@ -296,9 +298,15 @@ def parked_host_bytes(config, batch: int, length: int, item: int, settings: Chun
     # K/V of every layer (one with recompute_kv), and in backward the K/V-gradient sums of the
     # layer running (layer-major) or of every layer (chunk-major: each chunk's backward reaches them all).
     kv_layers = (1 if settings.recompute_kv else n) + (n if chunk_major else 1)
-    # The attention output and its LSE per token (float32, float64 in a float64 step).
-    inputs += kept_outputs * batch * length * heads * (head_dim * item + max(4, item))
+    inputs += kept_outputs * kept_output_bytes(config, batch, length, item)
     return kv_layers * kv * settings.offload + inputs * settings.offload_inputs
+
+
+def kept_output_bytes(config, batch: int, length: int, item: int) -> int:
+    """One layer's kept attention output and its LSE per token (float32, float64 in a float64 step)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return batch * length * heads * (head_dim * item + max(4, item))
 
 
 def outputs_that_fit(keep_output: bool | int | str, layers: int, offload_inputs: bool, budget: int | None,

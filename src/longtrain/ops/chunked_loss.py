@@ -74,9 +74,14 @@ def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
         return
-    # A simulation (fake tensors) plans a GPU: it takes the CUDA GEMM's path, which forms no
-    # product the size of the weight (the CPU's would add 1 GiB for Llama-3-8B's head).
-    if (acc.device.type == "cuda" or is_fake(acc)) and acc.device not in _dtype_addmm_fails:
+    if is_fake(acc):
+        # A simulation plans a GPU: the CUDA GEMM adds into the buffer in place, allocating
+        # nothing (the CPU's product would add 1 GiB for Llama-3-8B's head). Not run: fake
+        # tensors in PyTorch before 2.12 cannot (a decomposition read out_dtype as beta).
+        if a.shape[1] != b.shape[0] or acc.shape != (a.shape[0], b.shape[1]):
+            raise RuntimeError(f"addmm shapes {tuple(a.shape)} @ {tuple(b.shape)} into {tuple(acc.shape)}")
+        return
+    if acc.device.type == "cuda" and acc.device not in _dtype_addmm_fails:
         try:
             torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
             return
@@ -228,7 +233,10 @@ def chunked_causal_lm_loss(
     elif reduction == "mean" or num_label_tokens is None:
         normalizer = (targets != ignore_index).sum().float()
     else:
-        normalizer = torch.as_tensor(num_label_tokens, dtype=torch.float32, device=x.device)
+        # A fill, not torch.as_tensor: a host number copied to the GPU is a synchronous
+        # copy (it waits for every queued kernel), once per chunk in the chunked engines.
+        normalizer = (num_label_tokens.to(x.device, torch.float32) if isinstance(num_label_tokens, torch.Tensor)
+                      else torch.full((), float(num_label_tokens), dtype=torch.float32, device=x.device))
     if x.dtype == torch.float64:
         normalizer = normalizer.double()
     # Gradients are formed with the logits (no second pass over them in backward) wherever

@@ -361,7 +361,8 @@ def simulate(
 
     result = None
     if not (exact or fragmentation):
-        fitted = _fit(config, seq_len, strategy, functools.partial(run, warm_start=warm_start), say)
+        fitted = _fit(config, seq_len, strategy, functools.partial(run, warm_start=warm_start), say,
+                      _kept_outputs_apart(config, strategy, batch_size, torch_dtype))
         result = fitted.simulated(strategy) if fitted is not None else None
     if result is None:
         trace = [] if fragmentation else None
@@ -405,9 +406,12 @@ class ChunkCurve:
 
     @property
     def notes(self) -> dict:
-        """What the techniques chose (memo's α), as in :attr:`SimulationReport.notes`."""
+        """What the techniques chose (memo's α), as in :attr:`SimulationReport.notes`; not
+        FPDT's kept-output count, which depends on the length."""
         fitted = self._fitted
-        return dict(fitted.sims[max(fitted.fit)].notes)
+        notes = dict(fitted.sims[max(fitted.fit)].notes)
+        notes.pop("kept_attention_outputs", None)
+        return notes
 
     def report(self, chunks: int) -> MemoryReport:
         """The whole report (the categories at the device peak) at ``chunks`` whole chunks."""
@@ -444,9 +448,11 @@ def chunk_curve(model: str | PretrainedConfig, strategy: Strategy | str, *, batc
     # setting in the supported families (rotary angles are computed per position).
     config.max_position_embeddings = max(getattr(config, "max_position_embeddings", 0) or 0, 64 * chunk)
     config.use_cache = False
-    run, warm_start = _runner(strategy, batch_size=batch_size, optimizer=optimizer, dtype=parse_dtype(dtype),
+    torch_dtype = parse_dtype(dtype)
+    run, warm_start = _runner(strategy, batch_size=batch_size, optimizer=optimizer, dtype=torch_dtype,
                               lora_rank=lora_rank, iterations=iterations, grad_accum=1)
-    fitted = _fit(config, seq_len, strategy, functools.partial(run, warm_start=warm_start), progress or (lambda _: None))
+    fitted = _fit(config, seq_len, strategy, functools.partial(run, warm_start=warm_start), progress or (lambda _: None),
+                  _kept_outputs_apart(config, strategy, batch_size, torch_dtype))
     if fitted is None or fitted.chunks is None:
         return None
     return ChunkCurve(chunk, fitted.chunks.first + 3, strategy, fitted)
@@ -717,6 +723,9 @@ def _scaled_strategy(strategy: Strategy, config, layers: int) -> Strategy:
     options = strategy.engine_options
     if getattr(options, "host_memory", None) is not None:
         options = dataclasses.replace(options, host_memory=None)
+    if _partial_kept_outputs(strategy, config):
+        # Every layer's output or none (:func:`_kept_outputs_apart` corrects the figures).
+        options = dataclasses.replace(options, keep_output=options.settings().offload_inputs)
     from ..memory.units import pinned_host_budget
 
     techniques = dict(strategy.techniques)
@@ -734,6 +743,39 @@ def _scaled_strategy(strategy: Strategy, config, layers: int) -> Strategy:
         techniques["checkpoint"] = dataclasses.replace(
             checkpoint, host_memory=share(checkpoint.host_memory, checkpoint.except_last))
     return Strategy(strategy.engine, options, strategy.sequence_parallel, **techniques)
+
+
+def _partial_kept_outputs(strategy: Strategy, config) -> bool:
+    """FPDT keeping the attention outputs of the lowest N layers of the model (or as many
+    as fit), which a small simulation cannot: its handful of layers would keep all."""
+    if strategy.engine != "fpdt" or strategy.sequence_parallel is not None:
+        return False
+    keep = strategy.engine_options.keep_output
+    return keep == "fit" or (not isinstance(keep, bool) and isinstance(keep, int) and 0 < keep < _layers(config))
+
+
+def _kept_outputs_apart(config, strategy: Strategy, batch_size: int, dtype: torch.dtype):
+    """For :func:`_partial_kept_outputs`: the small simulations keep every layer's output
+    (in host memory, with ``offload_inputs``) or none (on the device, without), and
+    ``correction(tokens)`` gives (device bytes, host bytes) to add at full scale, and the
+    count N: the outputs of the layers that keep none taken off the host peak, or those
+    of the N layers that keep theirs added to the device peak (all of them alive at once:
+    an upper bound). Checked against whole-model simulations (tests/test_simulate_fast.py).
+    None where there is nothing to correct."""
+    if not _partial_kept_outputs(strategy, config):
+        return None
+    from ..engines.chunked import kept_output_bytes, outputs_that_fit, parked_host_bytes
+
+    settings, layers = strategy.engine_options.settings(), _layers(config)
+    item = torch.tensor([], dtype=dtype).element_size()
+
+    def correction(tokens: int) -> tuple[int, int, int]:
+        kept = outputs_that_fit(settings.keep_output, layers, settings.offload_inputs, settings.host_budget,
+                                lambda k: parked_host_bytes(config, batch_size, tokens, item, settings, k))
+        one = kept_output_bytes(config, batch_size, tokens, item)
+        return (0, -(layers - kept) * one, kept) if settings.offload_inputs else (kept * one, 0, kept)
+
+    return correction
 
 
 def _bilinear(values: dict, a: int, b: int, u: int, v: int) -> tuple:
@@ -782,10 +824,16 @@ class _Fitted:
     b: int
     layers: _Axis | None
     chunks: _Axis | None
+    seq_len: int = 0
+    kept: Callable[[int], tuple[int, int, int]] | None = None  # :func:`_kept_outputs_apart`
 
     def peaks(self, u: int, v: int):
         """(device peak, host peak, label of the device peak) at ``u`` layer and ``v`` chunk repeats."""
-        return _peaks_at(self.sims, self.fit, self.a, self.b, u, v)
+        device, host, where = _peaks_at(self.sims, self.fit, self.a, self.b, u, v)
+        if self.kept is not None and device is not None:
+            more_device, more_host, _ = self.kept(self.chunks.value(v) if self.chunks is not None else self.seq_len)
+            device, host = device + more_device, host + more_host
+        return device, host, where
 
     def simulated(self, strategy: Strategy, chunks: int | None = None) -> _Simulated:
         """The figures of the whole model, at the target number of chunks or at ``chunks``."""
@@ -803,9 +851,18 @@ class _Fitted:
         for category in CATEGORIES:
             by_category[category] = {DEVICE: rest.pop(0), HOST: rest.pop(0)}
         host_at_peak, parameters, trainable = rest
+        notes = dict(sims[max(fit)].notes)
+        if layers is not None and notes.get("kept_attention_outputs"):  # the small models keep every layer's
+            notes["kept_attention_outputs"] = layers.value(layers.target)
+        if self.kept is not None:  # what the kept-output count adds (device) or leaves out (host)
+            more_device, _, notes["kept_attention_outputs"] = self.kept(
+                axis.value(axis.target) if axis is not None else self.seq_len)
+            by_category["activations"][DEVICE] += more_device
+            fewer_host = max(0, host_at_peak - host)
+            by_category["activations"][HOST] = max(0, by_category["activations"][HOST] - fewer_host)
+            host_at_peak -= fewer_host
         largest = breakdowns[max(fit)]
         report = MemoryReport(device, host_at_peak, max(host, host_at_peak), by_category, largest.largest)
-        notes = dict(sims[max(fit)].notes)
         memo = strategy.techniques.get("memo")
         if memo is not None and "memo_host_budget" in notes:
             from ..memory.units import pinned_host_budget
@@ -823,10 +880,10 @@ class _Fitted:
         return _Simulated(report, parameters, trainable, notes, method)
 
 
-def _fit(config, seq_len: int, strategy: Strategy, run, say) -> _Fitted | None:
+def _fit(config, seq_len: int, strategy: Strategy, run, say, kept=None) -> _Fitted | None:
     """The small simulations the full-scale figures are extrapolated from, fitted and
     checked (module docstring), or None when there is nothing to extrapolate or the
-    pattern never settled."""
+    pattern never settled. ``kept``: :func:`_kept_outputs_apart`'s correction."""
     layers, chunks = _layer_axis(config, strategy), _chunk_axis(config, seq_len, strategy)
     if layers is None and chunks is None:
         return None
@@ -862,7 +919,7 @@ def _fit(config, seq_len: int, strategy: Strategy, run, say) -> _Fitted | None:
         unsettled = {p for p in fit + [layer_check, chunk_check]
                      if p is not None and not _reproduces(sims, fit, a, b, p, exactly=p in fit)}
         if not unsettled:
-            return _Fitted(sims, fit, a, b, layers, chunks)
+            return _Fitted(sims, fit, a, b, layers, chunks, seq_len, kept if layers is not None else None)
         fit_failed = any(p in fit for p in unsettled)
         shift_layers = layers is not None and (layer_check in unsettled or fit_failed)
         shift_chunks = chunks is not None and (chunk_check in unsettled or fit_failed)

@@ -14,10 +14,11 @@ layer's forward and whose host bytes fit the host budget,
     α = min( (B·T_layer − S_in − S_attn) / S_others,
              (M_host / (n − keep_last) − S_in − S_attn) / S_others )  clipped to [0, 1],
 
-with the sizes S and one layer's forward time T_layer measured on the second layer of
-the first step (the first pays the kernels' one-time costs; both run with α = 0), and
-the host bandwidth B measured by one copy
-of that layer's input. Under the simulator (fake tensors) nothing can be timed: the
+with the sizes S measured on the second layer of the first step (both run with α = 0),
+one layer's forward time T_layer by one more forward of that layer with nothing saved
+or parked (the first layer has paid the kernels' one-time costs, and the training
+forward's time would include page-locking its host buffers), and the host bandwidth B
+measured by one copy of that layer's input. Under the simulator (fake tensors) nothing can be timed: the
 layer time comes from its FLOPs at :data:`DEFAULT_FLOPS_PER_S` and the bandwidth is
 :data:`DEFAULT_HOST_BANDWIDTH`. The chosen α and what it came from are reported in the
 engine context's notes (the trainer's summary shows them).
@@ -161,8 +162,9 @@ class MemoLayers:
         batch, tokens = hidden.shape[:2]
         # α is measured on the second layer of the first step (the first one where a model
         # has one): the first layer pays the kernels' one-time costs (cuDNN's plans, lazy
-        # CUDA modules, cuBLAS heuristics), which would inflate its time and so α. Layers
-        # run with α = 0 until it is known.
+        # CUDA modules, cuBLAS heuristics), which would inflate its time and so α; its
+        # time is that of a forward run again (_time_forward). Layers run with α = 0 until
+        # it is known.
         measuring = self.alpha is None and index == min(1, self.layers - 1)
         alpha = 0.0 if self.alpha is None else self.alpha
         split = min(tokens, max(0, round(alpha * tokens)))
@@ -178,13 +180,13 @@ class MemoLayers:
         record.input_storage = storage_id(hidden)
         if split < tokens:  # the recomputation starts from the layer input's recomputed tokens
             record.keep("input", hidden.detach()[:, split:].contiguous())
+        plain = args, kwargs
         args, kwargs = _with_hidden(args, kwargs, hidden, _KeptOutputAttention(call, record))
-        started = self._clock(hidden) if measuring else None
         with torch.autograd.graph.saved_tensors_hooks(record.pack, record.unpack):
             out = layer_forward(*args, **kwargs)
         record.finish_forward()
         if measuring:
-            self._resolve_alpha(record, hidden, started, layer)
+            self._resolve_alpha(record, hidden, self._time_forward(layer_forward, *plain, hidden), layer)
         self._warm_pool(record, index, measuring or self.alpha is None)
         below = self._below
         if below is not None and below[0] == index - 1:
@@ -215,21 +217,34 @@ class MemoLayers:
             self._early = None
 
     # ---- measurement -------------------------------------------------------------------
-    def _clock(self, hidden: torch.Tensor):
+    @staticmethod
+    def _time_forward(layer_forward, args, kwargs, hidden: torch.Tensor) -> float | None:
+        """Seconds of one more forward of the layer, with nothing saved or parked (None on
+        fake tensors). Not the training forward's own time: in the first step that one
+        also page-locks the host buffers its parked tensors go to (a slow system call, ~1 s
+        per few GB), which on the H100 tripled or quadrupled T_layer and so overstated α
+        (16K: 80 ms for ~20 ms of compute, α 1.00; the exposed copies made Memo slower than
+        checkpointing). Runs after the layer's training forward, so its kernels are warm."""
         if _is_fake(hidden):
             return None
-        if hidden.device.type == "cuda":
+        cuda = hidden.device.type == "cuda"
+        if cuda:  # the copies the training forward queued finish outside the timed window
             torch.cuda.synchronize(hidden.device)
-        return time.perf_counter()
+        started = time.perf_counter()
+        with torch.no_grad():
+            layer_forward(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize(hidden.device)
+        return time.perf_counter() - started
 
-    def _resolve_alpha(self, record: LayerActivations, hidden: torch.Tensor, started, layer) -> None:
+    def _resolve_alpha(self, record: LayerActivations, hidden: torch.Tensor, seconds: float | None, layer) -> None:
         tokens = hidden.shape[1]
-        fake = started is None
+        fake = seconds is None
         if fake:
             layer_seconds = _layer_flops(self.context, layer, hidden) / DEFAULT_FLOPS_PER_S
             bandwidth = DEFAULT_HOST_BANDWIDTH
         else:
-            layer_seconds = self._clock(hidden) - started
+            layer_seconds = seconds
             bandwidth = _measure_bandwidth(hidden)
         host_budget = self.options.host_memory or pinned_host_budget()
         sizes = dict(input_bytes=hidden.nbytes, attention_bytes=record.saved_bytes["whole"],

@@ -745,5 +745,8 @@ def format_summary(summary: dict) -> str:
         how = ("measured: one layer {:.3g} s, host link {:.3g} GB/s".format(notes["memo_layer_seconds"], notes["memo_host_bandwidth"] / 1e9)
                if notes.get("memo_measured") else "given" if "memo_layer_seconds" not in notes else "modelled")
         rows.append(("memo alpha", f"{notes['memo_alpha']:.3f} of the other activations' tokens swapped ({how})"))
+    if "kept_attention_outputs" in notes:
+        rows.append(("kept attention", f"the lowest {notes['kept_attention_outputs']} layers keep their attention "
+                                       "output (no second attention forward in their backward)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
