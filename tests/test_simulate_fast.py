@@ -54,27 +54,30 @@ def test_extrapolated_simulation_equals_the_full_one(case):
     assert sum(fast.peak.device_bytes(c) for c in fast.peak.by_category) == fast.device_peak_bytes
 
 
-@pytest.mark.parametrize("where", ["host", "device", "fit"])
+@pytest.mark.parametrize("where", ["host", "device", "fit", "host, chunks alone", "device, chunks alone"])
 def test_attention_outputs_kept_by_the_lowest_layers_are_simulated_at_full_scale(where):
     """FPDT keeping the outputs of its lowest 6 of 7 layers (the small simulations, of 4–6
     layers, would keep every one, consistently), against the whole model: in host memory to
     the byte; on the device an upper bound (2.4% over on this tiny model, where the outputs
     are a large share of the step); ``fit`` with a budget for 3 of 7 equal and within it
-    (before, every layer was kept and the step refused)."""
+    (before, every layer was kept and the step refused). "Chunks alone": 1 of 2 layers,
+    the small simulations whole-model but few chunks."""
     from longtrain.engines.chunked import parked_host_bytes
 
-    config = preset_config("tiny-llama", num_hidden_layers=7)
-    engine = {"host": "fpdt:chunk=16:offload=true:keep_output=6", "device": "fpdt:chunk=16:keep_output=6"}.get(where)
+    layers, tokens, kept = (2, 112, 1) if "chunks alone" in where else (7, 48, 6)
+    config = preset_config("tiny-llama", num_hidden_layers=layers)
+    offload = ":offload=true" if where.startswith(("host", "fit")) else ""
+    engine = f"fpdt:chunk=16{offload}:keep_output={kept}"
     if where == "fit":
         settings = lt.FPDT(chunk=16, offload=True, keep_output="fit").settings()
-        budget = parked_host_bytes(config, 1, 48, 4, settings, 3) + 100
-        engine = f"fpdt:chunk=16:offload=true:keep_output=fit:host_memory={budget}"
+        budget = parked_host_bytes(config, 1, tokens, 4, settings, 3) + 100
+        engine, kept = f"fpdt:chunk=16:offload=true:keep_output=fit:host_memory={budget}", 3
     strategy = lt.Strategy.parse("none", engine=engine)
-    fast = simulate(config, 48, strategy=strategy, dtype="float32", optimizer="none")
-    full = simulate(config, 48, strategy=strategy, dtype="float32", optimizer="none", exact=True)
+    fast = simulate(config, tokens, strategy=strategy, dtype="float32", optimizer="none")
+    full = simulate(config, tokens, strategy=strategy, dtype="float32", optimizer="none", exact=True)
     assert fast.method.startswith("extrapolated")
-    assert fast.notes["kept_attention_outputs"] == (3 if where == "fit" else 6)
-    if where == "device":
+    assert fast.notes["kept_attention_outputs"] == kept
+    if where.startswith("device"):
         assert full.device_peak_bytes <= fast.device_peak_bytes <= 1.05 * full.device_peak_bytes
     else:
         assert fast.peak.peak_host_bytes == full.peak.peak_host_bytes

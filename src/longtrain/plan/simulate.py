@@ -919,7 +919,7 @@ def _fit(config, seq_len: int, strategy: Strategy, run, say, kept=None) -> _Fitt
         unsettled = {p for p in fit + [layer_check, chunk_check]
                      if p is not None and not _reproduces(sims, fit, a, b, p, exactly=p in fit)}
         if not unsettled:
-            return _Fitted(sims, fit, a, b, layers, chunks, seq_len, kept if layers is not None else None)
+            return _Fitted(sims, fit, a, b, layers, chunks, seq_len, kept)
         fit_failed = any(p in fit for p in unsettled)
         shift_layers = layers is not None and (layer_check in unsettled or fit_failed)
         shift_chunks = chunks is not None and (chunk_check in unsettled or fit_failed)

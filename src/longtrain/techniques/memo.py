@@ -222,9 +222,9 @@ class MemoLayers:
         """Seconds of one more forward of the layer, with nothing saved or parked (None on
         fake tensors). Not the training forward's own time: in the first step that one
         also page-locks the host buffers its parked tensors go to (a slow system call, ~1 s
-        per few GB), which on the H100 tripled or quadrupled T_layer and so overstated α
-        (16K: 80 ms for ~20 ms of compute, α 1.00; the exposed copies made Memo slower than
-        checkpointing). Runs after the layer's training forward, so its kernels are warm."""
+        per few GB), which on the H100 made T_layer three to five times what the layer's FLOPs
+        take at 600 TFLOP/s and so overstated α (16K: 80 ms against ~16 ms, α 1.00; the
+        exposed copies likely made Memo slower than checkpointing). Runs after the layer's training forward, so its kernels are warm."""
         if _is_fake(hidden):
             return None
         cuda = hidden.device.type == "cuda"
