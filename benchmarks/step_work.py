@@ -26,7 +26,7 @@ from longtrain.models.loading import build_from_config
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_report  # noqa: E402
 
-_MATMULS = {"mm": -2, "addmm": -2, "bmm": -2, "baddbmm": -2}  # the left operand's position from the end
+_MATMULS = {"mm": -2, "addmm": -2, "addmm_": -2, "bmm": -2, "baddbmm": -2}  # the left operand's position from the end (addmm_: a sum formed in place)
 
 
 class StepWork(TorchDispatchMode):

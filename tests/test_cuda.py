@@ -479,7 +479,7 @@ def test_bf16_head_weight_gradient_accumulates_in_float32_on_cuda():
     float32 buffer (addmm with out_dtype), not a fallback; close to float64."""
     import warnings
 
-    from longtrain.ops import chunked_loss
+    from longtrain.ops import gemm
     from longtrain.ops.chunked_loss import chunked_causal_lm_loss
 
     torch.manual_seed(0)
@@ -489,10 +489,40 @@ def test_bf16_head_weight_gradient_accumulates_in_float32_on_cuda():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the fallback warns
         chunked_causal_lm_loss(x, w, labels, chunks=8).backward()
-    assert not chunked_loss._dtype_addmm_fails
+    assert not gemm._dtype_addmm_fails
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     chunked_causal_lm_loss(x64, w64, labels, chunks=8).backward()
     assert float((w.grad.double() - w64.grad).norm() / w64.grad.norm()) < 1e-2
+
+
+def test_bf16_tiled_mlp_weight_gradients_accumulate_in_float32_on_cuda():
+    """The tiled MLP's linears: each tile's weight gradient is one bf16 GEMM accumulating
+    into the float32 sum (addmm with out_dtype), not a fallback; the error against float64
+    is at most stock bf16's (one GEMM over every token, one rounding)."""
+    import copy
+    import warnings
+
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from longtrain.ops import gemm
+    from longtrain.ops.tiled_mlp import tiled_mlp
+
+    torch.manual_seed(0)
+    exact = LlamaMLP(LlamaConfig(hidden_size=256, intermediate_size=896)).to("cuda", torch.float64)
+    x = torch.randn(8192, 256, device="cuda", dtype=torch.float64)
+    grad_out = torch.randn_like(x)
+    expected = torch.autograd.grad(exact(x), list(exact.parameters()), grad_out)
+    half = copy.deepcopy(exact).bfloat16()
+    params = list(half.parameters())
+    stock = torch.autograd.grad(half(x.bfloat16()), params, grad_out.bfloat16())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fallback warns
+        tiled = torch.autograd.grad(tiled_mlp(half, x.bfloat16(), params, 512, module=half), params, grad_out.bfloat16())
+    assert not gemm._dtype_addmm_fails
+    for ours, theirs, want in zip(tiled, stock, expected):
+        assert ours.dtype == torch.bfloat16
+        assert float((ours.double() - want).norm() / want.norm()) <= 1.1 * float((theirs.double() - want).norm() / want.norm())
 
 
 @pytest.mark.parametrize("kernel", ["cudnn", "flash"])

@@ -31,22 +31,101 @@ def rel(a, b):
 def _mlps():
     gated = LlamaMLP(LlamaConfig(hidden_size=24, intermediate_size=80, hidden_act="silu", num_attention_heads=4, num_key_value_heads=4)).double()
     plain = torch.nn.Sequential(torch.nn.Linear(24, 64), torch.nn.GELU(), torch.nn.Linear(64, 24)).double()
-    return {"gated": gated, "plain": plain}
+    # changes its first linear's output in place: the backward must not form that linear's
+    # weight gradient from the recorded output (its gradient is no longer that tensor's)
+    in_place = torch.nn.Sequential(torch.nn.Linear(24, 64), torch.nn.ReLU(inplace=True), torch.nn.Linear(64, 24)).double()
+    return {"gated": gated, "plain": plain, "in-place": in_place}
 
 
 @pytest.mark.parametrize("length", LENGTHS)
-@pytest.mark.parametrize("kind", ["gated", "plain"])
-def test_tiled_mlp_is_exact(length, kind):
+@pytest.mark.parametrize("kind,linears", [("gated", False), ("gated", True), ("plain", False), ("plain", True),
+                                          ("in-place", True)])
+def test_tiled_mlp_is_exact(length, kind, linears):
+    """Against stock autograd; ``linears``: the module is given, and its linears' weight
+    (and bias) gradients are formed by the tiled backward itself, one GEMM per tile."""
     mlp = _mlps()[kind]
     x = torch.randn(2, length, 24, dtype=torch.float64, requires_grad=True)
     out = mlp(x)
     g = torch.randn_like(out)
     params = list(mlp.parameters())
     ref = torch.autograd.grad(out, [x, *params], g)
-    tiled = tiled_mlp(mlp, x, params, chunk_tokens=64)  # 2·1000 tokens: 32 chunks, remainder 16
+    # 2·1000 tokens: 32 chunks, remainder 16
+    tiled = tiled_mlp(mlp, x, params, chunk_tokens=64, module=mlp if linears else None)
     got = torch.autograd.grad(tiled, [x, *params], g)
     assert rel(tiled, out) <= TOL
     assert max(rel(a, b) for a, b in zip(got, ref)) <= TOL
+
+
+def test_tiled_linear_weight_gradients_are_one_gemm_per_tile_into_their_sum():
+    """Given the module, each plain linear's weight gradient is one ``addmm_`` per tile into
+    the running sum: no weight-sized product per tile for the loop to add (on CUDA a bf16
+    weight's is one GEMM accumulating into float32; tests/test_cuda.py). Frozen weights
+    (LoRA's base) are left alone; a linear whose output an in-place activation changed
+    falls back to autograd's products, exactly."""
+    torch.manual_seed(0)
+    tiles, n = 5, 350  # 70-token tiles: no activation shares a weight's shape
+    for kind, formed in (("gated", 3), ("plain", 2), ("in-place", 0)):
+        mlp = _mlps()[kind]
+        params = list(mlp.parameters())
+        x = torch.randn(n, 24, dtype=torch.float64, requires_grad=True)
+        out = tiled_mlp(mlp, x, params, chunk_tokens=n // tiles, module=mlp)
+        with _MatmulFlops() as backward:
+            out.backward(torch.ones_like(out))
+        weights = {tuple(p.shape) for p in params if p.dim() == 2}
+        summed = [m for m in backward.matmuls if m[0] == "addmm_" and m[2] in weights]
+        products = [m for m in backward.matmuls if m[0] != "addmm_" and m[2] in weights]
+        assert len(summed) == formed * tiles, (kind, backward.matmuls)
+        assert len(products) == (sum(p.dim() == 2 for p in params) - formed) * tiles, kind
+    # frozen: the first projection of the gated MLP keeps no gradient and is not formed
+    mlp = _mlps()["gated"]
+    mlp.gate_proj.weight.requires_grad_(False)
+    params = [p for p in mlp.parameters() if p.requires_grad]
+    x = torch.randn(n, 24, dtype=torch.float64, requires_grad=True)
+    with _MatmulFlops() as counted:
+        tiled_mlp(mlp, x, params, chunk_tokens=n // tiles, module=mlp).sum().backward()
+    assert sum(m[0] == "addmm_" for m in counted.matmuls) == 2 * tiles
+    assert mlp.gate_proj.weight.grad is None
+
+
+class _GatedMLP(torch.nn.Module):
+    def __init__(self, width, inner, dtype):
+        super().__init__()
+        self.gate_proj, self.up_proj = (torch.nn.Linear(width, inner, bias=False, dtype=dtype) for _ in range(2))
+        self.down_proj = torch.nn.Linear(inner, width, bias=False, dtype=dtype)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_a_simulated_bf16_tiled_mlp_plans_the_gpus_gemm_not_weight_sized_products():
+    """On fake tensors (a simulation plans the GPU) a bf16 tiled MLP's weight gradients
+    are GEMMs into their float32 sums, which allocate nothing: no bf16 weight-sized product
+    per tile, where the CPU forms one per tile and weight and adds it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ in ("mm", "addmm"):
+                self.shapes.append((tuple(out.shape), out.dtype))
+            return out
+
+    for fake in (False, True):
+        with FakeTensorMode() if fake else contextlib.nullcontext():
+            mlp = _GatedMLP(32, 96, torch.bfloat16)  # (a module cannot change dtype under FakeTensorMode)
+            params = list(mlp.parameters())
+            x = torch.randn(4 * 64, 32, dtype=torch.bfloat16, requires_grad=True)
+            out = tiled_mlp(mlp, x, params, chunk_tokens=64, module=mlp)
+            with Products() as products:
+                out.backward(torch.ones_like(out))
+        weight_sized = [p for p in products.shapes if p[0] in ((96, 32), (32, 96))]
+        # the CPU: a bf16 product per tile and weight (4 x 3); a simulation: none (the real
+        # tensors run all four tiles, fake ones three: tiles.py)
+        assert len(weight_sized) == (0 if fake else 12), products.shapes
 
 
 def test_tiled_mlp_saves_only_its_input_whatever_the_chunk_count():
@@ -203,8 +282,8 @@ def test_mst_in_bf16_stays_within_bf16_tolerance():
     assert ours_err <= 1.5 * stock_err, (ours_err, stock_err)
 
 
-@pytest.mark.parametrize("tiles", [4, 64, 256])
-def test_tiled_bf16_weight_gradients_are_summed_in_float32_whatever_the_tile_count(tiles):
+@pytest.mark.parametrize("tiles,linears", [(4, False), (64, False), (256, False), (256, True)])
+def test_tiled_bf16_weight_gradients_are_summed_in_float32_whatever_the_tile_count(tiles, linears):
     """Each tile's weight gradient of a bf16 MLP is summed in float32 and rounded once:
     the error against float64 stays stock bf16's (one GEMM, one rounding) at any tile
     count. Summed in bf16 it grew with the tiles: 1.4x stock's at 16 tiles, 2.1x at 64,
@@ -217,7 +296,8 @@ def test_tiled_bf16_weight_gradients_are_summed_in_float32_whatever_the_tile_cou
     half = copy.deepcopy(exact).bfloat16()
     params = list(half.parameters())
     stock = torch.autograd.grad(half(x.bfloat16()), params, grad_out.bfloat16())
-    tiled = torch.autograd.grad(tiled_mlp(half.forward, x.bfloat16(), params, n // tiles), params, grad_out.bfloat16())
+    tiled = torch.autograd.grad(tiled_mlp(half.forward, x.bfloat16(), params, n // tiles, module=half if linears else None),
+                                params, grad_out.bfloat16())
     assert all(g.dtype == torch.bfloat16 for g in tiled)
     for ours, theirs, want in zip(tiled, stock, expected):
         assert rel(ours.double(), want) <= 1.1 * rel(theirs.double(), want)

@@ -25,12 +25,10 @@ gradient per call, summed in the weight's dtype.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from . import _autocast
+from .gemm import add_product
 from .loss import IGNORE_INDEX, shift_labels
 from .tiles import tile_starts
 
@@ -60,38 +58,6 @@ def _logits(x, weight, bias, logit_scale, softcap):
     if softcap:
         z = torch.tanh(z / softcap) * softcap
     return z
-
-
-_dtype_addmm_fails: set[torch.device] = set()  # devices whose addmm refused out_dtype
-
-
-def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` as one GEMM per call. Half-precision ``a``/``b`` into a float32
-    ``acc`` (the weight gradient of a bf16 head, summed over chunks): on CUDA the GEMM
-    reads bf16/fp16 and accumulates into the float32 buffer in place
-    (``addmm(out_dtype=float32)``, cuBLAS at tensor-core speed); elsewhere the product is
-    formed in the input dtype and added (one rounding per chunk)."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-        return
-    if is_fake(acc):
-        # A simulation plans a GPU: the CUDA GEMM adds into the buffer in place, allocating
-        # nothing (the CPU's product would add 1 GiB for Llama-3-8B's head). Not run: fake
-        # tensors in PyTorch before 2.12 cannot (a decomposition read out_dtype as beta).
-        if a.shape[1] != b.shape[0] or acc.shape != (a.shape[0], b.shape[1]):
-            raise RuntimeError(f"addmm shapes {tuple(a.shape)} @ {tuple(b.shape)} into {tuple(acc.shape)}")
-        return
-    if acc.device.type == "cuda" and acc.device not in _dtype_addmm_fails:
-        try:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-            return
-        except torch.OutOfMemoryError:  # not a missing GEMM: the step is out of memory
-            raise
-        except (RuntimeError, TypeError) as error:  # an older PyTorch without the out_dtype GEMM
-            _dtype_addmm_fails.add(acc.device)
-            warnings.warn(f"addmm with out_dtype={acc.dtype} is not available on {acc.device} ({error}); the LM "
-                          "head's weight gradient is summed chunk by chunk instead", stacklevel=2)
-    acc += a @ b
 
 
 def _logits_grad(z, lse, targets, weights, label_smoothing, logit_scale, softcap, dtype):
@@ -159,7 +125,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 if want_b:
                     grad_b += dz.sum(0).to(grad_dtype)
                 if want_w:
-                    _add_product(grad_w, dz.t(), x[sl])
+                    add_product(grad_w, dz.t(), x[sl])
                 if want_x:
                     torch.mm(dz, weight, out=grad_x[sl])
                 del dz

@@ -37,9 +37,11 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+from torch import nn
 
 from ..thread_flag import ThreadFlag
 from . import _autocast
+from .gemm import add_product
 from .tiles import tile_starts
 
 
@@ -67,8 +69,8 @@ class _TiledMLPGrad(torch.autograd.Function):
     Its output is a 0-d token that links it to ``_TiledMLPOutput``."""
 
     @staticmethod
-    def forward(ctx, fn, chunk_tokens, mailbox, x, *params):
-        ctx.fn, ctx.chunk_tokens, ctx.mailbox, ctx.params = fn, chunk_tokens, mailbox, params
+    def forward(ctx, fn, chunk_tokens, mailbox, module, x, *params):
+        ctx.fn, ctx.chunk_tokens, ctx.mailbox, ctx.module, ctx.params = fn, chunk_tokens, mailbox, module, params
         ctx.autocast = _autocast.capture(x.device)
         ctx.save_for_backward(x)  # the only tensor kept for backward
         return x.new_zeros(())
@@ -79,24 +81,105 @@ class _TiledMLPGrad(torch.autograd.Function):
         grad_out, ctx.mailbox.grad = ctx.mailbox.grad, None
         flat = x.reshape(-1, x.shape[-1])
         grad_flat = grad_out.reshape(-1, grad_out.shape[-1])
-        want_x = ctx.needs_input_grad[3]
-        wanted = [p for p, needed in zip(ctx.params, ctx.needs_input_grad[4:]) if needed]
+        want_x = ctx.needs_input_grad[4]
+        wanted = [p for p, needed in zip(ctx.params, ctx.needs_input_grad[5:]) if needed]
         grad_x = torch.empty_like(flat) if want_x else None
-        sums: list[torch.Tensor | None] = [None] * len(wanted)
-        for start in tile_starts(flat.shape[0], ctx.chunk_tokens, flat):
-            piece = flat[start : start + ctx.chunk_tokens].detach().requires_grad_(want_x)
-            with torch.enable_grad(), _autocast.restore(ctx.autocast):
-                y = ctx.fn(piece)
-            inputs = ([piece] if want_x else []) + wanted
-            grads = list(torch.autograd.grad(y, inputs, grad_flat[start : start + piece.shape[0]], allow_unused=True))
-            if want_x:
-                grad_x[start : start + piece.shape[0]] = grads.pop(0)
-            for i, g in enumerate(grads):
-                if g is not None:
-                    sums[i] = _widened(g) if sums[i] is None else sums[i].add_(g)
-        it = iter(sums)
-        param_grads = [_rounded(next(it), p) if needed else None for p, needed in zip(ctx.params, ctx.needs_input_grad[4:])]
-        return (None, None, None, grad_x.view_as(x) if want_x else None, *param_grads)
+        sums = _GradientSums()
+        # Without autocast (which casts inside each linear), the plain linears' weight
+        # gradients are formed here, one GEMM per tile into the sum (:mod:`.gemm`).
+        linears = _LinearCalls(ctx.module if not ctx.autocast[1] else None, wanted)
+        with linears:
+            for start in tile_starts(flat.shape[0], ctx.chunk_tokens, flat):
+                piece = flat[start : start + ctx.chunk_tokens].detach().requires_grad_(want_x)
+                with torch.enable_grad(), _autocast.restore(ctx.autocast):
+                    y = ctx.fn(piece)
+                calls = linears.take()
+                by_autograd = [p for p in wanted if not calls or id(p) not in linears.covered]
+                inputs = ([piece] if want_x else []) + by_autograd + [call[2] for call in calls]
+                grads = list(torch.autograd.grad(y, inputs, grad_flat[start : start + piece.shape[0]], allow_unused=True))
+                if want_x:
+                    grad_x[start : start + piece.shape[0]] = grads.pop(0)
+                for param, grad in zip(by_autograd, grads):
+                    sums.add(param, grad)
+                for (linear, inp, _), grad in zip(calls, grads[len(by_autograd):]):
+                    sums.add_linear(linear, inp, grad, wanted_bias=id(linear.bias) in linears.covered)
+        param_grads = iter(sums.rounded(p) for p in wanted)
+        return (None, None, None, None, grad_x.view_as(x) if want_x else None,
+                *(next(param_grads) if needed else None for needed in ctx.needs_input_grad[5:]))
+
+
+class _LinearCalls:
+    """The calls of the plain ``nn.Linear`` layers of ``module`` whose weights are among
+    ``wanted``, recorded during one tile's recomputation (a forward hook on each, removed on
+    exit): ``(linear, input, output)``. The backward asks autograd for the outputs' gradients
+    instead of the weights', and forms the weights' itself — one GEMM adding into the
+    float32 sum (:func:`~longtrain.ops.gemm.add_product`) where autograd would form a new
+    bf16 gradient per tile, which the loop then adds. LoRA adapters' ``lora_A``/``lora_B``
+    are such linears; a frozen base weight is not hooked. Subclasses (quantized layers,
+    custom forwards) are left to autograd."""
+
+    def __init__(self, module: nn.Module | None, wanted):
+        ids = {id(p) for p in wanted}
+        self.linears = [] if module is None else [
+            m for m in module.modules() if type(m) is nn.Linear and id(m.weight) in ids]
+        self.covered = {id(t) for m in self.linears for t in (m.weight, m.bias) if t is not None and id(t) in ids}
+        self._calls, self._hooks = [], []
+
+    def __enter__(self):
+        self._hooks = [m.register_forward_hook(self._record) for m in self.linears]
+        return self
+
+    def __exit__(self, *exc):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _record(self, module, args, output):
+        self._calls.append((module, args[0], output, args[0]._version, output._version))
+
+    def take(self) -> list[tuple]:
+        """This tile's calls; none (autograd forms every gradient of the tile) where an
+        input or output was changed in place after the call (an in-place activation: the
+        recorded tensors are no longer what the linear saw or made), or needs no gradient."""
+        calls, self._calls = self._calls, []
+        if any(inp._version != v_in or out._version != v_out or not out.requires_grad
+               for _, inp, out, v_in, v_out in calls):
+            return []
+        return [(m, inp, out) for m, inp, out, _, _ in calls]
+
+
+class _GradientSums:
+    """The weight gradients of the tiles, summed: float32 for half-precision weights (see
+    :func:`_widened`), keyed by the parameter."""
+
+    def __init__(self):
+        self._sums: dict[int, torch.Tensor] = {}
+
+    def add(self, param: torch.Tensor, grad: torch.Tensor | None) -> None:
+        if grad is None:
+            return
+        total = self._sums.get(id(param))
+        self._sums[id(param)] = _widened(grad) if total is None else total.add_(grad)
+
+    def _buffer(self, param: torch.Tensor) -> torch.Tensor:
+        total = self._sums.get(id(param))
+        if total is None:
+            dtype = torch.float32 if param.dtype in (torch.float16, torch.bfloat16) else param.dtype
+            total = self._sums[id(param)] = torch.zeros(param.shape, dtype=dtype, device=param.device)
+        return total
+
+    def add_linear(self, linear: nn.Linear, inp: torch.Tensor, grad: torch.Tensor | None, wanted_bias: bool) -> None:
+        """One call's weight (and bias) gradient, ``grad`` being its output's."""
+        if grad is None:
+            return
+        grad = grad.reshape(-1, grad.shape[-1])
+        add_product(self._buffer(linear.weight), grad.t(), inp.reshape(-1, inp.shape[-1]))
+        if wanted_bias:
+            bias = self._buffer(linear.bias)
+            bias += grad.sum(0, dtype=bias.dtype)
+
+    def rounded(self, param: torch.Tensor) -> torch.Tensor | None:
+        return _rounded(self._sums.get(id(param)), param)
 
 
 def _widened(grad: torch.Tensor) -> torch.Tensor:
@@ -137,11 +220,14 @@ class _TiledMLPOutput(torch.autograd.Function):
         return None, None, None, None, torch.zeros((), dtype=grad_out.dtype, device=grad_out.device), None
 
 
-def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Sequence[torch.Tensor], chunk_tokens: int) -> torch.Tensor:
+def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Sequence[torch.Tensor],
+              chunk_tokens: int, module: nn.Module | None = None) -> torch.Tensor:
     """Apply the token-wise function ``fn`` to ``x`` (..., d) in chunks of ``chunk_tokens`` tokens.
 
     ``params`` are the tensors ``fn`` uses that may need gradients (e.g. the MLP's
     trainable parameters); their gradients are returned to autograd summed over chunks.
+    ``module``: the module ``fn`` runs, when there is one; the weight gradients of its plain
+    linear layers are then one GEMM per chunk into their sum (:class:`_LinearCalls`).
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
@@ -149,5 +235,5 @@ def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, param
     if n_tokens <= chunk_tokens or not torch.is_grad_enabled():
         return fn(x)  # one chunk (or no backward): nothing to save by tiling
     mailbox = _Mailbox()
-    token = _TiledMLPGrad.apply(fn, chunk_tokens, mailbox, x, *params)  # saves x first: see the module docstring
+    token = _TiledMLPGrad.apply(fn, chunk_tokens, mailbox, module, x, *params)  # saves x first: see the module docstring
     return _TiledMLPOutput.apply(fn, chunk_tokens, mailbox, x.detach(), token, _unread.on)

@@ -51,7 +51,7 @@ class MsT:
 
 def _tiled_forward(original, module: nn.Module, chunk: int, x: torch.Tensor) -> torch.Tensor:
     params = [p for p in module.parameters() if p.requires_grad]
-    return tiled_mlp(original, x, params, chunk)
+    return tiled_mlp(original, x, params, chunk, module=module)
 
 
 def default_mlp_chunk(context) -> int:
