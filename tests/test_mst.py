@@ -87,6 +87,20 @@ def test_tiled_linear_weight_gradients_are_one_gemm_per_tile_into_their_sum():
     assert mlp.gate_proj.weight.grad is None
 
 
+class _Products(TorchDispatchMode):
+    """(op, output shape, dtype) of every ``mm``/``addmm`` product (not the in-place sums)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in ("mm", "addmm"):
+            self.shapes.append((func.overloadpacket.__name__, tuple(out.shape), out.dtype))
+        return out
+
+
 class _GatedMLP(torch.nn.Module):
     def __init__(self, width, inner, dtype):
         super().__init__()
@@ -164,26 +178,15 @@ def test_a_simulated_bf16_tiled_mlp_plans_the_gpus_gemm_not_weight_sized_product
     per tile, where the CPU forms one per tile and weight and adds it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    class Products(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.shapes = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func.overloadpacket.__name__ in ("mm", "addmm"):
-                self.shapes.append((tuple(out.shape), out.dtype))
-            return out
-
     for fake in (False, True):
         with FakeTensorMode() if fake else contextlib.nullcontext():
             mlp = _GatedMLP(32, 96, torch.bfloat16)  # (a module cannot change dtype under FakeTensorMode)
             params = list(mlp.parameters())
             x = torch.randn(4 * 64, 32, dtype=torch.bfloat16, requires_grad=True)
             out = tiled_mlp(mlp, x, params, chunk_tokens=64, module=mlp)
-            with Products() as products:
+            with _Products() as products:
                 out.backward(torch.ones_like(out))
-        weight_sized = [p for p in products.shapes if p[0] in ((96, 32), (32, 96))]
+        weight_sized = [p for p in products.shapes if p[1] in ((96, 32), (32, 96))]
         # the CPU: a bf16 product per tile and weight (4 x 3); a simulation: none (the real
         # tensors run all four tiles, fake ones three: tiles.py)
         assert len(weight_sized) == (0 if fake else 12), products.shapes
@@ -579,23 +582,12 @@ def test_a_simulated_bf16_head_plans_the_gpus_gemm_not_a_weight_sized_product(mo
 
     monkeypatch.setattr(torch, "addmm", addmm_of_torch_2_11)
 
-    class Products(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.shapes = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func.overloadpacket.__name__ in ("mm", "addmm"):
-                self.shapes.append((func.overloadpacket.__name__, tuple(out.shape), out.dtype))
-            return out
-
     for fake in (False, True):
         with FakeTensorMode() if fake else contextlib.nullcontext():
             weight = torch.randn(512, 64, dtype=torch.bfloat16, requires_grad=True)
             hidden = torch.randn(1, 96, 64, dtype=torch.bfloat16, requires_grad=True)
             labels = torch.randint(0, 512, (1, 96))
-            with Products() as products:
+            with _Products() as products:
                 chunked_causal_lm_loss(hidden, weight, labels, chunks=3).backward()
         weight_sized = [p for p in products.shapes if p[1] == (512, 64)]
         # the CPU: three bf16 products added; a simulation: three GEMMs into the float32 buffer, which allocate nothing
