@@ -6,9 +6,9 @@ in float32 and rounded once (each bf16 rounding of a running sum adds error that
 with the tile count). Formed as a bf16 product per tile and then added, every tile
 writes and reads a weight-sized temporary and reads and writes the float32 sum once more
 outside the GEMM: for Llama-3-8B's MLP, about a third of the weight-gradient GEMM's own
-time per tile. On CUDA one GEMM reads the bf16 operands and accumulates into the float32
-buffer in place (``addmm(out_dtype=float32)``, cuBLAS at tensor-core speed), and a
-simulation (fake tensors) plans exactly that.
+time per tile (estimated from bytes and FLOPs, not measured). On CUDA one GEMM reads the
+bf16 operands and accumulates into the float32 buffer in place (``addmm(out_dtype=float32)``,
+cuBLAS at tensor-core speed), and a simulation (fake tensors) plans exactly that.
 """
 
 from __future__ import annotations

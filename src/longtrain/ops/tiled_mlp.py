@@ -219,7 +219,7 @@ def _parameter_uses(y: torch.Tensor, covered: set[int]) -> dict[int, int]:
 
 class _GradientSums:
     """The weight gradients of the tiles, summed: float32 for half-precision weights (see
-    :func:`_widened`), keyed by the parameter."""
+    :func:`_sum_dtype`), keyed by the parameter."""
 
     def __init__(self):
         self._sums: dict[int, torch.Tensor] = {}
@@ -233,8 +233,7 @@ class _GradientSums:
     def _buffer(self, param: torch.Tensor) -> torch.Tensor:
         total = self._sums.get(id(param))
         if total is None:
-            dtype = torch.float32 if param.dtype in (torch.float16, torch.bfloat16) else param.dtype
-            total = self._sums[id(param)] = torch.zeros(param.shape, dtype=dtype, device=param.device)
+            total = self._sums[id(param)] = torch.zeros(param.shape, dtype=_sum_dtype(param.dtype), device=param.device)
         return total
 
     def add_linear(self, linear: nn.Linear, inp: torch.Tensor, grad: torch.Tensor | None, wanted_bias: bool) -> None:
@@ -251,12 +250,17 @@ class _GradientSums:
         return _rounded(self._sums.get(id(param)), param)
 
 
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """A weight gradient's sum over tiles is float32 for a half-precision weight. Summed in
+    bf16, each tile's add rounds the running sum to 8 bits, and the error grows with the
+    tile count (64 tiles: twice a stock bf16 backward's, 256: four times — tests/test_mst.py);
+    in float32 the sum is rounded once, as stock's single GEMM is."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _widened(grad: torch.Tensor) -> torch.Tensor:
-    """The first tile's weight gradient as the sum's buffer: float32 for a half-precision
-    weight. Summed in bf16, each tile's add rounds the running sum to 8 bits, and the error
-    grows with the tile count (64 tiles: twice a stock bf16 backward's, 256: four times —
-    tests/test_mst.py); in float32 the sum is rounded once, as stock's single GEMM is."""
-    return grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+    """The first tile's weight gradient as the sum's buffer (:func:`_sum_dtype`)."""
+    return grad.to(_sum_dtype(grad.dtype))
 
 
 def _rounded(total: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:
@@ -304,5 +308,6 @@ def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, param
     if n_tokens <= chunk_tokens or not torch.is_grad_enabled():
         return fn(x)  # one chunk (or no backward): nothing to save by tiling
     mailbox = _Mailbox()
-    token = _TiledMLPGrad.apply(fn, chunk_tokens, mailbox, module, x, *params)  # saves x first: see the module docstring
+    # saves x first: see the module docstring
+    token = _TiledMLPGrad.apply(fn, chunk_tokens, mailbox, module, x, *params)
     return _TiledMLPOutput.apply(fn, chunk_tokens, mailbox, x.detach(), token, _unread.on)
