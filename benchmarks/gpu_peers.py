@@ -145,7 +145,7 @@ def _fpdt_chunk(length: int) -> int:
 
 
 def _fpdt(length: int, liger: bool = False, **options):
-    if options.get("offload"):
+    if options.get("offload") or options.get("offload_inputs"):
         # The library's default budget (half the host) refuses 256K without keep_output by a few
         # GiB (66 GiB of layer inputs and K/V); the first GPU run pinned that much, unbounded, and
         # lived. Three quarters keeps those rows comparable and still leaves the OS a quarter.
@@ -182,6 +182,11 @@ CASES = [
     # inputs (every layer's at 128K in three quarters of the host, about 14 of 32 at 256K).
     Case("lt:fpdt+offload+fit+mst", "longtrain", lambda n: _fpdt(n, offload=True, keep_output="fit")),
     Case("lt:fpdt+offload+fit+mst+liger", "longtrain", lambda n: _fpdt(n, liger=True, offload=True, keep_output="fit")),
+    # The inputs (and kept outputs) in host memory, one layer's K/V and their gradient sums on
+    # the device: none of the copies per pair of chunks (engines.fpdt.host_traffic: at 256K a
+    # quarter of the bytes), 1.2 GiB more of the device peak at 256K (simulated).
+    Case("lt:fpdt+inputs+mst", "longtrain", lambda n: _fpdt(n, offload_inputs=True)),
+    Case("lt:fpdt+inputs+fit+mst+liger", "longtrain", lambda n: _fpdt(n, liger=True, offload_inputs=True, keep_output="fit")),
     # Memo: attention once, other activations swapped to host memory by token (alpha measured
     # in the warm-up step), no layer recomputed where the host link hides the copies.
     Case("lt:memo+mst", "longtrain", lambda n: lt.Strategy(memo=lt.Memo(), mst=True)),

@@ -129,6 +129,18 @@ def test_sliding_window_spanning_many_chunks_equals_stock():
     check_step(stock, ours, _fpdt(chunk=16, offload=True), padded_batch(320, lengths=(150, 131)))
 
 
+@pytest.mark.parametrize("preset,batch", [("tiny-llama", "packed"), ("tiny-gemma2", "padded")])
+def test_inputs_parked_with_kv_on_the_device_equals_stock(preset, batch):
+    """``offload_inputs`` alone: layer inputs, output gradients, rotary tables and one
+    layer's kept attention outputs in host memory, K/V and their gradient sums on the
+    device (the planner's ``:offload_inputs`` candidates); float64, GQA, chunks of 40
+    dividing no row."""
+    stock, ours = stock_and_ours(preset)
+    vocab = stock.config.vocab_size
+    data = packed_batch(vocab) if batch == "packed" else padded_batch(vocab, lengths=(101, 77))
+    check_step(stock, ours, _fpdt(chunk=40, offload_inputs=True, keep_output=1), data)
+
+
 class _DictHistory:
     """A plain in-memory K/V history, to test the op without the store."""
 
@@ -732,3 +744,43 @@ def test_the_host_budget_check_bounds_what_the_store_parks(engine, options, monk
     lt.apply(model, lt.Strategy(engine=engine, engine_options={"chunk": 40, "offload": True, "host_memory": "1GiB", **options}))
     lt.step(model, packed_batch(config.vocab_size))
     assert 0 < peak[0] <= counted[-1]
+
+
+@pytest.mark.parametrize("options", [
+    {"offload": True}, {"offload_inputs": True}, {"offload": True, "keep_output": 1, "prefetch": 2},
+    {"offload": True, "recompute_kv": False}, {"offload": True, "segment": 2}, {"offload": True, "prefetch": 0},
+])
+def test_host_traffic_is_what_a_step_copies(options, monkeypatch):
+    """``fpdt.host_traffic`` (the time model's FPDT copies) counts exactly the bytes a step
+    parks and fetches, K/V apart from the rest: here 3 layers, chunks of 40 that do not
+    divide 150 tokens, batch 2. With the inputs alone parked no K/V move at all."""
+    from longtrain.engines.fpdt import host_traffic
+
+    moved = {"kv": 0, "inputs": 0}
+    put, prefetch = ChunkStore.put, ChunkStore.prefetch
+
+    def kind(key):
+        return "kv" if key[0] in ("k", "v", "dk", "dv") else "inputs"
+
+    def counting_put(self, key, tensor, *, offload=None):
+        if self.offload if offload is None else offload:
+            moved[kind(key)] += tensor.nbytes
+        put(self, key, tensor, offload=offload)
+
+    def counting_prefetch(self, key):
+        entry = self._entries.get(key)
+        if entry is not None and entry.host is not None and entry.device is None:
+            moved[kind(key)] += entry.host.nbytes
+        prefetch(self, key)
+
+    monkeypatch.setattr(ChunkStore, "put", counting_put)
+    monkeypatch.setattr(ChunkStore, "prefetch", counting_prefetch)
+    config = preset_config("tiny-llama", num_hidden_layers=3)
+    model = build_from_config(config, torch.float32)
+    strategy = lt.Strategy(engine="fpdt", engine_options={"chunk": 40, **options}, mst=True)
+    lt.apply(model, strategy)
+    lt.step(model, {"input_ids": torch.randint(0, config.vocab_size, (2, 150))})
+    settings = strategy.engine_options.settings()
+    traffic = host_traffic(config, 2, 150, 4, settings, kept_outputs=int(settings.keep_output))
+    assert (traffic.kv, traffic.inputs) == (moved["kv"], moved["inputs"])
+    assert moved["inputs"] > 0 and (moved["kv"] > 0) == settings.offload

@@ -114,6 +114,30 @@ def test_the_plan_parks_checkpointed_inputs_where_the_device_cannot_hold_them():
     assert planner.parked_split(config, tokens, strategy, 2) == (2 * hidden, hidden)
 
 
+def test_fpdt_with_only_its_inputs_parked_keeps_one_layers_kv_on_the_device_and_copies_less():
+    """``fpdt:offload_inputs`` (K/V on the device, inputs and kept outputs in host memory):
+    the bound before simulating puts one layer's K/V on the device and the rest on the host;
+    the time model charges its exposed copies for the inputs only — at 256K a quarter of
+    what parking the K/V too moves — so it predicts it between no offload and full offload,
+    and the planner weighs it at every chunk size."""
+    config = preset_config("llama3-8b")
+    tokens = 256 * K
+    kv = 2 * tokens * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 2
+    inputs = (config.num_hidden_layers - 1) * tokens * config.hidden_size * 2
+    split = {name: planner.parked_split(config, tokens, lt.Strategy.parse("mst", engine=engine), 2)
+             for name, engine in [("all", "fpdt:chunk=16384:offload=true"), ("inputs", "fpdt:chunk=16384:offload_inputs=true"),
+                                  ("none", "fpdt:chunk=16384")]}
+    assert split == {"all": (0, kv + inputs), "inputs": (kv, inputs), "none": (kv + inputs, 0)}
+    parts = {name: step_time(config, tokens, lt.Strategy.parse("mst", engine=engine)).parts
+             for name, engine in [("all", "fpdt:chunk=16384:offload=true"), ("inputs", "fpdt:chunk=16384:offload_inputs=true"),
+                                  ("none", "fpdt:chunk=16384")]}
+    assert "exposed_copies" not in parts["none"]
+    assert 3 * parts["inputs"]["exposed_copies"] < parts["all"]["exposed_copies"]
+    assert {k: v for k, v in parts["inputs"].items() if k != "exposed_copies"} == \
+        {k: v for k, v in parts["all"].items() if k != "exposed_copies"}
+    assert "fpdt:chunk=16384:offload_inputs:keep_output=fit,mst" in planner.candidates(tokens, 64 * GIB)
+
+
 def test_the_plan_leaves_as_many_top_layers_whole_as_the_device_holds():
     """Roomy: every layer whole. Tight: some — the count the device holds at
     WHOLE_LAYERS_FILL of its memory — and faster than checkpointing them all. No room:
@@ -254,20 +278,24 @@ def test_a_plan_simulated_in_worker_processes_is_the_plan_simulated_here():
     assert result.best is not None and sum(r.simulated for r in result.rows if "except_last" not in r.name) <= 2
 
 
-def test_a_worker_hands_back_the_chunk_curves_it_made():
+@pytest.mark.parametrize("engine", ["fpdt:chunk=128:segment=2", "fpdt:chunk=128:offload=true:keep_output=1"])
+def test_a_worker_hands_back_the_chunk_curves_it_made(engine):
     """A worker's FPDT simulation reads a chunk curve; the parent gets it (peaks only,
-    pickled as between processes) so `plan --longest` searches it without simulating again."""
+    pickled as between processes) so `plan --longest` searches it without simulating again.
+    Also with some layers' attention outputs kept: its curve carries their correction, which
+    was a closure that could not be pickled — `longtrain plan` at 256K with a host budget
+    died on it."""
     import json
     import pickle
 
     config = planner.load_config("tiny-llama")
-    strategy = lt.Strategy.parse("mst", engine="fpdt:chunk=128:segment=2")
+    strategy = lt.Strategy.parse("mst", engine=engine)
     planner._CURVES.clear()
-    result, curves = planner._simulate_elsewhere(json.dumps(config.to_dict(), default=str), 2048, strategy.to_json(),
-                                                 "bfloat16", 1, "none", None)
+    sent = planner._simulate_elsewhere(json.dumps(config.to_dict(), default=str), 2048, strategy.to_json(),
+                                       "bfloat16", 1, "none", None)
+    result, curves = pickle.loads(pickle.dumps(sent))  # what goes back from a worker process
     (key, light), = curves.items()
     full = planner._CURVES[key]
-    light = pickle.loads(pickle.dumps(light))
     assert light.fewest == full.fewest and light.notes == full.notes
     assert all(light.peaks(n) == full.peaks(n) for n in range(full.fewest, 64))
     assert result[:2] == full.peaks(2048 // 128)

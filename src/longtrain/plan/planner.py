@@ -77,13 +77,18 @@ def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_ch
     for chunk in chunks:
         if not every_chunk and (chunk >= seq_len or seq_len // chunk > 32):  # one chunk is no chunking; many cost host time
             continue
-        for offload in (True, False):
-            variants = [("", {}), (":keep_output", {"keep_output": True}), (f":segment={segment}", {"segment": segment})]
+        # What goes to host memory: K/V and layer inputs, the inputs only (one layer's K/V and
+        # their gradient sums stay on the device: no copy per pair of chunks), or nothing.
+        for parked, offload in ((":offload", {"offload": True}), (":offload_inputs", {"offload_inputs": True}),
+                                ("", {})):
+            variants = [("", {}), (":keep_output", {"keep_output": True})]
+            if parked != ":offload_inputs":  # √n segments park fewer inputs (with one layer's K/V kept: not weighed)
+                variants.append((f":segment={segment}", {"segment": segment}))
             if offload and host_memory:  # as many layers' outputs as the host holds (plan() counts them)
                 variants.append((":keep_output=fit", {"keep_output": "fit"}))
             for variant, extra in variants:
-                options = {"chunk": chunk, "offload": offload, **extra}
-                name = f"fpdt:chunk={chunk}" + (":offload" if offload else "") + variant + ",mst"
+                options = {"chunk": chunk, **offload, **extra}
+                name = f"fpdt:chunk={chunk}{parked}{variant},mst"
                 found[name] = Strategy(engine="fpdt", engine_options=options, mst=True)
     return found
 
@@ -124,11 +129,18 @@ def outputs_kept_within(config, seq_len: int, strategy: Strategy, item: int, bat
 
 def parked_split(config, seq_len: int, strategy: Strategy, item: int, batch: int = 1) -> tuple[int, int]:
     """:func:`parked_bytes` as (on the device, in host memory): checkpointing's parked
-    inputs (``offload_inputs``) fill its host budget and leave the rest on the device."""
+    inputs (``offload_inputs``) fill its host budget and leave the rest on the device;
+    FPDT's K/V go where ``offload`` puts them, its inputs and kept outputs where
+    ``offload_inputs`` (by default ``offload``) does."""
     parked = parked_bytes(config, seq_len, strategy, item, batch)
     checkpoint = strategy.techniques.get("checkpoint")
     if checkpoint is not None and checkpoint.offload_inputs and "memo" not in strategy.techniques:
         on_host = parked if checkpoint.host_memory is None else min(parked, checkpoint.host_memory)
+        return parked - on_host, on_host
+    if strategy.engine == "fpdt" and "checkpoint" not in strategy.techniques and "memo" not in strategy.techniques:
+        settings = strategy.engine_options.settings()
+        kv, inputs = _fpdt_parked(config, seq_len, strategy.engine_options, item, batch)
+        on_host = kv * settings.offload + inputs * settings.offload_inputs
         return parked - on_host, on_host
     offload = getattr(strategy.engine_options, "offload", False) or "memo" in strategy.techniques
     return (0, parked) if offload else (parked, 0)
@@ -145,7 +157,13 @@ def parked_bytes(config, seq_len: int, strategy: Strategy, item: int, batch: int
         return n * tokens * d * item  # every layer's input (Memo: in host memory, with more)
     if strategy.engine != "fpdt":
         return 0
-    options = strategy.engine_options
+    return sum(_fpdt_parked(config, seq_len, strategy.engine_options, item, batch))
+
+
+def _fpdt_parked(config, seq_len: int, options, item: int, batch: int) -> tuple[int, int]:
+    """FPDT's part of :func:`parked_bytes`: (K/V, layer inputs and kept attention outputs)."""
+    n, d = config.num_hidden_layers, config.hidden_size
+    tokens = batch * seq_len
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or d // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -153,12 +171,12 @@ def parked_bytes(config, seq_len: int, strategy: Strategy, item: int, batch: int
     inputs = (n - 1 if segment <= 1 else -(-n // segment) - 1) * tokens * d * item
     kv = 2 * tokens * kv_heads * head_dim * item * (1 if options.recompute_kv else n)
     kept = planned_kept_outputs(config, seq_len, options.settings(), item, batch) * tokens * heads * (head_dim * item + 4)
-    return inputs + kv + kept
+    return kv, inputs + kept
 
 
 def _margin(strategy: Strategy) -> float:
     options = strategy.engine_options
-    if getattr(options, "offload", False) or "memo" in strategy.techniques:
+    if getattr(options, "offload", False) or getattr(options, "offload_inputs", False) or "memo" in strategy.techniques:
         return FRAGMENTATION["offload"]
     return FRAGMENTATION["chunked" if strategy.engine in ("fpdt", "seco", "spaco") else "whole"]
 

@@ -764,18 +764,29 @@ def _kept_outputs_apart(config, strategy: Strategy, batch_size: int, dtype: torc
     None where there is nothing to correct."""
     if not _partial_kept_outputs(strategy, config):
         return None
-    from ..engines.chunked import kept_output_bytes, outputs_that_fit, parked_host_bytes
+    return _KeptOutputsCorrection(config, strategy.engine_options.settings(), _layers(config), batch_size,
+                                  torch.tensor([], dtype=dtype).element_size())
 
-    settings, layers = strategy.engine_options.settings(), _layers(config)
-    item = torch.tensor([], dtype=dtype).element_size()
 
-    def correction(tokens: int) -> tuple[int, int, int]:
+@dataclass(frozen=True)
+class _KeptOutputsCorrection:
+    """:func:`_kept_outputs_apart`'s ``correction``: a module-level class, not a closure, so
+    that a fitted simulation holding it goes back from the planner's worker processes (pickled)."""
+
+    config: object
+    settings: object
+    layers: int
+    batch_size: int
+    item: int
+
+    def __call__(self, tokens: int) -> tuple[int, int, int]:
+        from ..engines.chunked import kept_output_bytes, outputs_that_fit, parked_host_bytes
+
+        settings, layers = self.settings, self.layers
         kept = outputs_that_fit(settings.keep_output, layers, settings.offload_inputs, settings.host_budget,
-                                lambda k: parked_host_bytes(config, batch_size, tokens, item, settings, k))
-        one = kept_output_bytes(config, batch_size, tokens, item)
+                                lambda k: parked_host_bytes(self.config, self.batch_size, tokens, self.item, settings, k))
+        one = kept_output_bytes(self.config, self.batch_size, tokens, self.item)
         return (0, -(layers - kept) * one, kept) if settings.offload_inputs else (kept * one, 0, kept)
-
-    return correction
 
 
 def _bilinear(values: dict, a: int, b: int, u: int, v: int) -> tuple:

@@ -17,8 +17,10 @@ A step is counted per kind of work, each at the rate it runs at on the machine:
 - known slow spots, as measured on the H100 (docs/gpu_peers.md, 2026-11-23): MsT's tiled
   MLP backward runs at ``tiled_mlp_efficiency`` of the matmul rate and the chunked head's
   weight gradient at ``head_weight_grad`` FLOP/s; each (chunk, layer) pair of a chunked
-  engine costs ``per_chunk_layer`` seconds of host work;
-- host copies a layer's compute cannot hide (Memo), at ``host_bandwidth`` bytes/s;
+  engine costs ``per_chunk_layer`` seconds (host work, or small kernels: a profile will say);
+- host copies a layer's compute cannot hide (Memo), at ``host_bandwidth`` bytes/s; of
+  FPDT's, counted from its schedule (:func:`~longtrain.engines.fpdt.host_traffic`), the
+  share ``offload_exposed`` (fitted: the 128K step with and without offload);
 - with the optimizer in host memory (``--optimizer-offload``), the CPU's AdamW step at
   ``cpu_adam`` parameters/s and the updated weights' copy back to the device (the
   gradients' copies to the host overlap backward);
@@ -36,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..engines.chunked import planned_kept_outputs
+from ..engines.fpdt import host_traffic
 from ..memory.flops import attention_width
 from ..models.adapters import adapter_class
 
@@ -51,7 +54,8 @@ class MachineRates:
     chunkwise_attention: float = 1.9e14  # FLOP/s of SeCO's chunk-major attention (a merge and a K/V gradient per block)
     tiled_mlp_efficiency: float = 0.68  # share of the matmul rate MsT's tiled MLP backward reaches (78.8 ms/layer at 32K)
     head_weight_grad: float = 5.0e14  # FLOP/s of the chunked head's weight gradient (one bf16 GEMM per chunk, fp32 out)
-    per_chunk_layer: float = 8.0e-3  # seconds of host work per (chunk, layer) of a chunked engine (fitted at 16K-128K)
+    per_chunk_layer: float = 6.8e-3  # seconds per (chunk, layer) of a chunked engine (fitted at 16K-128K with offload_exposed)
+    offload_exposed: float = 0.068  # share of FPDT's host copies (bytes / host_bandwidth) its compute does not hide
     host_bandwidth: float = 2.5e10  # bytes/s, device <-> pinned host
     cpu_adam: float = 1.5e9  # parameters/s of fused CPU AdamW with fp32 masters (16 cores; not yet measured on the GPU host)
     interconnect: float = 3.0e11  # bytes/s per GPU of all-to-all (NVLink; not yet measured)
@@ -137,6 +141,7 @@ def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: 
             matmul += recomputed * mlp_fwd
     if engine == "fpdt" and getattr(strategy.engine_options, "recompute_kv", False):
         matmul += 2.0 * s * attn_params * n / 2  # q/k/v projections once more (o_proj is skipped: about half the block)
+    kept = 0
     if engine == "fpdt" and getattr(strategy.engine_options, "keep_output", False):
         # The recomputation hands a kept output to attention's backward (bf16 bytes for "fit").
         kept = planned_kept_outputs(config, tokens, strategy.engine_options.settings(), 2, batch)
@@ -173,6 +178,9 @@ def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: 
     parts["attention"] = attention_passes * attention_fwd / rate
     if chunked and chunk:
         parts["chunk_overhead"] = (1 + inner) * rates.per_chunk_layer * n * -(-tokens // chunk)
+    if engine == "fpdt":
+        traffic = host_traffic(config, batch, tokens, 2, strategy.engine_options.settings(), kept)
+        exposed += rates.offload_exposed * traffic.total / rates.host_bandwidth
     if exposed:
         parts["exposed_copies"] = exposed
     sp = strategy.sequence_parallel.degree if strategy.sequence_parallel is not None else 1
