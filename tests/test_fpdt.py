@@ -746,11 +746,13 @@ def test_the_host_budget_check_bounds_what_the_store_parks(engine, options, monk
     assert 0 < peak[0] <= counted[-1]
 
 
-@pytest.mark.parametrize("options", [
-    {"offload": True}, {"offload_inputs": True}, {"offload": True, "keep_output": 1, "prefetch": 2},
-    {"offload": True, "recompute_kv": False}, {"offload": True, "segment": 2}, {"offload": True, "prefetch": 0},
+@pytest.mark.parametrize("preset,options", [
+    ("tiny-llama", {"offload": True}), ("tiny-llama", {"offload_inputs": True}),
+    ("tiny-llama", {"offload": True, "keep_output": 1, "prefetch": 2}), ("tiny-llama", {"offload": True, "recompute_kv": False}),
+    ("tiny-llama", {"offload": True, "segment": 2}), ("tiny-llama", {"offload": True, "prefetch": 0}),
+    ("tiny-phi3", {"offload": True}),  # rotary over half of each head (partial_rotary_factor 0.5)
 ])
-def test_host_traffic_is_what_a_step_copies(options, monkeypatch):
+def test_host_traffic_is_what_a_step_copies(preset, options, monkeypatch):
     """``fpdt.host_traffic`` (the time model's FPDT copies) counts exactly the bytes a step
     parks and fetches, K/V apart from the rest: here 3 layers, chunks of 40 that do not
     divide 150 tokens, batch 2. With the inputs alone parked no K/V move at all."""
@@ -775,7 +777,7 @@ def test_host_traffic_is_what_a_step_copies(options, monkeypatch):
 
     monkeypatch.setattr(ChunkStore, "put", counting_put)
     monkeypatch.setattr(ChunkStore, "prefetch", counting_prefetch)
-    config = preset_config("tiny-llama", num_hidden_layers=3)
+    config = preset_config(preset, num_hidden_layers=3, **({"partial_rotary_factor": 0.5} if preset == "tiny-phi3" else {}))
     model = build_from_config(config, torch.float32)
     strategy = lt.Strategy(engine="fpdt", engine_options={"chunk": 40, **options}, mst=True)
     lt.apply(model, strategy)

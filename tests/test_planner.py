@@ -136,6 +136,12 @@ def test_fpdt_with_only_its_inputs_parked_keeps_one_layers_kv_on_the_device_and_
     assert {k: v for k, v in parts["inputs"].items() if k != "exposed_copies"} == \
         {k: v for k, v in parts["all"].items() if k != "exposed_copies"}
     assert "fpdt:chunk=16384:offload_inputs:keep_output=fit,mst" in planner.candidates(tokens, 64 * GIB)
+    # Under sequence parallelism a rank copies what one device would for its N/P tokens.
+    from longtrain.engines.fpdt import host_traffic
+    strategy = lt.Strategy.parse("mst", engine="fpdt:chunk=16384:offload=true", sequence_parallel=4)
+    one_rank = host_traffic(config, 1, tokens // 4, 2, strategy.engine_options.settings(), 0).total
+    assert step_time(config, tokens, strategy).parts["exposed_copies"] == pytest.approx(
+        H100.offload_exposed * one_rank / H100.host_bandwidth)
 
 
 def test_the_plan_leaves_as_many_top_layers_whole_as_the_device_holds():
@@ -335,6 +341,12 @@ def test_calibrate_stores_rates_the_planner_reads(capsys):
 
     rates = load(name)
     assert rates.matmul > 0 and rates.cpu_adam > 0 and rates.peak == rates.matmul
+    # What it could not measure is not stored: a later version's defaults fill it (rates
+    # fitted together, like per_chunk_layer and offload_exposed, are never mixed across versions).
+    import json
+    from longtrain.plan.calibrate import store_dir
+    stored = json.loads((store_dir() / f"{name}.json").read_text())
+    assert "matmul" in stored and "per_chunk_layer" not in stored and rates.per_chunk_layer == H100.per_chunk_layer
     assert main(["plan", "--model", "tiny-llama", "--seq-len", "2K", "--device-memory", "1GiB", "--host-memory", "1GB",
                  "--rates", name]) == 0
     assert f"1× {name}" in capsys.readouterr().out

@@ -314,7 +314,7 @@ def _run_calibrate(args) -> int:
         raise LongtrainError(f"--device must be cuda (on a machine with a GPU) or cpu, got {args.device!r}")
     device = torch.device(name)
     rates, kept = measure(device, quick=args.quick, say=lambda line: print(f"  timing {line} ...", file=sys.stderr, flush=True))
-    path = save(rates, device_name(device))
+    path = save(rates, device_name(device), unmeasured=kept)
     for field, value in rates.__dict__.items():
         print(f"{field:<22} {value:.3g}" + ("   (H100 default: not measurable here)" if field in kept else ""))
     print(f"stored in {path}; plan with it: longtrain plan ... --rates {device_name(device)}")

@@ -33,9 +33,11 @@ about a fifth of the attention time (forward, recomputed forward and backward â‰
 2.5 become 1 + 2.5). It parks about as much again as the layer inputs (Llama-3-8B: 8 KiB + 128 B per token
 and layer in bf16), so it is off by default; ``keep_output=N`` keeps the lowest N layers'
 outputs and ``keep_output=fit`` as many layers' as the host budget holds beside the parked
-inputs and K/V (with ``offload``; the rest re-run attention as without it), and
+inputs and K/V (with ``offload_inputs``, which ``offload`` implies; the rest re-run attention as without it), and
 ``longtrain plan`` / ``--strategy auto`` weigh every layer's, as many as fit, and none
-(docs/speed.md).
+(docs/speed.md). ``offload_inputs`` alone parks the inputs (and kept outputs) and
+leaves one layer's K/V and their gradient sums on the device: no copy per pair of chunks
+(:func:`host_traffic` counts what each setting copies).
 Parameter gradients reach ``.grad`` through autograd; with ``float32_grad_sum`` (default)
 a bf16/fp16 layer's gradients are summed over its chunks in float32 and rounded once
 (:mod:`.gradient_sum`), the head's over the last layer's forward likewise.
@@ -277,7 +279,7 @@ def host_traffic(config, batch: int, length: int, item: int, settings: ChunkSett
     inputs = 0
     if settings.offload_inputs:
         x = batch * length * config.hidden_size * item
-        rotary = 2 * position_rows * length * head_dim * item
+        rotary = 2 * position_rows * length * int(head_dim * getattr(config, "partial_rotary_factor", 1.0) or head_dim) * item
         reads = 3 if settings.recompute_kv else 2  # a layer input is read by the forward, the K/V re-park, the recomputation
         inputs = ((n - 1) * x * (1 + reads)  # each layer's input but the first (embeddings): parked, fetched
                   + rotary + n * rotary * reads  # the rotary tables: parked once, read by each layer as its inputs are

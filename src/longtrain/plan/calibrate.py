@@ -101,11 +101,15 @@ def measure(device: torch.device, *, quick: bool = False, say: Callable[[str], N
     return rates, kept
 
 
-def save(rates: MachineRates, name: str) -> Path:
+def save(rates: MachineRates, name: str, unmeasured: tuple[str, ...] | list[str] = ()) -> Path:
+    """Store ``rates`` under ``name``, without the ``unmeasured`` fields (:func:`measure`'s
+    second result): a later :func:`load` takes those from the defaults of its own version,
+    so rates fitted together (per_chunk_layer with offload_exposed) are never mixed across
+    versions."""
     path = store_dir() / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(rates), indent=2))
+    tmp.write_text(json.dumps({k: v for k, v in dataclasses.asdict(rates).items() if k not in unmeasured}, indent=2))
     os.replace(tmp, path)  # atomic: a reader sees the old calibration or the new one
     return path
 

@@ -2,8 +2,9 @@
 this machine — decided before renting it.
 
 For each candidate strategy (layer checkpointing + MsT; Memo + MsT; FPDT at a few chunk
-sizes, with and without host offload, with kept attention outputs — every layer's, or as
-many as the host holds — or with checkpoint segments of several layers) and each place for AdamW's state (the device, or host memory
+sizes, with everything, only the layer inputs or nothing parked in host memory, with kept
+attention outputs — every layer's, or as many as the host holds — or with checkpoint
+segments of several layers) and each place for AdamW's state (the device, or host memory
 with fp32 master weights: ``--optimizer-offload``):
 
 1. **memory** — the simulator runs one training step on fake tensors (no optimizer step);
@@ -150,7 +151,7 @@ def parked_bytes(config, seq_len: int, strategy: Strategy, item: int, batch: int
     """A lower bound of what a step parks at its fullest: under checkpointing and Memo
     every layer's input; under FPDT the layer inputs — or, with segments, the segment
     starts — and one layer's K/V (attention outputs with ``keep_output``); 0 otherwise.
-    Where it is parked (device or host) depends on ``offload`` (Memo: host)."""
+    Where it is parked (device or host): :func:`parked_split`."""
     n, d = config.num_hidden_layers, config.hidden_size
     tokens = batch * seq_len
     if "checkpoint" in strategy.techniques or "memo" in strategy.techniques:

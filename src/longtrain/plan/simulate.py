@@ -768,7 +768,7 @@ def _kept_outputs_apart(config, strategy: Strategy, batch_size: int, dtype: torc
                                   torch.tensor([], dtype=dtype).element_size())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _KeptOutputsCorrection:
     """:func:`_kept_outputs_apart`'s ``correction``: a module-level class, not a closure, so
     that a fitted simulation holding it goes back from the planner's worker processes (pickled)."""

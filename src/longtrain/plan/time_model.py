@@ -20,7 +20,7 @@ A step is counted per kind of work, each at the rate it runs at on the machine:
   engine costs ``per_chunk_layer`` seconds (host work, or small kernels: a profile will say);
 - host copies a layer's compute cannot hide (Memo), at ``host_bandwidth`` bytes/s; of
   FPDT's, counted from its schedule (:func:`~longtrain.engines.fpdt.host_traffic`), the
-  share ``offload_exposed`` (fitted: the 128K step with and without offload);
+  share ``offload_exposed`` (fitted with ``per_chunk_layer`` on the lease's six FPDT rows);
 - with the optimizer in host memory (``--optimizer-offload``), the CPU's AdamW step at
   ``cpu_adam`` parameters/s and the updated weights' copy back to the device (the
   gradients' copies to the host overlap backward);
@@ -178,12 +178,15 @@ def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: 
     parts["attention"] = attention_passes * attention_fwd / rate
     if chunked and chunk:
         parts["chunk_overhead"] = (1 + inner) * rates.per_chunk_layer * n * -(-tokens // chunk)
+    sp = strategy.sequence_parallel.degree if strategy.sequence_parallel is not None else 1
     if engine == "fpdt":
-        traffic = host_traffic(config, batch, tokens, 2, strategy.engine_options.settings(), kept)
-        exposed += rates.offload_exposed * traffic.total / rates.host_bandwidth
+        # Under sequence parallelism a rank copies what one device would for its N/P tokens
+        # (a gathered chunk's K/V are P chunks' tokens of 1/P of the heads): times P here, as
+        # every part is divided by P below. Sliding windows are charged every pair (an upper bound).
+        traffic = host_traffic(config, batch, -(-tokens // sp), 2, strategy.engine_options.settings(), kept)
+        exposed += sp * rates.offload_exposed * traffic.total / rates.host_bandwidth
     if exposed:
         parts["exposed_copies"] = exposed
-    sp = strategy.sequence_parallel.degree if strategy.sequence_parallel is not None else 1
     if sp > 1:
         parts = {k: v / sp for k, v in parts.items()}
         model_flops /= sp
