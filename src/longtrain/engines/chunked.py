@@ -281,6 +281,17 @@ def host_bytes_needed(context: EngineContext, shard: Shard, settings: ChunkSetti
                              position_rows=shard.position_ids.shape[0], chunk_major=chunk_major)
 
 
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_bytes_per_token(config, item: int, kv_heads: int | None = None) -> int:
+    """One layer's K and V of one token: ``kv_heads`` (default: the model's) of
+    :func:`head_dim` elements each, ``item`` bytes per element."""
+    kv_heads = kv_heads or getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * kv_heads * head_dim(config) * item
+
+
 def parked_host_bytes(config, batch: int, length: int, item: int, settings: ChunkSettings, kept_outputs: int, *,
                       kv_heads: int | None = None, kv_length: int | None = None, position_rows: int = 1,
                       chunk_major: bool = False) -> int:
@@ -288,13 +299,10 @@ def parked_host_bytes(config, batch: int, length: int, item: int, settings: Chun
     planner knows): ``item`` bytes per element, ``kv_heads``/``kv_length`` this rank's
     K/V heads and their sequence length (default: the model's, ``length``)."""
     n = config.num_hidden_layers
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = kv_heads or getattr(config, "num_key_value_heads", None) or heads
-    kv = 2 * batch * (kv_length or length) * kv_heads * head_dim * item
+    kv = batch * (kv_length or length) * kv_bytes_per_token(config, item, kv_heads)
     # With segments: the parked segment inputs, plus one segment's inner inputs in backward.
     parked_layers = n if settings.segment <= 1 else -(-n // settings.segment) + settings.segment - 1
-    inputs = parked_layers * batch * length * config.hidden_size * item + 2 * position_rows * length * head_dim * item
+    inputs = parked_layers * batch * length * config.hidden_size * item + 2 * position_rows * length * head_dim(config) * item
     # K/V of every layer (one with recompute_kv), and in backward the K/V-gradient sums of the
     # layer running (layer-major) or of every layer (chunk-major: each chunk's backward reaches them all).
     kv_layers = (1 if settings.recompute_kv else n) + (n if chunk_major else 1)

@@ -59,7 +59,8 @@ from ..parallel.fsdp import gathered
 from ..registry import register_engine
 from .base import EngineContext
 from .batch import prepare_batch
-from .chunked import ChunkedRun, ChunkSettings, check_chunkable, check_host_budget, kept_output_bytes
+from .chunked import (ChunkedRun, ChunkSettings, check_chunkable, check_host_budget, head_dim, kept_output_bytes,
+                      kv_bytes_per_token)
 
 
 @dataclass
@@ -259,11 +260,8 @@ def host_traffic(config, batch: int, length: int, item: int, settings: ChunkSett
     gradients to the earlier chunks' sums, each fetched and parked again per addition (the
     first is only parked; the chunk's own backward fetches the sum last)."""
     n = config.num_hidden_layers
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     bounds = chunk_bounds(length, settings.chunk)
-    kv_per_token = 2 * batch * kv_heads * head_dim * item
+    kv_per_token = batch * kv_bytes_per_token(config, item)
     kv = kv_per_token * length
     pairs = sum(kv_per_token * (b - a) * (len(bounds) - 1 - j) for j, (a, b) in enumerate(bounds))
     kept = min(kept_outputs, n)
@@ -279,7 +277,8 @@ def host_traffic(config, batch: int, length: int, item: int, settings: ChunkSett
     inputs = 0
     if settings.offload_inputs:
         x = batch * length * config.hidden_size * item
-        rotary = 2 * position_rows * length * int(head_dim * getattr(config, "partial_rotary_factor", 1.0) or head_dim) * item
+        rotary_dim = int(head_dim(config) * (getattr(config, "partial_rotary_factor", None) or 1.0))
+        rotary = 2 * position_rows * length * rotary_dim * item
         reads = 3 if settings.recompute_kv else 2  # a layer input is read by the forward, the K/V re-park, the recomputation
         inputs = ((n - 1) * x * (1 + reads)  # each layer's input but the first (embeddings): parked, fetched
                   + rotary + n * rotary * reads  # the rotary tables: parked once, read by each layer as its inputs are

@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from ..engines.chunked import planned_kept_outputs
+from ..engines.chunked import kept_output_bytes, kv_bytes_per_token, planned_kept_outputs
 from ..errors import LongtrainError
 from ..memory.units import format_bytes
 from ..models.loading import load_config, parse_dtype
@@ -80,10 +80,11 @@ def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_ch
             continue
         # What goes to host memory: K/V and layer inputs, the inputs only (one layer's K/V and
         # their gradient sums stay on the device: no copy per pair of chunks), or nothing.
-        for parked, offload in ((":offload", {"offload": True}), (":offload_inputs", {"offload_inputs": True}),
-                                ("", {})):
+        # √n segments park fewer inputs: weighed with everything parked or nothing, not with the inputs alone.
+        for parked, offload, segments in ((":offload", {"offload": True}, True),
+                                          (":offload_inputs", {"offload_inputs": True}, False), ("", {}, True)):
             variants = [("", {}), (":keep_output", {"keep_output": True})]
-            if parked != ":offload_inputs":  # √n segments park fewer inputs (with one layer's K/V kept: not weighed)
+            if segments:
                 variants.append((f":segment={segment}", {"segment": segment}))
             if offload and host_memory:  # as many layers' outputs as the host holds (plan() counts them)
                 variants.append((":keep_output=fit", {"keep_output": "fit"}))
@@ -133,15 +134,15 @@ def parked_split(config, seq_len: int, strategy: Strategy, item: int, batch: int
     inputs (``offload_inputs``) fill its host budget and leave the rest on the device;
     FPDT's K/V go where ``offload`` puts them, its inputs and kept outputs where
     ``offload_inputs`` (by default ``offload``) does."""
+    if strategy.engine == "fpdt":  # (which takes neither checkpointing nor Memo)
+        settings = strategy.engine_options.settings()
+        kv, inputs = _fpdt_parked(config, seq_len, strategy.engine_options, item, batch)
+        return kv * (not settings.offload) + inputs * (not settings.offload_inputs), \
+            kv * settings.offload + inputs * settings.offload_inputs
     parked = parked_bytes(config, seq_len, strategy, item, batch)
     checkpoint = strategy.techniques.get("checkpoint")
     if checkpoint is not None and checkpoint.offload_inputs and "memo" not in strategy.techniques:
         on_host = parked if checkpoint.host_memory is None else min(parked, checkpoint.host_memory)
-        return parked - on_host, on_host
-    if strategy.engine == "fpdt" and "checkpoint" not in strategy.techniques and "memo" not in strategy.techniques:
-        settings = strategy.engine_options.settings()
-        kv, inputs = _fpdt_parked(config, seq_len, strategy.engine_options, item, batch)
-        on_host = kv * settings.offload + inputs * settings.offload_inputs
         return parked - on_host, on_host
     offload = getattr(strategy.engine_options, "offload", False) or "memo" in strategy.techniques
     return (0, parked) if offload else (parked, 0)
@@ -165,13 +166,10 @@ def _fpdt_parked(config, seq_len: int, options, item: int, batch: int) -> tuple[
     """FPDT's part of :func:`parked_bytes`: (K/V, layer inputs and kept attention outputs)."""
     n, d = config.num_hidden_layers, config.hidden_size
     tokens = batch * seq_len
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or d // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     segment = getattr(options, "segment", 1)
     inputs = (n - 1 if segment <= 1 else -(-n // segment) - 1) * tokens * d * item
-    kv = 2 * tokens * kv_heads * head_dim * item * (1 if options.recompute_kv else n)
-    kept = planned_kept_outputs(config, seq_len, options.settings(), item, batch) * tokens * heads * (head_dim * item + 4)
+    kv = tokens * kv_bytes_per_token(config, item) * (1 if options.recompute_kv else n)
+    kept = planned_kept_outputs(config, seq_len, options.settings(), item, batch) * kept_output_bytes(config, batch, seq_len, item)
     return kv, inputs + kept
 
 
