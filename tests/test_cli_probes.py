@@ -71,7 +71,8 @@ def finished(tmp_path_factory, data_file) -> Path:
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
-    """A BERT (masked LM) directory and a Llama directory without tokenizer files."""
+    """A BERT (masked LM) directory, a Llama directory without tokenizer files, and a
+    copy of it whose model.safetensors was cut short (a copy that stopped half way)."""
     from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("models")
@@ -79,7 +80,10 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
                                intermediate_size=64)).save_pretrained(root / "bert")
     LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                  num_key_value_heads=1, intermediate_size=64)).save_pretrained(root / "llama")
-    return {"bert": root / "bert", "llama": root / "llama"}
+    shutil.copytree(root / "llama", root / "truncated")
+    weights = root / "truncated" / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    return {"bert": root / "bert", "llama": root / "llama", "truncated": root / "truncated"}
 
 
 # (id, argv after `train --model tiny-llama --data D --seq-len 64 ...`, --out kind, exit code, words of the message)
@@ -88,6 +92,7 @@ PROBES = [
     ("save-every 0", ["--save-every", "0"], "fresh", 2, "--save-every must be a positive integer"),
     ("save-every -1", ["--save-every", "-1"], "fresh", 2, "--save-every must be a positive integer"),
     ("keep-checkpoints 0", ["--keep-checkpoints", "0"], "fresh", 2, "--keep-checkpoints must be a positive integer"),
+    ("lora-dropout 1", ["--lora", "--lora-dropout", "1"], "fresh", 2, "--lora-dropout must be at least 0 and below 1"),
     ("eval-every -1", ["--eval-every", "-1"], "fresh", 2, "--eval-every must be 0 or more"),
     ("warmup-steps -5", ["--warmup-steps", "-5"], "fresh", 2, "--warmup-steps must be 0 or more"),
     ("weight-decay -5", ["--weight-decay", "-5"], "fresh", 2, "--weight-decay must be 0 or more"),
@@ -114,6 +119,16 @@ PROBES = [
     ("resume, changed identity", ["--steps", "3", "--resume", "--seed", "7"], "finished", 2, "seed=0 but this run has seed=7"),
     ("resume-from nothing", ["--steps", "3", "--resume-from", "{tmp}"], "finished", 2, "neither a checkpoint"),
     ("resume and overwrite", ["--resume", "--overwrite"], "finished", 2, "contradict each other"),
+    ("out empty", ["--out", ""], None, 2, "--out is empty (it would mean the current directory)"),
+    ("data empty", ["--data", ""], "fresh", 2, "--data is empty (it would mean the current directory)"),
+    ("lr negative after a space", ["--lr", "-1e-3"], "fresh", 2, "--lr must be positive"),
+    ("truncated weights", ["--model", "{truncated}", "--tokenizer", "bytes"], "fresh", 2,
+     "truncated/model.safetensors is truncated: "),
+    ("strategy and engine name two engines", ["--strategy", "fpdt:chunk=32:offload,mst", "--engine", "seco:chunk=32"],
+     "fresh", 2, "names engine 'fpdt' but the engine given (--engine) is 'seco'; name the engine once"),
+    ("plan row with its optimizer note", ["--strategy", "fpdt:chunk=32,mst · optimizer in host memory"], "fresh", 2,
+     "pass --strategy fpdt:chunk=32,mst with --optimizer-offload"),
+    ("plan row for several GPUs", ["--strategy", "fpdt:chunk=32:offload,mst+sp2"], "fresh", 2, "pass --sp 2"),
 ]
 
 
@@ -132,7 +147,7 @@ def test_probe(name, argv, out_kind, code, message, tmp_path, data_file, finishe
     out = tmp_path / "run"
     if out_kind == "finished":
         shutil.copytree(finished, out)
-    fill = {"tmp": tmp_path, "bert": model_dirs["bert"], "llama": model_dirs["llama"]}
+    fill = {"tmp": tmp_path, **model_dirs}
     args = [a.format(**fill) if isinstance(a, str) else a for a in argv]
     before = snapshot(out), snapshot(tmp_path)
     full = tiny(data_file, *args) if "--out" in args else tiny(data_file, *args, "--out", out)
@@ -378,20 +393,24 @@ def test_a_checkpoint_moved_aside_while_its_step_was_resaved_is_put_back(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]
 
 
-def test_help_and_presets_start_without_torch():
-    """`longtrain --help` and `presets` import neither torch nor transformers (~0.2 s instead of ~5 s)."""
+def in_a_fresh_interpreter(code: str) -> str:
+    """What ``code`` prints, run by a new Python, followed by the heavy modules it imported."""
     import subprocess
     import sys
 
-    probe = ("import sys, contextlib, io; from longtrain.cli import main\n"
-             "with contextlib.redirect_stdout(io.StringIO()):\n"
-             "    main(['presets'])\n"
-             "    try: main(['train', '--help'])\n"
-             "    except SystemExit: pass\n"
+    probe = (f"import sys, contextlib, io; from longtrain.cli import main\n{code}\n"
              "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    return " ".join(done.stdout.split())
+
+
+def test_help_and_presets_start_without_torch():
+    """`longtrain --help` and `presets` import neither torch nor transformers (~0.2 s instead of ~5 s)."""
+    assert in_a_fresh_interpreter("with contextlib.redirect_stdout(io.StringIO()):\n"
+                                  "    main(['presets'])\n"
+                                  "    try: main(['train', '--help'])\n"
+                                  "    except SystemExit: pass") == "[]"
 
 
 def test_every_option_has_help_and_shows_its_default():
@@ -433,3 +452,182 @@ def test_a_run_stopped_while_writing_its_final_model_gets_it_on_resume(tmp_path,
     assert "writing its final model and summary, which are missing" in text
     assert (out / "final" / "config.json").exists() and (out / "summary.json").exists()
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "eval" in r] == [2]  # not logged twice
+
+
+# ---- one run per run directory ---------------------------------------------------------
+
+def _hold_lock(path: Path):
+    """Another process holding ``path``'s lock, as a live run does; it holds until killed."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\n"
+                               "f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+                               "print('held', flush=True); time.sleep(600)", str(path)],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_directory_another_process_holds_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path, data_file, finished):
+    import signal
+
+    from longtrain.train.lock import LOCK_FILE
+
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    holder = _hold_lock(out / LOCK_FILE)
+    try:
+        before = snapshot(out)
+        for extra in (["--resume"], ["--overwrite"], []):
+            code, stdout, err = cli(*tiny(data_file, "--steps", "3", "--out", out, *extra))
+            assert code == 2 and err.count("\n") == 1 and not stdout, stdout + err
+            assert f"--out {out} is in use by another longtrain run" in err and "--out NEW_DIR" in err, err
+            assert snapshot(out) == before  # nothing lost, nothing changed
+    finally:
+        holder.send_signal(signal.SIGKILL)  # as kill -9: the system lets go of its lock
+        holder.wait()
+    code, _, err = cli(*tiny(data_file, "--steps", "3", "--out", out, "--resume"))
+    assert code == 0, err
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1, 2, 3]
+
+
+def test_a_live_run_holds_its_directory_until_it_ends(tmp_path, data_file):
+    from longtrain.cli import build_parser
+    from longtrain.train.trainer import Trainer, config_from_dict
+
+    out = tmp_path / "run"
+    argv = [str(a) for a in tiny(data_file, "--steps", "1", "--out", out)]
+    first = Trainer(config_from_dict(vars(build_parser().parse_args(argv))))  # set up: it holds --out
+    before = snapshot(out)
+    code, _, err = cli(*tiny(data_file, "--steps", "1", "--out", out, "--overwrite"))
+    assert code == 2 and err.count("\n") == 1 and "is in use by another longtrain run" in err, err
+    assert snapshot(out) == before
+    first.train()  # ends: lets go
+    code, text, err = cli(*tiny(data_file, "--steps", "1", "--out", out, "--resume"))
+    assert code == 0 and "already finished step 1" in text, err
+
+
+# ---- divergence ------------------------------------------------------------------------
+
+def _strict(path: Path) -> list[dict]:
+    """Every line of a JSON file read as strict JSON (no bare NaN or Infinity)."""
+    def refuse(word):
+        raise ValueError(f"{word} in {path}")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def test_a_diverging_run_stops_at_its_first_non_finite_step_and_keeps_its_last_good_checkpoint(tmp_path, data_file):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    code, _, err = cli(*tiny(data_file, "--steps", "8", "--save-every", "1", "--lr", "1e6", "--out", out))
+    assert code == 2 and err.count("\n") == 1, err
+    assert "training diverged at step" in err and "is nan" in err and "lower --lr (now 1e+06)" in err and "--resume" in err
+    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    weights = load_file(str(latest / "weights.safetensors"))
+    assert all(bool(torch.isfinite(w).all()) for w in weights.values())
+    stopped = int(err.split("diverged at step ")[1].split(":")[0])
+    assert json.loads((latest / "manifest.json").read_text())["step"] == stopped - 1 < 8
+    assert not (out / "final").exists() and not (out / "summary.json").exists()
+    records = _strict(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, stopped))
+
+
+def test_float16_that_overflows_writes_no_checkpoint(tmp_path, data_file):
+    out = tmp_path / "run"
+    code, _, err = cli(*tiny(data_file, "--steps", "3", "--save-every", "1", "--dtype", "float16", "--out", out))
+    assert code == 2 and err.count("\n") == 1, err
+    assert "training diverged at step" in err and "use --dtype bfloat16 or float32" in err
+    assert not (out / "checkpoints" / "latest").exists() and not (out / "final").exists()
+    _strict(out / "metrics.jsonl")
+
+
+def test_metrics_and_summaries_are_strict_json(tmp_path):
+    from longtrain.train.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.write({"step": 1, "loss": 2.0, "eval": {"loss": float("nan"), "tokens": 3}, "grad_norm": float("inf")})
+    log.close()
+    assert _strict(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 2.0, "eval": {"loss": None, "tokens": 3},
+                                                    "grad_norm": None}]
+
+
+# ---- the command line itself -----------------------------------------------------------
+
+def test_usage_mistakes_are_one_line():
+    for argv, message in [
+        (["--model", "x"], "a command is missing before '--model'"),
+        ([], "a command is missing"),
+        (["simulate", "--model", "tiny-llama", "--seq-len", "64", "--device-memory", "-5GiB"],
+         "argument --device-memory: a memory size must be positive, like 80GiB, got '-5GiB'"),
+        (["simulate", "--model", "tiny-llama", "--seq-len", "64", "--device-memory=-5GiB"], "a memory size must be positive"),
+        (["plan", "--model", "tiny-llama", "--seq-len", "1K", "--device-memory", "8GiB", "--host-memory", "-1GiB"],
+         "argument --host-memory: a memory size must be positive"),
+    ]:
+        code, stdout, err = cli(*argv)
+        assert code == 2 and not stdout and err.count("\n") == 1 and message in err, (argv, err)
+        if argv[:1] != ["simulate"] and argv[:1] != ["plan"]:
+            assert "train, simulate, plan, calibrate, presets" in err
+
+
+def test_value_mistakes_are_refused_before_torch_loads():
+    """`train`'s checks of its values come before torch and transformers load (a refusal
+    in well under a second instead of 5-8 s)."""
+    printed = in_a_fresh_interpreter(
+        "err = io.StringIO()\n"
+        "with contextlib.redirect_stderr(err):\n"
+        "    codes = [main(a) for a in (['train', '--steps', '0'], ['train', '--out', ''], ['train', '--data', ''],\n"
+        "                               ['train', '--seq-len', '64K', '--lr', '-1e-3'],\n"
+        "                               ['simulate', '--model', 'tiny-llama', '--seq-len', '1'])]\n"
+        "print(codes, err.getvalue().count('\\n'))")
+    assert printed == "[2, 2, 2, 2, 2] 5 []"
+
+
+# ---- what `longtrain plan` prints pastes into --strategy -------------------------------
+
+def _without_host_budgets(strategy) -> dict:
+    """A strategy's settings but its host budgets: a plan's row names the strategy's shape,
+    and the budget is the run's (the planner fills in --host-memory; a run defaults to half the host)."""
+    data = strategy.to_dict()
+    return {part: ({k: {o: v for o, v in opts.items() if o != "host_memory"} for k, opts in data[part].items()}
+                   if part == "techniques" else {o: v for o, v in data[part].items() if o != "host_memory"})
+            for part in data}
+
+
+def test_the_planners_labels_parse_to_the_strategies_it_meant(tmp_path, data_file):
+    import dataclasses
+
+    from longtrain.plan.planner import candidates
+
+    _write_inputs(tmp_path)
+    planned = candidates(262_144, 120 * 2**30, 32)
+    assert "fpdt:chunk=8192:offload_inputs:keep_output,mst" in planned
+    for label, strategy in planned.items():
+        assert _without_host_budgets(lt.Strategy.parse(label)) == _without_host_budgets(strategy), label
+        # Through `train`: past parsing, to the first check of --out (a file here).
+        code, _, err = cli(*tiny(data_file, "--strategy", label, "--out", tmp_path / "a-file"))
+        assert code == 2 and "is a file; pass --out a directory" in err, (label, err)
+    # The rows plan() derives: kept outputs counted, sequence parallel over --gpus.
+    fpdt = planned["fpdt:chunk=8192:offload:keep_output=fit,mst"]
+    counted = lt.Strategy("fpdt", dataclasses.replace(fpdt.engine_options, keep_output=3), **fpdt.techniques)
+    assert lt.Strategy.parse("fpdt:chunk=8192:offload:keep_output=3,mst") == counted
+    spread = lt.Strategy("fpdt", fpdt.engine_options, sequence_parallel=8, **fpdt.techniques)
+    assert lt.Strategy.parse("fpdt:chunk=8192:offload:keep_output=fit,mst+sp8") == spread
+    assert lt.Strategy.parse("fpdt:chunk=8192:offload:keep_output=fit,mst+sp8", sequence_parallel=8) == spread
+
+
+def test_a_planners_label_trains_and_simulates_as_printed(tmp_path, data_file):
+    from longtrain.plan.planner import candidates
+
+    label = "fpdt:chunk=32:offload_inputs:keep_output,mst"
+    assert label in candidates(64, 2**30, 2, chunks=(32,))  # the planner's own spelling at this length
+    code, _, err = cli(*tiny(data_file, "--steps", "1", "--strategy", label, "--out", tmp_path / "run"))
+    assert code == 0, err
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["strategy"] == "fpdt:mst"
+    code, _, err = cli("simulate", "--model", "tiny-llama", "--seq-len", "64", "--strategy", label, "--no-progress")
+    assert code == 0, err
+    code, _, err = cli(*tiny(data_file, "--steps", "1", "--strategy", label, "--engine", "fpdt:chunk=32:offload_inputs=yes",
+                             "--out", tmp_path / "again"))
+    assert code == 0, err  # the same engine named twice, agreeing

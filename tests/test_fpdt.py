@@ -378,7 +378,7 @@ def test_chunked_engines_refuse_ssms_and_dropout():
         lt.apply(ssm, _fpdt())
     config = preset_config("tiny-llama")
     config.attention_dropout = 0.1
-    with pytest.raises(lt.LongtrainError, match="does not replay dropout"):
+    with pytest.raises(lt.LongtrainError, match="apply no dropout to attention weights.*attention_dropout=0.1"):
         lt.apply(build_from_config(config, torch.float32), lt.Strategy(engine="seco"))
 
 

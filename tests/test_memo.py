@@ -7,7 +7,7 @@ import torch
 
 import longtrain as lt
 from longtrain.memory.flops import count_flops
-from longtrain.memory.token_swap import token_axis
+from longtrain.memory.token_swap import NotTokenWise, token_axis
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
 from longtrain.plan.simulate import run_training_steps
@@ -146,12 +146,18 @@ def test_no_step_after_the_first_pins_host_memory(strategy, layers):
     assert sizes[0] > 0 and len(set(sizes)) == 1, sizes
 
 
-def test_token_axis():
-    assert token_axis(torch.Size([2, 7, 5]), 2, 7) == (1, False)
-    assert token_axis(torch.Size([2, 4, 7, 5]), 2, 7) == (2, False)
-    assert token_axis(torch.Size([14, 5]), 2, 7) == (0, True)
-    assert token_axis(torch.Size([7, 5]), 1, 7) == (0, False)
-    assert token_axis(torch.Size([5, 3]), 2, 7) is None
+def test_token_axis_is_the_axis_that_changes_with_the_token_count():
+    # (batch 2, 7 tokens) against the same layer on 3 of the tokens
+    assert token_axis((2, 7, 5), (2, 3, 5), 2, 7) == (1, False)
+    assert token_axis((2, 4, 7, 5), (2, 4, 3, 5), 2, 7) == (2, False)
+    assert token_axis((14, 5), (6, 5), 2, 7) == (0, True)
+    assert token_axis((7, 5), (3, 5), 1, 7) == (0, False)
+    assert token_axis((5, 3), (5, 3), 2, 7) is None
+    # sizes that coincide with the token count are not mistaken for it
+    assert token_axis((2, 7, 7, 7), (2, 7, 3, 7), 2, 7) == (2, False)
+    assert token_axis((14,), (14,), 2, 7) is None
+    with pytest.raises(NotTokenWise):
+        token_axis((2, 7, 7), (2, 3, 3), 2, 7)  # two axes move: not token-wise
 
 
 def _peak(strategy, fake, layers=4):
@@ -197,3 +203,52 @@ def test_memo_parses_from_the_command_line_spelling():
     strategy = lt.Strategy.parse("memo:alpha=0.25:host_memory=64GiB,mst")
     assert strategy.techniques["memo"].alpha == 0.25 and strategy.techniques["memo"].host_memory == 64 * 2**30
     assert lt.Strategy.from_yaml(strategy.to_yaml()) == strategy
+
+
+# ---- shapes that break shape-based guesses ---------------------------------------------------
+# tiny-llama: hidden size 64 (MsT's default MLP tile), 4 heads, 2 K/V heads.
+
+@pytest.mark.parametrize("mlp_chunk", [None, 7])
+@pytest.mark.parametrize("alpha", [0.3, 0.75, 0.8, 0.95, "auto"])
+def test_memo_with_tiled_mlp_at_any_alpha(alpha, mlp_chunk):
+    """Batch 2 × 101 tokens: the recomputed tokens (2·(1 − α)·101: 142, 50, 40, 10) fall
+    over and under the default tile of 64 while the whole batch is longer."""
+    stock, ours = stock_and_ours("tiny-llama")
+    batch = padded_batch(stock.config.vocab_size, lengths=(101, 90))
+    check_step(stock, ours, lt.Strategy(memo=lt.Memo(alpha=alpha, keep_last=0), mst=lt.MsT(mlp_chunk=mlp_chunk)), batch, TOL)
+
+
+@pytest.mark.parametrize("split", [36, 37, 38])
+def test_memo_recomputes_tokens_just_over_at_and_under_the_tile(split):
+    """One row of 101 tokens: 65, 64 and 63 tokens recomputed against a 64-token MLP tile."""
+    stock, ours = stock_and_ours("tiny-llama")
+    batch = {"input_ids": torch.randint(3, 320, (1, 101), generator=torch.Generator().manual_seed(6))}
+    check_step(stock, ours, lt.Strategy(memo=lt.Memo(alpha=split / 101, keep_last=0), mst=True), batch, TOL)
+
+
+# Gemma-2 at 2 tokens is left out: its q/k gradients are exactly 0 in stock (the one
+# labelled query attends only to itself) and ~1e-17 in any rounding order.
+@pytest.mark.parametrize("preset,tokens", [("tiny-llama", 2), ("tiny-llama", 4), ("tiny-gemma2", 4)])
+def test_memo_when_the_length_equals_a_head_count(preset, tokens):
+    stock, ours = stock_and_ours(preset)
+    batch = {"input_ids": torch.randint(3, 320, (3, tokens), generator=torch.Generator().manual_seed(7))}
+    check_step(stock, ours, lt.Strategy(memo=lt.Memo(alpha=0.5, keep_last=0), mst=lt.MsT(mlp_chunk=3)), batch, TOL)
+
+
+@pytest.mark.parametrize("mst", [False, True])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma2"])
+def test_memo_when_batch_times_length_equals_the_hidden_size(preset, mst):
+    stock, ours = stock_and_ours(preset)
+    batch = {"input_ids": torch.randint(3, 320, (2, 32), generator=torch.Generator().manual_seed(8))}  # 2 × 32 = 64
+    strategy = lt.Strategy(memo=lt.Memo(alpha=0.5, keep_last=0), mst=lt.MsT(mlp_chunk=16) if mst else False)
+    check_step(stock, ours, strategy, batch, TOL)
+
+
+def test_memo_with_an_explicit_alpha_keeps_to_its_host_budget():
+    _, ours = stock_and_ours("tiny-llama")
+    lt.apply(ours, lt.Strategy(memo=lt.Memo(alpha=0.3, host_memory="1KiB", keep_last=0)))
+    before = {n: p.detach().clone() for n, p in ours.named_parameters()}
+    with pytest.raises(lt.LongtrainError, match="over the host budget of 1.00 KiB") as error:
+        lt.step(ours, padded_batch(320, lengths=(101, 90)))
+    assert "\n" not in str(error.value) and "memo:alpha" in str(error.value)
+    assert all(torch.equal(p, before[n]) for n, p in ours.named_parameters())

@@ -235,9 +235,12 @@ def test_optimizer_in_host_memory_frees_the_device_and_fills_the_host():
 
 
 def test_candidates_whose_parked_bytes_cannot_fit_are_not_simulated_nor_the_slower_ones():
-    result = plan("tiny-llama", 32768, device_memory=3 * 2**20, host_memory=3 * 2**20, optimizer_offload=False)
+    result = plan("tiny-llama", 8192, device_memory=3 * 2**19, host_memory=3 * 2**20, optimizer_offload=False)
     bounded = [r for r in result.rows if r.binds and "not simulated" in r.binds]
-    assert bounded and all(r.device_bytes is None for r in bounded)
+    assert bounded and all(r.device_bytes is None for r in bounded) and len(bounded) < len(result.rows)
+    # Where no candidate can fit by what it parks, the plan is refused at once.
+    with pytest.raises(lt.LongtrainError, match="no strategy weighed fits 32,768 tokens.*the longest any could fit is"):
+        plan("tiny-llama", 32768, device_memory=3 * 2**20, host_memory=3 * 2**20, optimizer_offload=False)
     if result.best is not None:
         slower = [r for r in result.rows if "skipped" in r.notes]
         assert all(r.step_seconds is None for r in slower)
@@ -259,8 +262,9 @@ def test_plan_command_line(capsys):
     assert exit_info.value.code == 2
     assert "cannot read size 'lots'" in capsys.readouterr().err
     tight = ["plan", "--model", "llama3-8b", "--seq-len", "1M", "--device-memory", "20GiB", "--host-memory", "1GB"]
-    assert main(tight) == 1  # with AdamW in host memory the weights fit; nothing else does (bounds, no simulation)
-    assert "nothing fits 1,048,576 tokens" in capsys.readouterr().out
+    assert main(tight) == 2  # with AdamW in host memory the weights fit; nothing else does (bounds, no simulation)
+    err = capsys.readouterr().err
+    assert "no strategy weighed fits 1,048,576 tokens" in err and len(err.strip().splitlines()) == 1
     assert main(tight + ["--no-optimizer-offload"]) == 2  # weights, gradients and AdamW alone exceed 20 GiB
     assert main(tight + ["--gpus", "0"]) == 2
     assert main(tight + ["--jobs", "0"]) == 2

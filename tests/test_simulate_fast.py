@@ -219,3 +219,30 @@ def test_tile_starts_are_every_tile_on_real_tensors_and_three_on_fake_ones():
         fake = torch.empty(1)
     assert tile_starts(100, 16, fake) == [0, 16, 96]
     assert list(tile_starts(48, 16, fake)) == [0, 16, 32]
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint,mst", "mst"])
+def test_blocked_attention_runs_each_kind_of_block_once_on_fake_tensors(strategy, monkeypatch):
+    """Soft-capped attention (Gemma-2) runs in blocks of 1,024 tokens, as many as the square
+    of the length (ops/causal_attention.py); a simulation of Gemma-2-9B at 36K tokens ran
+    hundreds per layer and did not finish in 15 minutes. On fake tensors one block of each
+    kind runs: the count does not grow with the length, and the peaks are those of every
+    block, to the byte (a length with a partial last block included)."""
+    from longtrain.ops import chunked_attention
+
+    config = preset_config("tiny-gemma2", num_hidden_layers=2)
+    build = lambda: build_from_config(config)  # noqa: E731
+    real_forward, calls = chunked_attention.block_forward, []
+    monkeypatch.setattr(chunked_attention, "block_forward", lambda *a, **k: calls.append(1) or real_forward(*a, **k))
+    counts = {}
+    for tokens in (4096, 16384, 4096 + 300):
+        calls.clear()
+        report, _ = run_training_steps(build, seq_len=tokens, strategy=strategy, fake=True, iterations=1)
+        counts[tokens] = len(calls)
+    assert counts[4096] == counts[16384] > 0
+    monkeypatch.setattr(chunked_attention, "is_fake", lambda tensor: False)  # every block, as before
+    calls.clear()
+    every, _ = run_training_steps(build, seq_len=4096 + 300, strategy=strategy, fake=True, iterations=1)
+    assert len(calls) > counts[4096 + 300]
+    assert (report.peak_device_bytes, report.peak_host_bytes) == (every.peak_device_bytes, every.peak_host_bytes)
+    assert report.by_category == every.by_category

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import warnings
 
@@ -71,7 +72,9 @@ def _add_train(sub) -> None:
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="steps of linear warm-up")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="decoupled weight decay (0 or more)")
     p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "sgd"], help="AdamW (betas 0.9, 0.95) or SGD with momentum 0.9")
-    p.add_argument("--strategy", default=d.strategy, help="techniques: none, checkpoint, mst, memo, a comma list with options (checkpoint,mst:loss_chunks=8), a strategy .yaml/.json, or auto (the planner picks the fastest that fits this machine)")
+    p.add_argument("--strategy", default=d.strategy, help="techniques: none, checkpoint, mst, memo, a comma list with options (checkpoint,mst:loss_chunks=8), a strategy as "
+                   "`longtrain plan` prints it (fpdt:chunk=8192:offload,mst: an item naming an engine selects it), a strategy "
+                   ".yaml/.json, or auto (the planner picks the fastest that fits this machine)")
     p.add_argument("--engine", default=d.engine, help="gradient engine with options: backprop; fpdt:chunk=8192:offload=true "
                    "(chunked attention, host offload); seco:chunk=4096; spaco:chunk=128:budget=8:cap=2; "
                    "adjoint:truncate=64 (SSM-ResNet models); booleans take true/false/yes/no/1/0")
@@ -84,6 +87,8 @@ def _add_train(sub) -> None:
     p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of all weights (needs peft); final/ holds "
                    "the merged model, final/adapter the adapter for peft")
     p.add_argument("--lora-rank", type=int, default=d.lora_rank, help="rank of the LoRA adapters")
+    p.add_argument("--lora-dropout", type=float, default=d.lora_dropout, help="dropout on the LoRA adapters' inputs "
+                   "(e.g. 0.05; every recomputation replays its masks)")
     p.add_argument("--dtype", default=d.dtype, help="float32, bfloat16, float16 (not given: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of a preset's weights, the data order and the task")
@@ -114,10 +119,13 @@ def _prefer_expandable_segments() -> None:
 
 
 def _run_train(args) -> int:
-    _prefer_expandable_segments()
-    from .train.trainer import Trainer, config_from_dict, format_summary
+    from .train.config import check_config, config_from_dict
 
     config = config_from_dict(vars(args))
+    check_config(config)  # values first: a mistake is refused before torch loads (seconds)
+    _prefer_expandable_segments()
+    from .train.trainer import Trainer, format_summary
+
     trainer = Trainer(config)
     summary = trainer.train()
     if summary:  # under torchrun, rank 0 reports
@@ -136,7 +144,8 @@ def _add_simulate(sub) -> None:
     p.add_argument("--seq-len", type=_tokens, required=True, help="tokens per sample, e.g. 65536 or 64K")
     p.add_argument("--batch-size", type=int, default=1, help="samples per micro-batch")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (their gradients are alive in later forwards)")
-    p.add_argument("--strategy", default="none", help="techniques: none, checkpoint, mst, a comma list with options, or a strategy .yaml/.json")
+    p.add_argument("--strategy", default="none", help="techniques: none, checkpoint, mst, a comma list with options, a strategy as "
+                   "`longtrain plan` prints it (fpdt:chunk=8192:offload,mst), or a strategy .yaml/.json")
     p.add_argument("--engine", default=None, help="gradient engine with options: backprop, fpdt:chunk=8192:offload=true, seco:chunk=4096, spaco, adjoint:truncate=64")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw-offload", "sgd", "none"],
                    help="adamw-offload: AdamW's state and fp32 master weights in host memory (train's --optimizer-offload)")
@@ -148,7 +157,9 @@ def _add_simulate(sub) -> None:
     p.add_argument("--lora-rank", type=int, default=8, help="rank of the LoRA adapters with --lora")
     p.add_argument("--device-memory", type=_bytes, default=None, help="say whether the step fits a device of this much "
                    "memory (80GiB, 80GB; exit code 1 when it does not)")
-    p.add_argument("--host-memory", type=_bytes, default=None, help="say whether its host-memory peak fits this much (120GiB)")
+    p.add_argument("--host-memory", type=_bytes, default=None, help="host memory the run may use (120GiB): the default "
+                   "budget of what the strategy parks in host memory, and whether its host peak fits (exit code 1 when "
+                   "it does not); default: unbounded, the host peak reported")
     p.add_argument("--exact", action="store_true", help="simulate every layer at the whole length instead of extrapolating "
                    "from a few layers and chunks (equal figures; minutes to hours at long context instead of seconds)")
     p.add_argument("--fragmentation", action="store_true",
@@ -160,26 +171,27 @@ def _add_simulate(sub) -> None:
 
 
 def _run_simulate(args) -> int:
-    from .plan.simulate import simulate
-
+    # Values first: a mistake is refused before torch loads.
     if args.seq_len < 2:
         raise LongtrainError(f"--seq-len must be at least 2, got {args.seq_len}")
     if args.batch_size <= 0:
         raise LongtrainError(f"--batch-size must be positive, got {args.batch_size}")
-    from .strategy import Strategy
-
     if args.sp <= 0:
         raise LongtrainError(f"--sp must be a positive integer, got {args.sp}")
-    strategy = Strategy.parse(args.strategy, engine=args.engine, sequence_parallel=args.sp if args.sp > 1 else None)
     if args.grad_accum <= 0:
         raise LongtrainError(f"--grad-accum must be positive, got {args.grad_accum}")
     if args.lora_rank <= 0:
         raise LongtrainError(f"--lora-rank must be positive, got {args.lora_rank}")
+    from .plan.simulate import simulate
+    from .strategy import Strategy
+
+    strategy = Strategy.parse(args.strategy, engine=args.engine, sequence_parallel=args.sp if args.sp > 1 else None)
     with _SimulationProgress(args.progress) as progress:
         report = simulate(args.model, args.seq_len, batch_size=args.batch_size, strategy=strategy,
                           optimizer=args.optimizer, dtype=args.dtype, grad_accum=args.grad_accum,
                           lora_rank=args.lora_rank if args.lora else None, fragmentation=args.fragmentation,
-                          exact=args.exact, progress=progress)
+                          exact=args.exact, progress=progress, device_memory=args.device_memory,
+                          host_memory=args.host_memory)
     fits = None
     if args.device_memory is not None or args.host_memory is not None:
         fits, verdict = report.verdict(args.device_memory, args.host_memory)
@@ -235,6 +247,8 @@ class _SimulationProgress:
 def _bytes(text: str) -> int:
     from .memory.units import parse_bytes
 
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"a memory size must be positive, like 80GiB, got {text!r}")
     try:
         value = parse_bytes(text)
     except LongtrainError as exc:
@@ -275,8 +289,7 @@ def _add_plan(sub) -> None:
 
 
 def _run_plan(args) -> int:
-    from .plan.planner import plan
-
+    # Values first: a mistake is refused before torch loads.
     if args.seq_len < 2:
         raise LongtrainError(f"--seq-len must be at least 2, got {args.seq_len}")
     progress = None if args.json else (lambda line: print(f"  {line} ...", file=sys.stderr, flush=True))
@@ -284,6 +297,7 @@ def _run_plan(args) -> int:
         if value < 1:
             raise LongtrainError(f"{flag} must be a positive count, got {value}")
     from .plan.calibrate import load
+    from .plan.planner import plan
 
     rates = load(args.rates)
     result = plan(args.model, args.seq_len, device_memory=args.device_memory, host_memory=args.host_memory,
@@ -335,9 +349,57 @@ def _run_presets(args) -> int:
     return 0
 
 
+class _TopParser(_Parser):
+    """The ``longtrain`` parser: a command line that starts with an option (a forgotten
+    command) or holds none is told which commands there are; an option's value that
+    starts with '-' (``--device-memory -5GiB``, ``--lr -1e-3``) is read as its value,
+    as ``--device-memory=-5GiB`` is, and checked as one."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        commands = ", ".join(self._commands())
+        if not args:
+            self.error(f"a command is missing; write longtrain COMMAND [options], COMMAND one of: {commands}")
+        if args[0].startswith("-") and args[0] not in ("-h", "--help"):
+            self.error(f"a command is missing before {args[0]!r}; write longtrain COMMAND {args[0]} ..., "
+                       f"COMMAND one of: {commands}")
+        return super().parse_known_args(_joined_values(self, args), namespace)
+
+    def _commands(self) -> list[str]:
+        return [name for action in self._actions if isinstance(action, argparse._SubParsersAction)
+                for name in action.choices]
+
+
+_DASH_VALUE = re.compile(r"-\.?[0-9]")  # "-5GiB", "-1e-3", "-.5": a value, not an option
+
+
+def _joined_values(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """``args`` with each option that takes one value and is followed by a value starting
+    with '-' and a digit written as ``--option=value`` (argparse would take that value for
+    an option and report "expected one argument")."""
+    takes_value = set()
+    parsers = [parser]
+    while parsers:
+        p = parsers.pop()
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.extend(action.choices.values())
+            elif action.option_strings and action.nargs is None:
+                takes_value.update(s for s in action.option_strings if s.startswith("--"))
+    out, i = [], 0
+    while i < len(args):
+        if args[i] in takes_value and i + 1 < len(args) and _DASH_VALUE.match(args[i + 1]):
+            out.append(f"{args[i]}={args[i + 1]}")
+            i += 2
+        else:
+            out.append(args[i])
+            i += 1
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="longtrain", description="Long-context training with bounded memory and exact gradients.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _TopParser(prog="longtrain", description="Long-context training with bounded memory and exact gradients.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_train(sub)
     _add_simulate(sub)
     _add_plan(sub)

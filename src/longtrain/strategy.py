@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -46,6 +47,11 @@ def _make_options(kind: str, name: str, options_cls: type, value: Any) -> Any:
                 f"{kind} {name!r} has no option {unknown[0]!r}; its options are: "
                 f"{', '.join(sorted(known)) or 'none'}"
             )
+        hints = typing.get_type_hints(options_cls)
+        for key, given in value.items():
+            if isinstance(given, _Flag) and bool not in validate._kinds(hints[key]):
+                raise LongtrainError(f"{kind} {name!r} option {key!r} takes a value: write options as name:key=value "
+                                     f"({name}:{key}=...); a name alone sets a true/false option")
         # Text (command-line items, quoted YAML) is read by each option's declared type.
         return options_cls(**validate.coerce(name, options_cls, dict(value)))
     raise LongtrainError(
@@ -176,21 +182,35 @@ class Strategy:
     def parse(cls, spec: "str | Strategy | None", engine: str | None = None,
               engine_options: Mapping | None = None, sequence_parallel: int | None = None) -> "Strategy":
         """Parse a command-line strategy: ``none``, ``checkpoint``, ``checkpoint,mst``,
-        ``mst:loss_chunks=8`` (options after the name), or a path to a
-        ``.yaml``/``.json`` file written by :meth:`to_yaml`/:meth:`to_json`.
+        ``mst:loss_chunks=8`` (options after the name; a flag named alone, as in
+        ``checkpoint:offload_inputs``, is true), or a path to a ``.yaml``/``.json`` file
+        written by :meth:`to_yaml`/:meth:`to_json`. An item naming an engine selects it
+        (``fpdt:chunk=8192:offload,mst``), and a trailing ``+spN`` sequence parallelism
+        over N ranks: what ``longtrain plan`` prints parses as it is.
 
         ``engine`` (``"fpdt:chunk=8192:offload=true"``, ``"spaco:chunk=128:budget=8"``)
-        and ``engine_options`` replace the engine the spec names (a file may name one);
-        ``sequence_parallel`` (a degree, ``--sp``) replaces its sequence parallelism."""
+        and ``engine_options`` replace the engine a file names; an engine named in the
+        command-line spec must be the same one (their options are merged, a clash refused).
+        ``sequence_parallel`` (a degree, ``--sp``) replaces a file's sequence parallelism;
+        a ``+spN`` in the spec must agree with it."""
+        if isinstance(spec, str):
+            spec, planned = _split_sequence_parallel(spec)
+            if planned is not None:
+                given = _degree(sequence_parallel)
+                if given is not None and given != planned:
+                    raise LongtrainError(f"strategy {spec}+sp{planned} runs sequence parallel over {planned} ranks, but "
+                                         f"the degree given (--sp) is {given}; pass --sp {planned}, or drop +sp{planned}")
+                sequence_parallel = planned if sequence_parallel is None else sequence_parallel
         if sequence_parallel is not None:
             strat = cls.parse(spec, engine, engine_options)
             return cls(strat.engine, strat.engine_options, sequence_parallel, **strat.techniques)
         if isinstance(spec, Strategy) and engine is None and not engine_options:
             return spec
+        named = None  # the engine a command-line spec names: (name, options as text)
         if isinstance(spec, Strategy):
             strat = spec
         elif spec is None or isinstance(spec, str):
-            strat = cls._parse_spec((spec or "none").strip())
+            strat, named = cls._parse_spec((spec or "none").strip())
         else:
             raise LongtrainError(f"a strategy is a Strategy, a comma list such as 'checkpoint,mst' or a file path, got {spec!r}")
         if engine is None and not engine_options:
@@ -204,10 +224,14 @@ class Strategy:
         else:
             name, options = _parse_item(engine)
             options = {} if options is True else options
+            if named is not None:
+                options = _same_engine(spec, named, (name, options))
         return cls(name, {**options, **(engine_options or {})}, strat.sequence_parallel, **strat.techniques)
 
     @classmethod
-    def _parse_spec(cls, spec: str) -> "Strategy":
+    def _parse_spec(cls, spec: str) -> "tuple[Strategy, tuple[str, dict] | None]":
+        """The strategy ``spec`` describes, and the engine it names with its options as
+        text (None for a file, which replaces its engine with one given apart)."""
         if spec.endswith((".yaml", ".yml", ".json")):
             try:
                 text = Path(spec).read_text(encoding="utf-8")
@@ -216,34 +240,91 @@ class Strategy:
                 raise LongtrainError(f"cannot read strategy file {spec!r}: {reason}; pass the path of a .yaml or .json "
                                      "file written by Strategy.to_yaml() or to_json()") from None
             try:
-                return cls.from_json(text) if spec.endswith(".json") else cls.from_yaml(text)
+                return (cls.from_json(text) if spec.endswith(".json") else cls.from_yaml(text)), None
             except (json.JSONDecodeError, yaml.YAMLError, RecursionError) as exc:
                 reason = " ".join(str(exc).split())  # the parsers' messages span lines
                 raise LongtrainError(f"strategy file {spec} is not valid {'JSON' if spec.endswith('.json') else 'YAML'}: "
                                      f"{reason}") from None
+        if "·" in spec:  # a plan row's note, e.g. "fpdt:chunk=8192:offload,mst · optimizer in host memory"
+            strategy, note = (part.strip() for part in spec.split("·", 1))
+            raise LongtrainError(f"'{note}' in --strategy {spec!r} is not part of a strategy: pass --strategy {strategy} "
+                                 "with --optimizer-offload (train) or --optimizer adamw-offload (simulate)")
         items = [] if spec == "none" else [n.strip() for n in spec.split(",") if n.strip()]
         techniques: dict[str, Any] = {}
+        named: tuple[str, dict] | None = None
+        engines = registry.engines()
         for name, options in map(_parse_item, items):
+            if name in engines:
+                if named is not None:
+                    raise LongtrainError(f"strategy {spec!r} names two engines, {named[0]!r} and {name!r}; name one")
+                named = (name, {} if options is True else options)
+                continue
             if name in techniques:
                 raise LongtrainError(f"strategy {spec!r} names {name!r} twice; name each technique once, with all its options")
             techniques[name] = options
-        return cls("backprop", None, **techniques)
+        engine, options = named or ("backprop", {})
+        return cls(engine, options or None, **techniques), named
+
+
+class _Flag(str):
+    """An option named alone in a command-line item (``fpdt:offload``): ``"true"``, for an
+    option that is a flag; any other option is refused by name (:func:`_make_options`)."""
 
 
 def _parse_item(item: str) -> tuple[str, Any]:
     """``"mst"`` -> ("mst", True); ``"fpdt:chunk=8192:offload=true"`` -> ("fpdt",
-    {"chunk": "8192", "offload": "true"}): values stay text, read later by the type
-    each option declares (:func:`longtrain.validate.coerce`)."""
+    {"chunk": "8192", "offload": "true"}); a key alone is a flag set: ``"fpdt:offload"``
+    -> ("fpdt", {"offload": "true"}). Values stay text, read later by the type each
+    option declares (:func:`longtrain.validate.coerce`)."""
     name, *pairs = item.split(":")
     if not pairs:
         return name.strip(), True
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise LongtrainError(f"cannot read {pair!r} in strategy item {item!r}; write options as name:key=value:key=value")
-        options[key.strip()] = value.strip()
+        if not key.strip():
+            raise LongtrainError(f"cannot read {pair!r} in strategy item {item!r}; write options as "
+                                 "name:key=value:key=value (or name:flag for flag=true)")
+        if key.strip() in options:
+            raise LongtrainError(f"strategy item {item!r} sets {key.strip()!r} twice; set each option once")
+        options[key.strip()] = value.strip() if sep else _Flag("true")
     return name.strip(), options
+
+
+def _split_sequence_parallel(spec: str) -> tuple[str, int | None]:
+    """``"fpdt:chunk=8192:offload,mst+sp8"`` (a plan's row under ``--gpus 8``) ->
+    (``"fpdt:chunk=8192:offload,mst"``, 8); a spec without ``+spN`` -> (spec, None)."""
+    head, sep, tail = spec.strip().rpartition("+sp")
+    tail, note = tail.split("·", 1) if "·" in tail else (tail, None)  # "+sp8 · optimizer in host memory"
+    if not sep or not tail.strip().isdigit():
+        return spec, None
+    return head + (f" · {note.strip()}" if note is not None else ""), int(tail)
+
+
+def _degree(sequence_parallel: Any) -> int | None:
+    """The degree a ``sequence_parallel`` argument asks for (None: not given or not readable here)."""
+    if isinstance(sequence_parallel, int) and not isinstance(sequence_parallel, bool):
+        return sequence_parallel
+    if isinstance(sequence_parallel, Mapping) and isinstance(sequence_parallel.get("degree"), int):
+        return sequence_parallel["degree"]
+    if isinstance(sequence_parallel, Ulysses):
+        return sequence_parallel.degree
+    return None
+
+
+def _same_engine(spec: str, named: tuple[str, dict], given: tuple[str, dict]) -> dict:
+    """The options of one engine named both in a command-line strategy and apart
+    (``--engine``): merged, where they agree; a different engine or option value is refused."""
+    if named[0] != given[0]:
+        raise LongtrainError(f"strategy {spec!r} names engine {named[0]!r} but the engine given (--engine) is "
+                             f"{given[0]!r}; name the engine once, in the strategy or in --engine")
+    options = registry.engine(named[0]).options
+    ours, theirs = (validate.coerce(named[0], options, values) for values in (named[1], given[1]))  # read by type
+    for key, value in theirs.items():
+        if key in ours and ours[key] != value:
+            raise LongtrainError(f"strategy {spec!r} sets {named[0]} option {key}={named[1][key]} but --engine sets "
+                                 f"{key}={given[1][key]}; set it once")
+    return {**named[1], **given[1]}
 
 
 # The one attribute longtrain sets on a model: its EngineContext once a strategy is applied.
@@ -270,8 +351,8 @@ def apply(model, strategy: "Strategy | str | None"):
     """Install ``strategy`` on ``model`` in place and return it.
 
     The model's family must have an adapter (one line naming the supported families
-    otherwise); the engine may refuse the model (an SSM under a chunked engine, dropout
-    under recomputation); attention is routed through longtrain's backend; techniques
+    otherwise); the engine may refuse the model (an SSM under a chunked engine), and a
+    config's attention dropout is refused (longtrain's kernels apply none); attention is routed through longtrain's backend; techniques
     patch their modules. Applying the same strategy again is a no-op; applying a
     different one to a model that already has one is an error (build a fresh model
     instead), because techniques patch modules and cannot all be undone cleanly.
@@ -289,6 +370,10 @@ def apply(model, strategy: "Strategy | str | None"):
     engine = registry.engine(strategy.engine)
     if engine.check is not None:
         engine.check(context)
+    if context.adapter.has_attention and context.adapter.attention_dropout() > 0:
+        raise LongtrainError(f"longtrain's attention kernels apply no dropout to attention weights, and this model's "
+                             f"config sets attention_dropout={context.adapter.attention_dropout():g}; set it to 0 for "
+                             "training (other dropouts, LoRA's included, are applied and replayed exactly)")
     base = context.adapter.base
     if context.adapter.has_attention:
         use_longtrain_attention(base)

@@ -42,7 +42,7 @@ from torch import nn
 from .. import validate
 from ..errors import LongtrainError
 from ..memory.units import parse_bytes
-from ..models.layers import unwrap
+from ..models.layers import active_dropout, unwrap
 from ..models.ssm_resnet import SSMLayer, is_ssm_resnet
 from ..ops.chunked_loss import chunked_causal_lm_loss
 from ..ops.linear_scan import adjoint_states
@@ -100,6 +100,11 @@ def check_model(model) -> nn.Module:
             f"the adjoint engine trains SSM-ResNet models (--model ssm-demo or another ssm-* preset), "
             f"not {type(base).__name__}; use --engine backprop, seco or spaco for transformers"
         )
+    p = active_dropout(base.model.layers)
+    if p > 0:
+        raise LongtrainError(
+            f"the adjoint engine recomputes each token's map in batched VJPs, which cannot draw the masks of a "
+            f"dropout (p={p:g}, e.g. lora_dropout) as the forward drew them; set the dropout to 0, or use --engine backprop")
     return base
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..memory.chunk_store import PinnedPool
+from ..memory.units import pinned_host_budget
 from ..models.adapters import DecoderAdapter, Head
 from ..ops.chunked_loss import GradientCarry, chunked_causal_lm_loss
 from ..ops.loss import logits_loss
@@ -82,6 +83,11 @@ class EngineContext:
     sequence_parallel: Any = None  # the SequenceParallel group under Ulysses (engines/sequence_parallel.py)
     loss_head: LossHead | None = None  # built from the adapter's head on first use
     notes: dict = field(default_factory=dict)  # settings techniques measured or chose (memo's alpha), for reports
+    # Bytes of host memory the run may pin: the default budget of every technique and engine
+    # that parks tensors there (Memo, kept attention, chunk stores). A real run's is this
+    # machine's (half its physical memory); a simulation's is the simulated machine's
+    # (--host-memory), None where none was named: unbounded.
+    host_memory: int | None = field(default_factory=pinned_host_budget)
 
     def __post_init__(self):
         if self.loss_head is None:

@@ -16,6 +16,10 @@ run gives them the pieces:
 - :meth:`ChunkedRun.position_embeddings` — the rotary tables of chunk i, computed once
   for the whole sequence (dynamic-NTK and longrope tables depend on its length).
 - :meth:`ChunkedRun.chunk_loss` — the head and loss of one chunk.
+- :meth:`ChunkedRun.record_draws` / :meth:`ChunkedRun.replay_draws` — a region's (a
+  layer's chunk, a chunk's pass through the model) generator states, taken before its
+  forward and set again around each recomputation, so that dropout draws the same masks
+  (:mod:`~longtrain.ops.replay`).
 
 Everything a layer's attention needs travels in the call object, so a checkpointed
 layer recomputes with the same call, on whichever thread autograd runs the backward.
@@ -36,10 +40,12 @@ from ..memory.chunk_store import ChunkStore
 from ..memory.tracker import mark_repeat
 from ..memory.units import format_bytes, pinned_host_budget
 from ..models.attention import AttentionCall, KeysParked
+from ..models.shapes import head_dim, kept_output_bytes, kv_bytes_per_token
 from ..ops.causal_attention import attention_from_output
 from ..ops.chunked_loss import GradientCarry
 from ..ops.chunked_attention import attend_chunk, attend_chunk_backward, attend_chunk_forward, chunk_bounds
 from ..ops.masking import BlockPlanner
+from ..ops.replay import RegionStates
 from .base import EngineContext, HeadLoss
 from .batch import Shard
 from .gradient_sum import Float32GradientSum
@@ -135,12 +141,21 @@ class ChunkedRun:
         self.selected: set[int] | None = None  # chunks backpropagated (None: all)
         self.hop_factor = 1.0  # multiplies K/V gradients relayed to earlier chunks
         self._rotary = None  # (leaves, spec) of the whole sequence's rotary tables (_PARKED: in the store)
+        self._draws = RegionStates()  # generator states before each region's forward
         # The lowest this-many layers park their attention output (keep_output, resolved for this shard).
         self.kept_outputs = kept_output_layers(context, shard, settings)
         if settings.keep_output is not False:  # what "fit" (or a count) came to, for the run's summary
             context.notes["kept_attention_outputs"] = self.kept_outputs
 
     # ---- pieces of the forward -----------------------------------------------------------
+    def record_draws(self, key) -> None:
+        """Region ``key``'s forward starts now: keep the generator states it draws from."""
+        self._draws.record(key, self.shard.input_ids)
+
+    def replay_draws(self, key):
+        """A block that recomputes region ``key``: it draws what the region's forward drew."""
+        return self._draws.replay(key)
+
     def call(self, index: int, mode: str):
         mark_repeat("chunk")
         return self.context.attention(ChunkAttention(self, index, mode))
@@ -281,17 +296,6 @@ def host_bytes_needed(context: EngineContext, shard: Shard, settings: ChunkSetti
                              position_rows=shard.position_ids.shape[0], chunk_major=chunk_major)
 
 
-def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def kv_bytes_per_token(config, item: int, kv_heads: int | None = None) -> int:
-    """One layer's K and V of one token: ``kv_heads`` (default: the model's) of
-    :func:`head_dim` elements each, ``item`` bytes per element."""
-    kv_heads = kv_heads or getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * kv_heads * head_dim(config) * item
-
-
 def parked_host_bytes(config, batch: int, length: int, item: int, settings: ChunkSettings, kept_outputs: int, *,
                       kv_heads: int | None = None, kv_length: int | None = None, position_rows: int = 1,
                       chunk_major: bool = False) -> int:
@@ -308,13 +312,6 @@ def parked_host_bytes(config, batch: int, length: int, item: int, settings: Chun
     kv_layers = (1 if settings.recompute_kv else n) + (n if chunk_major else 1)
     inputs += kept_outputs * kept_output_bytes(config, batch, length, item)
     return kv_layers * kv * settings.offload + inputs * settings.offload_inputs
-
-
-def kept_output_bytes(config, batch: int, length: int, item: int) -> int:
-    """One layer's kept attention output and its LSE per token (float32, float64 in a float64 step)."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return batch * length * heads * (head_dim * item + max(4, item))
 
 
 def outputs_that_fit(keep_output: bool | int | str, layers: int, offload_inputs: bool, budget: int | None,
@@ -339,7 +336,7 @@ def kept_output_layers(context: EngineContext, shard: Shard, settings: ChunkSett
     """``settings.keep_output`` resolved for ``shard``, ``"fit"`` against the host budget."""
     dtype = context.adapter.base.get_input_embeddings().weight.dtype
     return outputs_that_fit(settings.keep_output, context.adapter.config.num_hidden_layers, settings.offload_inputs,
-                            host_budget(shard, settings)[0],
+                            host_budget(context, shard, settings)[0],
                             lambda kept: host_bytes_needed(context, shard, settings, dtype, kept_outputs=kept))
 
 
@@ -351,14 +348,17 @@ def planned_kept_outputs(config, length: int, settings: ChunkSettings, item: int
                             settings.host_budget, lambda kept: parked_host_bytes(config, batch, length, item, settings, kept))
 
 
-def host_budget(shard: Shard, settings: ChunkSettings) -> tuple[int | None, bool]:
+def host_budget(context: EngineContext, shard: Shard, settings: ChunkSettings) -> tuple[int | None, bool]:
     """(the host budget in bytes, whether it is the default): ``host_budget`` where given;
-    else on CUDA half the physical memory, as for every pinned budget
-    (:func:`~longtrain.memory.units.pinned_host_budget`); simulations (fake tensors) and CPU
-    runs (nothing pinned) are unbounded (None): the planner weighs the host it is told about."""
+    in a simulation (fake tensors) the simulated machine's host memory
+    (:attr:`EngineContext.host_memory`; None, unbounded, where none was named); on CUDA half
+    the physical memory, as for every pinned budget
+    (:func:`~longtrain.memory.units.pinned_host_budget`); CPU runs (nothing pinned) are unbounded."""
     if settings.host_budget is not None:
         return settings.host_budget, False
-    if shard.input_ids.device.type != "cuda" or is_fake(shard.input_ids):
+    if is_fake(shard.input_ids):
+        return getattr(context, "host_memory", None), False
+    if shard.input_ids.device.type != "cuda":
         return None, False
     return pinned_host_budget(), True
 
@@ -369,7 +369,7 @@ def check_host_budget(context: EngineContext, shard: Shard, settings: ChunkSetti
     out-of-memory killer could end the run without a word."""
     if not (settings.offload or settings.offload_inputs):
         return
-    budget, default = host_budget(shard, settings)
+    budget, default = host_budget(context, shard, settings)
     if budget is None:
         return
     dtype = context.adapter.base.get_input_embeddings().weight.dtype
@@ -389,6 +389,3 @@ def check_chunkable(context: EngineContext, engine: str) -> None:
     if not adapter.has_attention:
         raise LongtrainError(f"the {engine} engine chunks attention; {adapter.config.model_type} models have none "
                              "(use --engine backprop, or adjoint for SSM-ResNet)")
-    if adapter.dropout() > 0:
-        raise LongtrainError(f"the {engine} engine recomputes layers chunk by chunk and does not replay dropout; "
-                             "set the model's dropout probabilities to 0 for training")

@@ -53,14 +53,14 @@ import torch
 from .. import validate
 from ..errors import LongtrainError
 from ..memory.units import parse_bytes
+from ..models.shapes import head_dim, kept_output_bytes, kv_bytes_per_token
 from ..ops.chunked_attention import chunk_bounds
 from ..ops.tiled_mlp import outputs_unread
 from ..parallel.fsdp import gathered
 from ..registry import register_engine
 from .base import EngineContext
 from .batch import prepare_batch
-from .chunked import (ChunkedRun, ChunkSettings, check_chunkable, check_host_budget, head_dim, kept_output_bytes,
-                      kv_bytes_per_token)
+from .chunked import ChunkedRun, ChunkSettings, check_chunkable, check_host_budget
 
 
 @dataclass
@@ -125,6 +125,7 @@ def forward_layer_major(run: ChunkedRun, train: bool) -> torch.Tensor:
             for i in chunks:
                 for j in range(i + 1, i + 1 + ahead):
                     run.prefetch_inputs(layer, j)
+                run.record_draws((layer, i))
                 out = run.run_layer(layer, _layer_input(run, layer, i), i, "forward")
                 if last:
                     loss = _head(run, out, i, train, carry)
@@ -182,8 +183,9 @@ def backward_layer_major(run: ChunkedRun) -> None:
                 run.prefetch_inputs(layer, 0)
                 for i in chunks:
                     run.prefetch_inputs(layer, i + 1)
-                    adapter.run_attention(run.layers[layer], _layer_input(run, layer, i), run.position_embeddings(i),
-                                          run.call(i, "kv"))
+                    with run.replay_draws((layer, i)):
+                        adapter.run_attention(run.layers[layer], _layer_input(run, layer, i), run.position_embeddings(i),
+                                              run.call(i, "kv"))
         # While chunk i is recomputed and backpropagated, what chunk i - 1 reads comes back.
         _prefetch_backward(run, layer, chunks[-1])
         # The layer's gradients are summed over its chunks in float32 (bf16 weights); not the
@@ -192,12 +194,13 @@ def backward_layer_major(run: ChunkedRun) -> None:
         with run.gradient_sum(run.layers[layer].parameters()) as sums:
             for i in reversed(chunks):
                 _prefetch_backward(run, layer, i - 1)
-                if layer > 0:
-                    x = store.pop(("x", layer, i)).detach().requires_grad_(True)
-                else:
-                    x = adapter.embed(run.input_ids(i))
-                with unread_mlp_outputs():  # the layer's output is only backpropagated through, never read
-                    out = run.run_layer(layer, x, i, "recompute")
+                with run.replay_draws((layer, i)):
+                    if layer > 0:
+                        x = store.pop(("x", layer, i)).detach().requires_grad_(True)
+                    else:
+                        x = adapter.embed(run.input_ids(i))
+                    with unread_mlp_outputs():  # the layer's output is only backpropagated through, never read
+                        out = run.run_layer(layer, x, i, "recompute")
                 torch.autograd.backward(out, store.pop(("dy", i)))
                 sums.collect()
                 if layer > 0:
@@ -229,7 +232,9 @@ def _recompute_segment_inputs(run: ChunkedRun, first: int, top: int) -> None:
             run.prefetch_inputs(layer, 0)
             for i in chunks:
                 run.prefetch_inputs(layer, i + 1)
-                store.put(("x", layer + 1, i), run.run_layer(layer, _layer_input(run, layer, i), i, "forward"), offload=parked)
+                with run.replay_draws((layer, i)):
+                    out = run.run_layer(layer, _layer_input(run, layer, i), i, "forward")
+                store.put(("x", layer + 1, i), out, offload=parked)
             for i in chunks:  # its backward parks them again ("kv" mode), one layer at a time
                 run.discard_kv(layer, i)
 

@@ -28,6 +28,7 @@ factor (cap·t/k)^p for a p-hop path; docs/seco.md reports the measured bias.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -118,10 +119,15 @@ def backward_chunk_major(run: ChunkedRun, grad_loss: torch.Tensor, own_factor: f
 
 
 def _chunk_forward(run: ChunkedRun, i: int, mode: str) -> torch.Tensor:
-    hidden = run.adapter.embed(run.input_ids(i))
-    for layer in range(len(run.layers)):
-        hidden = run.run_layer(layer, hidden, i, mode)
-    return run.chunk_loss(run.adapter.final_norm(hidden), i)
+    """Chunk ``i`` through the whole model and its loss; a recomputation draws the random
+    numbers the chunk's forward drew."""
+    if mode == "forward":
+        run.record_draws(i)
+    with run.replay_draws(i) if mode == "recompute" else contextlib.nullcontext():
+        hidden = run.adapter.embed(run.input_ids(i))
+        for layer in range(len(run.layers)):
+            hidden = run.run_layer(layer, hidden, i, mode)
+        return run.chunk_loss(run.adapter.final_norm(hidden), i)
 
 
 def _run(context: EngineContext, batch, num_label_tokens, engine: str) -> ChunkedRun:

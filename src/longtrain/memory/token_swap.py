@@ -13,9 +13,16 @@ one layer:
 
 - ``pack`` (forward) sees every tensor the layer saves. Parameters and tensors shared
   with the caller (rotary tables) are kept by reference; tensors kept whole (the
-  attention output and its LSE, registered by :meth:`keep_whole`) go to the store once;
+  attention output and its LSE, registered by :meth:`keep`) go to the store once;
   every other tensor with a token axis is split there: tokens ``[0, split)`` go to the
   store (host memory under offload), the rest are dropped.
+
+Which saved tensors carry tokens, and along which axis, is learnt from how the layer
+runs, not from coincidences of sizes: the caller gives the shapes the layer saves when
+run on tokens ``[split, S)`` alone (``later_shapes``, a shape-only run on fake tensors),
+and a saved tensor's token axis is the one axis whose size differs between the two runs
+(S or B·S here). With ``split == 0`` every such tensor is recomputed whole and with
+``split == S`` kept whole, so no axis is needed.
 - ``unpack`` (backward) first *materializes* the layer: one recomputation of tokens
   ``[split, S)`` — the layer's forward replayed on them under hooks that capture what it
   saves, in the same order as the forward saved it — and each split tensor is the
@@ -36,31 +43,40 @@ from typing import Callable
 
 import torch
 
+from ..errors import LongtrainError
 from .chunk_store import ChunkStore
 
 _KEYS = itertools.count()
 
 
-def token_axis(shape: torch.Size, batch: int, tokens: int) -> tuple[int, bool] | None:
-    """Where ``tokens`` lie in a saved tensor of a (``batch``, ``tokens``) layer call:
-    ``(axis, flattened)`` — ``flattened`` for (batch·tokens, ...) as matmuls save their
-    input — or None for a tensor without a token axis."""
-    if tokens <= 1 or not shape:
+class NotTokenWise(Exception):
+    """A saved tensor whose shapes at two token counts do not differ in one token axis."""
+
+
+def token_axis(shape: tuple, later_shape: tuple, batch: int, tokens: int) -> tuple[int, bool] | None:
+    """Where the tokens lie in a tensor a (``batch``, ``tokens``) layer call saved as
+    ``shape`` and a call on fewer tokens saved as ``later_shape``: ``(axis, flattened)``
+    — ``flattened`` for (batch·tokens, ...) as matmuls save their input — or None where
+    the two are equal (no token axis). :class:`NotTokenWise` where they differ otherwise."""
+    shape, later_shape = tuple(shape), tuple(later_shape)
+    if shape == later_shape:
         return None
-    if shape[0] == batch * tokens:
-        return 0, batch > 1
-    if shape[0] in (batch, 1):
-        for axis in (1, 2):
-            if axis < len(shape) and shape[axis] == tokens:
-                return axis, False
-    return None
+    axes = [a for a, (x, y) in enumerate(zip(shape, later_shape)) if x != y]
+    if len(shape) != len(later_shape) or len(axes) != 1:
+        raise NotTokenWise(shape, later_shape)
+    axis = axes[0]
+    if batch > 1 and shape[axis] == batch * tokens:
+        return axis, True
+    if shape[axis] == tokens:
+        return axis, False
+    raise NotTokenWise(shape, later_shape)
 
 
 def narrow_tokens(t: torch.Tensor, axis: int, flattened: bool, batch: int, start: int, end: int | None = None):
     """Tokens ``[start, end)`` of ``t`` along its token ``axis`` (see :func:`token_axis`);
     a flattened (batch·tokens, ...) tensor comes back as (batch, tokens, ...)."""
     if flattened:
-        t, axis = t.reshape(batch, -1, *t.shape[1:]), 1
+        t, axis = t.reshape(*t.shape[:axis], batch, -1, *t.shape[axis + 1:]), axis + 1
     end = t.shape[axis] if end is None else end
     return t.narrow(axis, start, end - start)
 
@@ -78,7 +94,7 @@ def _geometry(t: torch.Tensor) -> tuple:
 @dataclass
 class _Split:
     slot: int
-    axis: int
+    axis: int | None  # None: recomputed whole (split == 0)
     flattened: bool
     shape: torch.Size
     key: object  # store key of the kept tokens, or None when no token is kept
@@ -96,16 +112,22 @@ class LayerActivations:
     """The saved tensors of one call of one layer (see the module docstring).
 
     ``split``: tokens ``[0, split)`` of split tensors are kept. ``recompute(capture)``,
-    an attribute the caller sets (it usually needs the record itself, weakly), replays the layer on tokens ``[split, S)`` with autograd enabled under
+    an attribute the caller sets (it usually needs the record itself, weakly), replays the
+    layer on tokens ``[split, S)`` with autograd enabled under
     ``torch.autograd.graph.saved_tensors_hooks(capture, ...)``; it is called at most once,
     on the first unpack. ``external``: storages kept by reference (parameters, tables
     shared between layers). ``offload``: whether kept tensors go to host memory.
+    ``later_shapes``: the shapes, slot by slot, that the layer saves on tokens
+    ``[split, S)`` alone (needed for 0 < split < S; module docstring). ``describe``:
+    names the layer in errors.
     """
 
-    def __init__(self, store: ChunkStore, *, batch: int, tokens: int, split: int, offload: bool, external: set[int]):
+    def __init__(self, store: ChunkStore, *, batch: int, tokens: int, split: int, offload: bool, external: set[int],
+                 later_shapes: list | None = None, describe: str = "a layer"):
         self.store, self.batch, self.tokens, self.split = store, batch, tokens, split
         self.offload = offload
         self.external = external
+        self.later_shapes, self.describe = later_shapes, describe
         self.recompute: Callable[[Callable], None] | None = None
         self._prefix = next(_KEYS)
         self._slots = 0
@@ -161,10 +183,12 @@ class LayerActivations:
             base = self._whole[storage][0]
             packed = _View(base, (tuple(t.shape), tuple(t.stride()), t.storage_offset()))
         else:
-            where = token_axis(t.shape, self.batch, self.tokens)
-            if where is None:
-                return t
-            axis, flattened = where
+            axis, flattened = None, False
+            if 0 < self.split < self.tokens:
+                where = self._token_axis(slot, t)
+                if where is None:
+                    return t
+                axis, flattened = where
             key = None
             if self.split > 0:
                 key = self._key("split")
@@ -178,6 +202,19 @@ class LayerActivations:
                 self.saved_bytes["split"] += t.numel() * t.element_size()
         self._seen[geometry] = (packed, t)
         return packed
+
+    def _token_axis(self, slot: int, t: torch.Tensor) -> tuple[int, bool] | None:
+        later = self.later_shapes[slot] if self.later_shapes is not None and slot < len(self.later_shapes) else None
+        try:
+            if later is None:
+                raise NotTokenWise(tuple(t.shape), None)
+            return token_axis(t.shape, later, self.batch, self.tokens)
+        except NotTokenWise:
+            raise LongtrainError(
+                f"memo: {self.describe} saved a {tuple(t.shape)} tensor (slot {slot}) that is "
+                f"{tuple(later) if later is not None else 'absent'} when the layer runs on {self.tokens - self.split} of "
+                f"its {self.tokens} tokens; the layer is not token-wise outside attention, so memo cannot recompute "
+                "part of its tokens: use memo:alpha=1 or checkpoint") from None
 
     # ---- backward ------------------------------------------------------------------
     def unpack(self, packed):
@@ -206,8 +243,9 @@ class LayerActivations:
             if item.key is not None:
                 parts.append(self.store.pop(item.key))
             if item.slot in recomputed:
-                parts.append(narrow_tokens(recomputed[item.slot], item.axis, item.flattened, self.batch, 0))
-            joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1 if item.flattened else item.axis)
+                t = recomputed[item.slot]
+                parts.append(t if item.axis is None else narrow_tokens(t, item.axis, item.flattened, self.batch, 0))
+            joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=item.axis + item.flattened)
             full[item.slot] = joined.reshape(item.shape) if item.flattened else joined
         self._full = full
 
@@ -233,11 +271,14 @@ class LayerActivations:
         for slot, item in wanted.items():
             t = captured[slot] if slot < len(captured) else None
             expected = list(item.shape)
-            expected[item.axis] = self.batch * rest if item.flattened else rest
+            if item.axis is not None:
+                expected[item.axis] = self.batch * rest if item.flattened else rest
             if t is None or list(t.shape) != expected:
                 got = None if t is None else tuple(t.shape)
-                raise RuntimeError(f"memo: the recomputation saved {got} where the forward saved {tuple(item.shape)} "
-                                   f"(slot {slot}); the layer is not token-wise outside attention")
+                raise LongtrainError(
+                    f"memo: the recomputation of {self.describe} saved {got} where its forward saved "
+                    f"{tuple(item.shape)} (slot {slot}); the layer does not run the same way on part of its tokens: "
+                    "use memo:alpha=1 or checkpoint")
             out[slot] = t
         return out
 

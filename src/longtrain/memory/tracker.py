@@ -31,6 +31,13 @@ DEVICE, HOST = "device", "host"
 
 _ACTIVE: list["MemoryTracker"] = []
 _HOST_ALLOCATION = ThreadFlag()
+_UNTRACKED = ThreadFlag()
+
+
+def untracked():
+    """Tensors created inside this block are not counted: a shape-only run on fake tensors
+    that a step makes beside its own work (Memo learning which saved tensors carry tokens)."""
+    return _UNTRACKED.raised()
 
 
 def host_allocations():
@@ -299,6 +306,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if _UNTRACKED.on:
+            return out
         category = self._phase_category()
         origin = None
         for item in tree_flatten(out)[0]:

@@ -13,7 +13,7 @@ _BYTE_UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 # Token counts use binary multiples, as the field does ("64K" context = 65,536 tokens).
-_TOKEN_UNITS = {"": 1, "k": 2**10, "m": 2**20}
+_TOKEN_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 def _split(text: str) -> tuple[float, str] | None:
@@ -32,7 +32,7 @@ def parse_bytes(text: str | int) -> int:
 
 
 def parse_tokens(text: str | int) -> int:
-    """``"64K"`` -> 65536, ``"1M"`` -> 1048576, ``"8192"`` -> 8192."""
+    """``"64K"`` -> 65536, ``"1M"`` -> 1048576, ``"8192"`` -> 8192 (``G`` and ``T``: 2**30, 2**40)."""
     if isinstance(text, int):
         return text
     parts = _split(text)

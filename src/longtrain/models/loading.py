@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
+import struct
 from pathlib import Path
 
 import torch
@@ -99,25 +101,55 @@ def build_from_config(config: PretrainedConfig, dtype: torch.dtype = torch.float
     return model
 
 
+_WEIGHTS_FIX = "copy or download the model's weight files again, or point --model at another model directory"
+
+
+def check_safetensors(file: Path) -> None:
+    """Refuse a ``.safetensors`` file that is cut short or garbled, naming it: its 8-byte
+    header length, JSON header and the tensors' byte ranges must fit the file exactly
+    (read from the header alone, no tensor data)."""
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8)) if size >= 8 else (None,)
+            if length is None or 8 + length > size:
+                raise ValueError("its header is cut short")
+            header = json.loads(f.read(length))
+        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error) as exc:
+        reason = str(exc) if "cut short" in str(exc) else "its header is not readable"
+        raise LongtrainError(f"{file} is truncated or corrupt ({reason}, {size:,} bytes); {_WEIGHTS_FIX}") from None
+    expected = 8 + length + max(ends, default=0)
+    if size != expected:
+        what = "truncated" if size < expected else "corrupt"
+        raise LongtrainError(f"{file} is {what}: {size:,} bytes where its header describes {expected:,}; {_WEIGHTS_FIX}")
+
+
 def load_pretrained(path: str, dtype: torch.dtype) -> nn.Module:
     attn = _attention_kwargs(load_config(path))
+    for file in sorted(Path(path).glob("*.safetensors")):  # a damaged file named in one line, not a loader's traceback
+        check_safetensors(file)
     try:
         try:
             return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **attn)
         except TypeError:  # transformers 4.x names the argument torch_dtype
             return AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, local_files_only=True, **attn)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - only what reading the files raises becomes one line
+        if not isinstance(exc, (OSError, ValueError)) and type(exc).__name__ != "SafetensorError" \
+                and "PytorchStreamReader" not in str(exc):
+            raise
         reason = " ".join(str(exc).split())  # transformers' messages span lines
-        raise LongtrainError(f"cannot load the model in {path}: {reason}; check its weight files") from None
+        raise LongtrainError(f"cannot load the model in {path}: {reason}; check its weight files ({_WEIGHTS_FIX})") from None
 
 
-def add_lora(model: nn.Module, rank: int = 8, alpha: float | None = None) -> nn.Module:
-    """Wrap ``model`` with PEFT LoRA adapters on every linear layer but the head."""
+def add_lora(model: nn.Module, rank: int = 8, alpha: float | None = None, dropout: float = 0.0) -> nn.Module:
+    """Wrap ``model`` with PEFT LoRA adapters on every linear layer but the head, ``dropout``
+    on their inputs."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise LongtrainError("LoRA needs peft: pip install 'longtrain[lora]'") from None
     if rank <= 0:
         raise LongtrainError(f"--lora-rank must be positive, got {rank}")
-    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules="all-linear", lora_dropout=dropout, task_type="CAUSAL_LM")
     return get_peft_model(model, config)

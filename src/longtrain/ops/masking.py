@@ -161,6 +161,19 @@ class BlockPlanner:
                 return _FULL
         return need_segments, need_keys
 
+    def kind(self, qi: int, ki: int, window: int | None):
+        """What the memory of block ``(qi, ki)`` depends on, without building its mask: None
+        when it is skipped; else its sides in tokens and its decision (causal, whole, or which
+        mask it needs). Two blocks of one kind allocate and free the same tensors; a masked
+        block cut into tiles (over :data:`TILE` tokens) is its own kind."""
+        decision = self._decide(qi, ki, window)
+        if decision is _SKIP:
+            return None
+        (qa, qb), (ka, kb) = self.bounds[qi], self.bounds[ki]
+        if decision not in (_CAUSAL, _FULL) and max(qb - qa, kb - ka) > TILE:
+            return qi, ki
+        return qb - qa, kb - ka, decision
+
     def tiles(self, qi: int, ki: int, window: int | None, device: torch.device):
         """Block ``(qi, ki)`` as the sub-blocks to run, ``[((qa, qb), (ka, kb), causal,
         mask), ...]`` in token positions: nothing when it is skipped, the block itself when

@@ -31,6 +31,14 @@ casts x, else x's); a mismatch would stop autograd with an error, not bend a gra
 Only valid where no later op of the layer saves the MLP output or anything computed
 from it (the adapter's ``mlp_output_saved`` says so).
 
+Random numbers (dropout in the MLP, LoRA's ``lora_dropout``): the tiles draw in order
+from the generator states the forward started them from, and the backward sets those
+states again before recomputing them, so each tile draws the masks its forward drew
+(:mod:`.replay`). A forward without autograd (a chunked engine's first pass) tiles too,
+so that its draws are the ones the recomputation makes. A recomputation of a subset of
+the forward's tokens (Memo's) keeps the forward's tiles: it runs each tile's rows of the
+subset as a scope of its own, in which the tile's draws are replayed and sliced.
+
 Given the ``module`` that ``fn`` runs, the backward forms the weight gradients of its plain
 linear layers itself (:class:`_LinearCalls`): per tile one GEMM adding into the float32
 sum, instead of a new bf16 weight-sized gradient per tile from autograd that the loop then
@@ -45,9 +53,10 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from ..thread_flag import ThreadFlag
-from . import _autocast
+from . import _autocast, replay
 from .gemm import add_product
 from .tiles import tile_starts
 
@@ -62,13 +71,15 @@ def outputs_unread():
 
 
 class _Mailbox:
-    """Carries the output's gradient from ``_TiledMLPOutput.backward`` (which autograd runs
-    first: its input is the other node's output) to ``_TiledMLPGrad.backward``."""
+    """What the two nodes of one call share: the output's gradient, which
+    ``_TiledMLPOutput.backward`` (run first by autograd: its input is the other node's
+    output) leaves for ``_TiledMLPGrad.backward``; the generator states the forward's
+    tiles started from; the tiles' scopes in a recording or replay of seeded ops."""
 
-    __slots__ = ("grad",)
+    __slots__ = ("grad", "states", "scopes")
 
-    def __init__(self):
-        self.grad = None
+    def __init__(self, states, scopes):
+        self.grad, self.states, self.scopes = None, states, scopes
 
 
 class _TiledMLPGrad(torch.autograd.Function):
@@ -94,7 +105,8 @@ class _TiledMLPGrad(torch.autograd.Function):
         sums = _GradientSums()
         # Without autocast (which casts inside each linear), the plain linears' weight
         # gradients are formed here, one GEMM per tile into the sum (:mod:`.gemm`).
-        with _LinearCalls(ctx.module if not ctx.autocast[1] else None, wanted) as linears:
+        with _LinearCalls(ctx.module if not ctx.autocast[1] else None, wanted) as linears, \
+                replay.restoring(ctx.mailbox.states):  # each tile draws what its forward drew
             for start in tile_starts(flat.shape[0], ctx.chunk_tokens, flat):
                 rows = slice(start, start + ctx.chunk_tokens)
                 grad_piece = _tile_backward(ctx, flat[rows], grad_flat[rows], want_x, wanted, linears, sums)
@@ -272,25 +284,49 @@ class _TiledMLPOutput(torch.autograd.Function):
     backward posts the output's gradient to the mailbox."""
 
     @staticmethod
-    def forward(ctx, fn, chunk_tokens, mailbox, x, token, unread=False):
+    def forward(ctx, fn, tiles, mailbox, x, token, unread=False):
         ctx.mailbox = mailbox
-        flat = x.reshape(-1, x.shape[-1])
         if unread:  # a feed-forward block ends in a linear back to the width of x
             _, autocast, dtype = _autocast.capture(x.device)
             cast = autocast and x.dtype != torch.float64  # autocast leaves float64 alone
             return torch.full_like(x, float("nan"), dtype=dtype if cast else x.dtype)
-        out = None
-        for start in tile_starts(flat.shape[0], chunk_tokens, flat):
-            y = fn(flat[start : start + chunk_tokens])
-            if out is None:
-                out = y.new_empty((flat.shape[0], y.shape[-1]))
-            out[start : start + y.shape[0]] = y
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return _run_tiles(fn, x, tiles, mailbox.scopes)
 
     @staticmethod
     def backward(ctx, grad_out):
         ctx.mailbox.grad = grad_out
         return None, None, None, None, torch.zeros((), dtype=grad_out.dtype, device=grad_out.device), None
+
+
+def _run_tiles(fn, x: torch.Tensor, tiles, scopes: replay.TileScopes) -> torch.Tensor:
+    """``fn`` over ``x``'s flattened tokens tile by tile: ``tiles`` are ``(start, stop, key,
+    positions)``, each tile in its scope (``key``, and for a subset's replay the rows of
+    the forward's tile it holds)."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = None
+    for start, stop, key, positions in tiles:
+        with scopes.scope(key, positions):
+            y = fn(flat[start:stop])
+        if out is None:
+            out = y.new_empty((flat.shape[0], y.shape[-1]))
+        out[start:stop] = y
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _tiles(n_tokens: int, chunk_tokens: int, reference: torch.Tensor) -> list[tuple]:
+    return [(start, min(start + chunk_tokens, n_tokens), key, None)
+            for key, start in enumerate(tile_starts(n_tokens, chunk_tokens, reference))]
+
+
+def _subset_tiles(rows: replay.ReplayedRows, chunk_tokens: int) -> list[tuple]:
+    """The tiles of a replay of some of the forward's rows: for each tile of the forward
+    that holds some of them, their span here and their places in that tile."""
+    positions, tiles = rows.positions(), []
+    for key, start in enumerate(range(0, rows.forward_count, chunk_tokens)):
+        lo, hi = rows.before(start), rows.before(start + chunk_tokens)
+        if lo < hi:
+            tiles.append((lo, hi, key, positions[lo:hi] - start))
+    return tiles
 
 
 def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Sequence[torch.Tensor],
@@ -305,9 +341,14 @@ def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, param
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     n_tokens = x.numel() // x.shape[-1]
-    if n_tokens <= chunk_tokens or not torch.is_grad_enabled():
-        return fn(x)  # one chunk (or no backward): nothing to save by tiling
-    mailbox = _Mailbox()
+    subset = replay.replayed_rows(n_tokens)  # a recomputation of some of a forward's tokens: tile as it did
+    if (subset.forward_count if subset else n_tokens) <= chunk_tokens:
+        return fn(x)  # one chunk: nothing to save by tiling
+    tiles = _tiles(n_tokens, chunk_tokens, x) if subset is None or is_fake(x) else _subset_tiles(subset, chunk_tokens)
+    scopes = replay.tile_scopes()
+    if not torch.is_grad_enabled():  # no backward: the tiles alone, drawing as a recomputation will
+        return _run_tiles(fn, x, tiles, scopes)
+    mailbox = _Mailbox(replay.capture(x), scopes)
     # saves x first: see the module docstring
     token = _TiledMLPGrad.apply(fn, chunk_tokens, mailbox, module, x, *params)
-    return _TiledMLPOutput.apply(fn, chunk_tokens, mailbox, x.detach(), token, _unread.on)
+    return _TiledMLPOutput.apply(fn, tiles, mailbox, x.detach(), token, _unread.on)

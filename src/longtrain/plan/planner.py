@@ -41,10 +41,11 @@ from typing import Callable
 
 import torch
 
-from ..engines.chunked import kept_output_bytes, kv_bytes_per_token, planned_kept_outputs
+from ..engines.chunked import planned_kept_outputs
 from ..errors import LongtrainError
 from ..memory.units import format_bytes
 from ..models.loading import load_config, parse_dtype
+from ..models.shapes import kept_output_bytes, kv_bytes_per_token
 from ..strategy import Strategy
 from ..techniques.memo import Memo
 from .time_model import H100, MachineRates, step_time
@@ -453,14 +454,19 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
             if fitted is None:
                 continue
             fitted_label, fitted_strategy = fitted
-            predicted = step_time(config, seq_len, fitted_strategy, rates, batch=batch, optimizer_offload=offloaded,
-                                  trainable=params)
+            # A candidate that cannot fit by what it parks is not timed (at lengths far beyond
+            # any that fits, the time model's per-chunk schedule alone would take minutes).
+            seconds = float("inf") if _bound(config, seq_len, fitted_strategy, budget, item, batch, gpus) else \
+                step_time(config, seq_len, fitted_strategy, rates, batch=batch, optimizer_offload=offloaded,
+                          trainable=params).seconds
             name = label.replace(":keep_output=fit", fitted_label) + (" · optimizer in host memory" if offloaded else "")
             if label in fallback:
                 many.add(name)
-            jobs.append((predicted.seconds, name, fitted_strategy, budget))
+            jobs.append((seconds, name, fitted_strategy, budget))
     jobs.sort(key=lambda job: (job[1] in many, job[0]))
     bounds = [_bound(config, seq_len, strategy, budget, item, batch, gpus) for _, _, strategy, budget in jobs]
+    if jobs and all(bound is not None for bound in bounds):
+        raise LongtrainError(_beyond_reach(config, seq_len, jobs, bounds, item, batch, gpus, device_memory, host_memory))
     to_simulate = [i for i, bound in enumerate(bounds) if bound is None]
     winner = None
     with _Simulations(workers) as simulations:
@@ -611,16 +617,52 @@ def _rebuilt(strategy: Strategy, sequence_parallel=None, **techniques) -> Strate
                     **{**strategy.techniques, **techniques})
 
 
-def _bound(config, seq_len, strategy, budget: _Budget, item, batch, gpus) -> str | None:
-    """Why ``strategy`` cannot fit whatever the simulation says (its parked bytes alone), or None."""
+def least_bytes(config, seq_len: int, strategy: Strategy, item: int, batch: int = 1, gpus: int = 1) -> tuple[int, int]:
+    """(device, host) bytes one rank of a step of ``strategy`` holds at its fullest beside the
+    model states, whatever the simulation finds: the token ids (int64, on the device) and what
+    it parks (:func:`parked_split`), a share of ``gpus`` under sequence parallelism. Counted
+    from the config, so any length is answered at once."""
     on_device, on_host = parked_split(config, seq_len, strategy, item, batch)
-    device = budget.persistent + on_device // gpus
-    host = budget.host_state + on_host // gpus
+    return (8 * batch * seq_len + on_device) // gpus, on_host // gpus
+
+
+def longest_where(fits: Callable[[int], bool], below: int) -> int:
+    """The longest length under ``below`` where ``fits`` (true up to some length, false
+    beyond) holds, by bisection; 0 where it holds at none."""
+    if not fits(2):
+        return 0
+    low, high = 2, below
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def _bound(config, seq_len, strategy, budget: _Budget, item, batch, gpus) -> str | None:
+    """Why ``strategy`` cannot fit whatever the simulation says (the token ids and its parked
+    bytes alone, :func:`least_bytes`), or None."""
+    on_device, on_host = least_bytes(config, seq_len, strategy, item, batch, gpus)
+    device = budget.persistent + on_device
+    host = budget.host_state + on_host
     if device > budget.device_memory:
         return f"device memory: at least {format_bytes(device)} (what it parks; not simulated)"
     if host > budget.host_memory:
         return f"host memory: at least {format_bytes(host)} (what it parks; not simulated)"
     return None
+
+
+def _beyond_reach(config, seq_len, jobs, bounds, item, batch, gpus, device_memory, host_memory) -> str:
+    """The one line refusing a length at which no candidate can fit by its bound
+    (:func:`_bound`), naming the longest length at which one could."""
+    reach = [longest_where(lambda tokens: _bound(config, tokens, strategy, budget, item, batch, gpus) is None, seq_len)
+             for _, _, strategy, budget in jobs]
+    best = max(range(len(jobs)), key=lambda i: reach[i])
+    machine = f"{gpus} × {format_bytes(device_memory)}" if gpus > 1 else format_bytes(device_memory)
+    longest = (f"the longest any could fit is {reach[best]:,} tokens ({jobs[best][1]})" if reach[best]
+               else "no length fits beside the model states")
+    return (f"no strategy weighed fits {seq_len:,} tokens on {machine} of device and {format_bytes(host_memory)} of host "
+            f"memory: the token ids and what each candidate parks alone exceed it ({jobs[best][1]}: "
+            f"{bounds[best].replace(' (what it parks; not simulated)', '')}); {longest} — counted, not simulated")
 
 
 def _reserved(strategy: Strategy, budget: _Budget, device: int) -> int:

@@ -80,6 +80,7 @@ def run_training_steps(
     progress: Callable[[str], None] | None = None,
     phases: dict | None = None,
     warm_start: bool = False,
+    host_memory: int | None = None,
 ) -> tuple[MemoryReport, int]:
     """Train ``iterations`` steps and report the last step's peak.
 
@@ -92,7 +93,10 @@ def run_training_steps(
     count (``"layers"``) and the tracker (``"tracker"``, for breakdowns at those peaks).
     ``warm_start``: instead of the first ``iterations - 1`` steps, give the optimizer its
     state by one step on zero gradients, then measure one step (only for optimizers whose
-    state does not depend on the step's work: :data:`WARM_STARTS`).
+    state does not depend on the step's work: :data:`WARM_STARTS`). ``host_memory``: the
+    host memory of the machine simulated, in bytes (:attr:`EngineContext.host_memory`: the
+    default budget of whatever parks in host memory); None: unbounded. A real run
+    (``fake=False``) keeps this machine's unless one is given.
 
     ``build_model()`` must return a model (strategy not yet applied). With ``fake=True``
     everything runs on fake tensors; with ``fake=False`` it allocates for real, which
@@ -110,6 +114,8 @@ def run_training_steps(
         torch.manual_seed(seed)
         model = build_model()
         apply(model, strategy)
+        if fake or host_memory is not None:  # the machine simulated, not the one simulating
+            applied_context(model).host_memory = host_memory
         model.train()
         n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         vocab = model.config.vocab_size
@@ -332,6 +338,8 @@ def simulate(
     fragmentation: bool = False,
     exact: bool = False,
     progress: Callable[[str], None] | None = None,
+    device_memory: int | str | None = None,
+    host_memory: int | str | None = None,
 ) -> SimulationReport:
     """Simulated steady-state peak of one training step at full scale (no allocation).
 
@@ -347,28 +355,45 @@ def simulate(
     extrapolating from a few layers and chunks (module docstring; minutes to hours at
     long context instead of seconds). ``progress``: called with a line per simulation
     run or step.
+
+    The machine simulated (bytes, or sizes like ``"120GiB"``): ``host_memory`` is the host
+    memory the run may use — the default budget of everything a strategy parks there
+    (Memo's swapped activations, kept attention outputs and parked inputs, chunk stores)
+    where the strategy names none, as a real run takes half its machine's physical memory;
+    None: unbounded, every layer parks what it can and the report's host peak says how much
+    that is. Nothing depends on the memory of the machine that simulates. With
+    ``device_memory`` and/or ``host_memory``, a length that cannot fit them whatever the
+    simulation finds (the token ids and what the strategy parks, counted, not simulated)
+    is refused at once, naming the longest that could.
     """
     if lora_rank is not None and (isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank <= 0):
         raise LongtrainError(f"lora_rank must be a positive integer, got {lora_rank!r}")
+    device_memory, host_memory = (None if size is None else _machine_bytes(name, size)
+                                  for name, size in (("device_memory", device_memory), ("host_memory", host_memory)))
     config = load_config(model)
     config.max_position_embeddings = max(getattr(config, "max_position_embeddings", 0) or 0, seq_len)
     config.use_cache = False
     torch_dtype = parse_dtype(dtype)
     strategy = Strategy.parse(strategy)
+    simulated = on_machine(strategy, host_memory)  # what a run there resolves its default budgets to
+    if device_memory is not None or host_memory is not None:
+        _refuse_lengths_that_cannot_fit(config, seq_len, simulated, torch_dtype, batch_size, device_memory, host_memory)
     run, warm_start = _runner(strategy, batch_size=batch_size, optimizer=optimizer, dtype=torch_dtype,
                               lora_rank=lora_rank, iterations=iterations, grad_accum=grad_accum)
     say = progress or (lambda _: None)
 
     result = None
     if not (exact or fragmentation):
-        fitted = _fit(config, seq_len, strategy, functools.partial(run, warm_start=warm_start), say,
-                      _kept_outputs_apart(config, strategy, batch_size, torch_dtype))
-        result = fitted.simulated(strategy) if fitted is not None else None
+        item = torch.tensor([], dtype=torch_dtype).element_size()
+        fitted = _fit(config, seq_len, simulated, functools.partial(run, warm_start=warm_start), say,
+                      _kept_outputs_apart(config, simulated, batch_size, torch_dtype),
+                      whole_layers=_budget_stops_layers(config, seq_len, simulated, batch_size, item))
+        result = fitted.simulated(simulated) if fitted is not None else None
     if result is None:
         trace = [] if fragmentation else None
         started = time.perf_counter()
         say(f"simulating all {_layers(config)} layers at {seq_len:,} tokens")
-        result = run(config, seq_len, strategy, trace=trace, progress=say)
+        result = run(config, seq_len, simulated, trace=trace, progress=say)
         say(f"simulated in {time.perf_counter() - started:.1f} s")
         frag = fragmentation_report(trace) if fragmentation else None
     else:
@@ -380,6 +405,74 @@ def simulate(
         notes=result.notes, lora_rank=lora_rank, trainable_parameters=result.trainable if lora_rank else None,
         method=result.method,
     )
+
+
+def _machine_bytes(name: str, size: int | str) -> int:
+    from ..memory.units import parse_bytes
+
+    value = parse_bytes(size)
+    if isinstance(value, bool) or value <= 0:
+        raise LongtrainError(f"{name} must be a positive size, got {size!r}")
+    return value
+
+
+def on_machine(strategy: Strategy, host_memory: int | None) -> Strategy:
+    """``strategy`` as a run on a machine whose run may use ``host_memory`` bytes of host
+    memory resolves it: every host budget left to its default (an engine's or a technique's
+    ``host_memory`` of None) set to that; as it is where ``host_memory`` is None (unbounded)."""
+    if host_memory is None:
+        return strategy
+
+    def resolved(options):
+        if dataclasses.is_dataclass(options) and getattr(options, "host_memory", 0) is None:
+            return dataclasses.replace(options, host_memory=host_memory)
+        return options
+
+    return Strategy(strategy.engine, resolved(strategy.engine_options), strategy.sequence_parallel,
+                    **{name: resolved(options) for name, options in strategy.techniques.items()})
+
+
+def _budget_stops_layers(config, seq_len: int, strategy: Strategy, batch: int, item: int) -> bool:
+    """Whether a technique's host budget stops it partway up the model — some layers park or
+    keep what the others cannot (``host_bytes_wanted`` over ``host_memory``). Which ones is
+    a count of whole layers, not a share, so a few layers cannot stand for the model: it is
+    simulated whole (where nothing stops, the small simulations run without the budget)."""
+    for options in strategy.techniques.values():
+        wanted, budget = getattr(options, "host_bytes_wanted", None), getattr(options, "host_memory", None)
+        if wanted is not None and budget is not None and wanted(config, batch, seq_len, item) > budget:
+            return True
+    return False
+
+
+def _refuse_lengths_that_cannot_fit(config, seq_len: int, strategy: Strategy, dtype: torch.dtype, batch: int,
+                                    device_memory: int | None, host_memory: int | None) -> None:
+    """Refuse at once a length whose token ids and parked activations alone — counted from
+    the config (:func:`~longtrain.plan.planner.least_bytes`), not simulated — exceed the
+    machine named, naming the longest length that could fit beside the weights."""
+    from .planner import least_bytes, longest_where
+
+    item = torch.tensor([], dtype=dtype).element_size()
+    gpus = strategy.sequence_parallel.degree if strategy.sequence_parallel is not None else 1
+
+    def over(tokens: int, weights: int = 0) -> list[str]:
+        device, host = least_bytes(config, tokens, strategy, item, batch, gpus)
+        return [f"{need} of {where} memory, {format_bytes(have)} named"
+                for where, need, have in (("device", format_bytes(weights + device), device_memory),
+                                          ("host", format_bytes(host), host_memory))
+                if have is not None and (weights + device if where == "device" else host) > have]
+
+    if not over(seq_len):
+        return
+    from .planner import _state_bytes
+
+    weights = _state_bytes(config, "none", dtype)[0] * item // gpus  # frozen under LoRA, there all the same
+    longest = longest_where(lambda tokens: not over(tokens, weights), seq_len)
+    raise LongtrainError(
+        f"{seq_len:,} tokens cannot fit: under strategy {strategy.name or 'none'}, the token ids and what the step parks "
+        f"alone need at least {'; '.join(over(seq_len))} (counted, not simulated); "
+        + (f"at most {longest:,} tokens could fit beside the weights" if longest else
+           "no length fits beside the weights")
+        + (f" ({batch} per batch)" if batch > 1 else ""))
 
 
 @dataclass
@@ -504,7 +597,9 @@ def _simulate_once(config, seq_len: int, strategy: Strategy, *, batch_size, opti
     model = built[0]
     trainable = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
     context = applied_context(model)
-    notes = dict(context.notes) if context is not None else {}
+    # A budget left unbounded (no host memory named) is noted as None, not infinity.
+    notes = {key: None if isinstance(value, float) and value == math.inf else value
+             for key, value in (context.notes if context is not None else {}).items()}
     if places is None:
         return _Simulated(report, n_params, trainable, notes)
     return _Simulated(report, n_params, trainable, notes, phases=_stable_phases(phases, *places),
@@ -716,32 +811,28 @@ def _with_layers(config, layers: int):
 
 def _scaled_strategy(strategy: Strategy, config, layers: int) -> Strategy:
     """The strategy for a simulation with ``layers`` of the model's layers: host budgets that
-    bound a whole step are lifted (checked on the extrapolated host peak instead), and
-    Memo's and checkpointing's are scaled to the layers they cover, so Memo's α and the
-    share of layers keeping their attention output (and parking their input) are the
-    full model's."""
+    bound a whole step are lifted (checked on the extrapolated host peak instead), Memo's is
+    scaled to the layers it covers, so that its α is the full model's, and checkpointing's is
+    lifted: fewer layers than the whole model are simulated only where it stops none of them
+    (:func:`_budget_stops_layers`). Budgets left to their default stay unbounded."""
     options = strategy.engine_options
     if getattr(options, "host_memory", None) is not None:
         options = dataclasses.replace(options, host_memory=None)
     if _partial_kept_outputs(strategy, config):
         # Every layer's output or none (:func:`_kept_outputs_apart` corrects the figures).
         options = dataclasses.replace(options, keep_output=options.settings().offload_inputs)
-    from ..memory.units import pinned_host_budget
-
     techniques = dict(strategy.techniques)
     full = _layers(config)
 
-    def share(budget: int | None, top: int) -> int:  # the budget of the layers below ``top``, as in the full model
-        return max(1, (budget or pinned_host_budget()) * max(1, layers - top) // max(1, full - top))
+    def share(budget: int | None, top: int) -> int | None:  # the budget of the layers below ``top``, as in the full model
+        return None if budget is None else max(1, budget * max(1, layers - top) // max(1, full - top))
 
     memo = techniques.get("memo")
     if memo is not None:
         techniques["memo"] = dataclasses.replace(memo, host_memory=share(memo.host_memory, memo.keep_last))
     checkpoint = techniques.get("checkpoint")
-    if checkpoint is not None and (checkpoint.offload_inputs or (checkpoint.keep_attention and checkpoint.offload)):
-        # Kept outputs and parked inputs stop where the budget does, a share of the layers.
-        techniques["checkpoint"] = dataclasses.replace(
-            checkpoint, host_memory=share(checkpoint.host_memory, checkpoint.except_last))
+    if checkpoint is not None and layers < full:
+        techniques["checkpoint"] = dataclasses.replace(checkpoint, host_memory=None)
     return Strategy(strategy.engine, options, strategy.sequence_parallel, **techniques)
 
 
@@ -780,7 +871,8 @@ class _KeptOutputsCorrection:
     item: int
 
     def __call__(self, tokens: int) -> tuple[int, int, int]:
-        from ..engines.chunked import kept_output_bytes, outputs_that_fit, parked_host_bytes
+        from ..engines.chunked import outputs_that_fit, parked_host_bytes
+        from ..models.shapes import kept_output_bytes
 
         settings, layers = self.settings, self.layers
         kept = outputs_that_fit(settings.keep_output, layers, settings.offload_inputs, settings.host_budget,
@@ -876,9 +968,7 @@ class _Fitted:
         report = MemoryReport(device, host_at_peak, max(host, host_at_peak), by_category, largest.largest)
         memo = strategy.techniques.get("memo")
         if memo is not None and "memo_host_budget" in notes:
-            from ..memory.units import pinned_host_budget
-
-            notes["memo_host_budget"] = memo.host_memory or pinned_host_budget()
+            notes["memo_host_budget"] = memo.host_memory  # the small simulations' is a share of it
         seq_len = axis.value(axis.target) if axis is not None else sims[max(fit)].tokens
         _check_host_budget(strategy, report, seq_len)
         parts = []
@@ -891,11 +981,13 @@ class _Fitted:
         return _Simulated(report, parameters, trainable, notes, method)
 
 
-def _fit(config, seq_len: int, strategy: Strategy, run, say, kept=None) -> _Fitted | None:
+def _fit(config, seq_len: int, strategy: Strategy, run, say, kept=None, whole_layers: bool = False) -> _Fitted | None:
     """The small simulations the full-scale figures are extrapolated from, fitted and
     checked (module docstring), or None when there is nothing to extrapolate or the
-    pattern never settled. ``kept``: :func:`_kept_outputs_apart`'s correction."""
-    layers, chunks = _layer_axis(config, strategy), _chunk_axis(config, seq_len, strategy)
+    pattern never settled. ``kept``: :func:`_kept_outputs_apart`'s correction.
+    ``whole_layers``: every layer in every simulation (:func:`_budget_stops_layers`)."""
+    layers = None if whole_layers else _layer_axis(config, strategy)
+    chunks = _chunk_axis(config, seq_len, strategy)
     if layers is None and chunks is None:
         return None
     places = (_layer_period(config, strategy), _depth(strategy))

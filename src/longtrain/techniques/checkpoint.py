@@ -49,8 +49,8 @@ from .. import validate
 from ..errors import LongtrainError
 from ..memory.chunk_store import ChunkStore
 from ..memory.token_swap import storage_id
-from ..memory.units import pinned_host_budget
 from ..models.attention import AttentionCall
+from ..models.shapes import kept_output_bytes
 from ..ops.causal_attention import attention_from_output
 from ..registry import register_technique
 
@@ -64,7 +64,7 @@ class CheckpointOptions:
 
     keep_attention: bool = True  # keep attention's output and LSE so the recomputation skips attention's forward
     offload: bool = True  # kept outputs wait in pinned host memory (false: on the device)
-    host_memory: int | str | None = None  # budget for kept outputs on the host; default: half the physical memory
+    host_memory: int | str | None = None  # budget for kept outputs on the host; default: the run's host memory (EngineContext)
     except_last: int = 0  # the top layers left whole: not checkpointed, MLP not tiled (device memory for speed)
     offload_inputs: bool = False  # park the checkpointed inputs in pinned host memory too (first in host_memory's budget)
 
@@ -78,6 +78,17 @@ class CheckpointOptions:
             if self.host_memory <= 0:
                 raise LongtrainError(f"checkpoint host_memory must be positive, got {self.host_memory!r}")
 
+    def host_bytes_wanted(self, config, batch: int, tokens: int, item: int) -> int:
+        """What the checkpointed layers of a step of ``batch`` × ``tokens`` tokens (``item``
+        bytes per element) would put in host memory with no budget — each one's input
+        (``offload_inputs``) and attention output + LSE (``keep_attention`` with ``offload``),
+        at least what the step parks: where ``host_memory`` is this much or more it stops no layer."""
+        layers = max(0, config.num_hidden_layers - self.except_last)
+        per_layer = batch * tokens * config.hidden_size * item if self.offload_inputs else 0
+        if self.keep_attention and self.offload:
+            per_layer += kept_output_bytes(config, batch, tokens, item)
+        return layers * per_layer
+
 
 class KeptAttention:
     """Every checkpointed layer's kept attention output and LSE (``keep_attention``) and
@@ -86,9 +97,8 @@ class KeptAttention:
     Entries belong to one step's attention call and stay until the next step's first
     layer drops them (also when that step's backward never ran)."""
 
-    def __init__(self, options: CheckpointOptions, pool, layers: int):
-        self.options, self.pool, self.layers = options, pool, layers
-        self.budget = options.host_memory if options.host_memory is not None else pinned_host_budget()
+    def __init__(self, options: CheckpointOptions, context, layers: int):
+        self.options, self.context, self.pool, self.layers = options, context, context.pool, layers
         self.store: ChunkStore | None = None
         self._step: AttentionCall | None = None  # the attention call of the step the entries belong to
         self._last: _KeepingAttention | None = None  # the latest layer of that step that kept its output
@@ -115,6 +125,15 @@ class KeptAttention:
 
     def _host_used(self) -> int:
         return self.store.host_bytes if self.store is not None else 0
+
+    @property
+    def budget(self) -> float:
+        """``host_memory``, else the run's host memory (:attr:`EngineContext.host_memory`:
+        this machine's for a real run, the simulated machine's in a simulation, read when
+        the step runs); unbounded where that is None."""
+        if self.options.host_memory is not None:
+            return self.options.host_memory
+        return self.context.host_memory if self.context.host_memory is not None else float("inf")
 
     def has_room(self, call: "_KeepingAttention", q: torch.Tensor) -> bool:
         """Whether this layer keeps its output: with ``keep_attention``, whether the output
@@ -249,6 +268,6 @@ def install_checkpoint(context, options: CheckpointOptions) -> None:
                              "drop offload_inputs")
     checkpointed = layers[:len(layers) - options.except_last]
     keeps = (options.keep_attention or options.offload_inputs) and context.adapter.has_attention
-    kept = KeptAttention(options, context.pool, len(checkpointed)) if keeps else None
+    kept = KeptAttention(options, context, len(checkpointed)) if keeps else None
     for layer in checkpointed:
         layer.forward = functools.partial(_checkpointed_forward, layer.forward, kept)

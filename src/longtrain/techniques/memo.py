@@ -27,21 +27,27 @@ engine context's notes (the trainer's summary shows them).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import time
 import weakref
 from dataclasses import dataclass
 
 import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import validate
 from ..errors import LongtrainError
 from ..memory.chunk_store import ChunkStore
 from ..memory.pinned import host_empty
-from ..memory.token_swap import LayerActivations, narrow_tokens, storage_id, token_axis
-from ..memory.units import format_bytes, pinned_host_budget
+from ..memory.token_swap import LayerActivations, storage_id
+from ..memory.tracker import untracked
+from ..memory.units import format_bytes
 from ..models.attention import AttentionCall
+from ..models.layers import active_dropout
+from ..ops import replay
 from ..ops.causal_attention import attention_from_output
 from ..registry import register_technique
 
@@ -135,6 +141,20 @@ class _StandInAttention(AttentionCall):
         return attention_from_output(q, k, v, out.transpose(1, 2), lse, None)
 
 
+class _ShapeOnlyAttention(AttentionCall):
+    """A shape-only run's attention: an output and LSE of the right shapes, laid out as
+    the forward keeps them, saved as the forward's attention node saves them."""
+
+    def __init__(self, mask):
+        self.mask = mask
+
+    def attend(self, module, q, k, v, *, scale, window, softcap):
+        batch, heads, tokens, dim = q.shape
+        out = q.new_empty((batch, tokens, heads, dim)).transpose(1, 2)
+        lse = q.new_empty((batch, heads, tokens), dtype=torch.float32)
+        return attention_from_output(q, k, v, out, lse, None)
+
+
 class MemoLayers:
     """Memo's state for one model: the host store, α, and the chain of layer records."""
 
@@ -146,6 +166,7 @@ class MemoLayers:
         self._below: tuple[int, weakref.ref] | None = None
         self._early: dict[int, list] | None = {} if self.alpha is None else None  # what layers before α kept
         self._shortfall: list[tuple] | None = None  # buffers those layers will lack at α (_warm_pool)
+        self._later_shapes: dict[tuple, list] = {}  # what each layer saves on its later tokens, by call shape
         if self.alpha is not None:
             context.notes["memo_alpha"] = self.alpha
 
@@ -169,22 +190,34 @@ class MemoLayers:
         alpha = 0.0 if self.alpha is None else self.alpha
         split = min(tokens, max(0, round(alpha * tokens)))
         offload = self.options.offload and index < self.layers - self.options.keep_last
+        rest = args[1:], _without(kwargs, "hidden_states")
+        later_shapes = self._later_shapes_of(index, layer_forward, *rest, hidden, split) if 0 < split < tokens else None
         record = LayerActivations(
             self._store(hidden.device), batch=batch, tokens=tokens, split=split, offload=offload,
-            external=self._external(layer, kwargs.get("position_embeddings")),
+            external=self._external(layer, kwargs.get("position_embeddings")), later_shapes=later_shapes,
+            describe=f"layer {index}",
         )
+        draws = replay.SeededOps()  # what the forward draws, for a recomputation of its later tokens
         # A weak reference: the record must die with the graph that holds it (its host buffers return then).
-        record.recompute = functools.partial(_recompute, layer_forward, args[1:], _without(kwargs, "hidden_states"),
-                                             split, hidden.requires_grad, _autocast_state(hidden.device),
-                                             weakref.ref(record))
+        record.recompute = functools.partial(_recompute, layer_forward, *rest, split, hidden.requires_grad,
+                                             _autocast_state(hidden.device), weakref.ref(record), draws)
         record.input_storage = storage_id(hidden)
         if split < tokens:  # the recomputation starts from the layer input's recomputed tokens
             record.keep("input", hidden.detach()[:, split:].contiguous())
         plain = args, kwargs
         args, kwargs = _with_hidden(args, kwargs, hidden, _KeptOutputAttention(call, record))
-        with torch.autograd.graph.saved_tensors_hooks(record.pack, record.unpack):
+        host_before = self.store.host_bytes
+        replays = split < tokens and not _is_fake(hidden)
+        before = replay.capture(hidden) if replays else None
+        recording = replay.recording(draws) if replays and active_dropout(layer) > 0 else contextlib.nullcontext()
+        with torch.autograd.graph.saved_tensors_hooks(record.pack, record.unpack), recording:
             out = layer_forward(*args, **kwargs)
         record.finish_forward()
+        if before is not None and draws.empty and not replay.same_states(before, replay.capture(hidden)):
+            raise LongtrainError(f"memo: layer {index} drew random numbers outside a dropout module, which a "
+                                 "recomputation of part of its tokens cannot replay; use memo:alpha=1 or checkpoint")
+        if offload and self.alpha is not None and not measuring:
+            self._check_host_budget(index, self.store.host_bytes - host_before)
         if measuring:
             self._resolve_alpha(record, hidden, self._time_forward(layer_forward, *plain, hidden), layer)
         self._warm_pool(record, index, measuring or self.alpha is None)
@@ -216,6 +249,31 @@ class MemoLayers:
                 self.context.pool.reserve(torch.Size([numel]), dtype)
             self._early = None
 
+    def _later_shapes_of(self, index: int, layer_forward, rest_args, kwargs, hidden: torch.Tensor, split: int) -> list:
+        """What layer ``index`` saves when it runs on tokens ``[split, S)`` alone, slot by
+        slot: from one shape-only run per call shape (:func:`_saved_shapes_on_later_tokens`)."""
+        kind = hidden.device.type if hidden.device.type in ("cuda", "cpu") else "cpu"
+        key = (index, tuple(hidden.shape), split, hidden.dtype, hidden.requires_grad, torch.is_autocast_enabled(kind))
+        if key not in self._later_shapes:
+            self._later_shapes[key] = _saved_shapes_on_later_tokens(layer_forward, rest_args, kwargs, hidden, split)
+        return self._later_shapes[key]
+
+    def host_budget(self) -> int:
+        """Bytes of host memory the swapped activations may take."""
+        return self.options.host_memory or self.context.host_memory or float("inf")  # the run's (EngineContext), else unbounded
+
+    def _check_host_budget(self, index: int, layer_bytes: int) -> None:
+        """Refuse, before the host fills, a step whose swapped activations will pass the
+        budget: those parked so far and ``layer_bytes`` for each offloaded layer still to run."""
+        budget = self.host_budget()
+        still = max(0, self.layers - self.options.keep_last - index - 1)
+        projected = self.store.host_bytes + still * layer_bytes
+        if projected > budget:
+            raise LongtrainError(
+                f"memo at alpha={self.alpha:g} parks {format_bytes(layer_bytes)} per layer in host memory, "
+                f"{format_bytes(projected)} for the step, over the host budget of {format_bytes(budget)}; "
+                "lower memo:alpha (or alpha=auto), raise memo:host_memory, or shorten the sequence")
+
     # ---- measurement -------------------------------------------------------------------
     @staticmethod
     def _time_forward(layer_forward, args, kwargs, hidden: torch.Tensor) -> float | None:
@@ -231,7 +289,8 @@ class MemoLayers:
         if cuda:  # the copies the training forward queued finish outside the timed window
             torch.cuda.synchronize(hidden.device)
         started = time.perf_counter()
-        with torch.no_grad():
+        # Its random draws are undone: the step's draws stay those of a step without this timing.
+        with torch.no_grad(), replay.restoring(replay.capture(hidden)):
             layer_forward(*args, **kwargs)
         if cuda:
             torch.cuda.synchronize(hidden.device)
@@ -246,7 +305,7 @@ class MemoLayers:
         else:
             layer_seconds = seconds
             bandwidth = _measure_bandwidth(hidden)
-        host_budget = self.options.host_memory or pinned_host_budget()
+        host_budget = self.host_budget()
         sizes = dict(input_bytes=hidden.nbytes, attention_bytes=record.saved_bytes["whole"],
                      other_bytes=record.saved_bytes["split"])
         self.alpha = memo_alpha(**sizes, bandwidth=bandwidth, layer_seconds=layer_seconds, layers=self.layers,
@@ -258,33 +317,54 @@ class MemoLayers:
 
     def _external(self, layer, position_embeddings) -> set[int]:
         tables = [t for t in tree_flatten(position_embeddings)[0] if isinstance(t, torch.Tensor)]
-        return {storage_id(t) for t in list(layer.parameters()) + tables if not t.is_meta}
+        return {storage_id(t) for t in [*layer.parameters(), *layer.buffers(), *tables] if not t.is_meta}
 
 
-def _recompute(layer_forward, rest_args, kwargs, split, requires_grad, autocast, record_ref, capture):
-    """Replay the layer on tokens ``[split, S)`` under ``capture`` (see token_swap)."""
+def _recompute(layer_forward, rest_args, kwargs, split, requires_grad, autocast, record_ref, draws, capture):
+    """Replay the layer on tokens ``[split, S)`` under ``capture`` (see token_swap), drawing
+    the forward's random numbers of those tokens (``draws``)."""
     record = record_ref()
     hidden = record.fetch("input").detach().requires_grad_(requires_grad)
-    batch, tokens = record.batch, record.tokens
     kwargs = dict(kwargs)
     kwargs["attention_mask"] = _StandInAttention(record, split, kwargs["attention_mask"].mask)
-    if kwargs.get("position_embeddings") is not None:
-        kwargs["position_embeddings"] = tree_map(lambda t: _later_tokens(t, batch, tokens, split),
-                                                 kwargs["position_embeddings"])
+    kwargs["position_embeddings"] = _from_token(kwargs.get("position_embeddings"), split)
     device_type, dtype, enabled = autocast
     with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled), \
-            torch.autograd.graph.saved_tensors_hooks(capture, _never_unpacked):
+            torch.autograd.graph.saved_tensors_hooks(capture, _never_unpacked), \
+            replay.replaying(draws, record.batch, record.tokens, split):
         layer_forward(hidden, *rest_args, **kwargs)
 
 
-def _later_tokens(t, batch, tokens, split):
-    if not isinstance(t, torch.Tensor):
-        return t
-    where = token_axis(t.shape, batch, tokens)
-    if where is None:
-        return t
-    later = narrow_tokens(t, *where, batch, split)
-    return later.reshape(-1, *t.shape[1:]) if where[1] else later
+def _saved_shapes_on_later_tokens(layer_forward, rest_args, kwargs, hidden: torch.Tensor, split: int) -> list[tuple]:
+    """The shapes the layer saves for backward, slot by slot, when it runs on tokens
+    ``[split, S)`` alone, as the recomputation will: a run on fake tensors (no compute,
+    nothing counted by a memory tracker, no random numbers drawn)."""
+    batch, tokens = hidden.shape[:2]
+    shapes: list[tuple] = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return None
+
+    active = detect_fake_mode((hidden,))  # a simulation: its own fake mode runs on
+    kwargs = dict(kwargs)
+    kwargs["attention_mask"] = _ShapeOnlyAttention(kwargs["attention_mask"].mask)
+    kwargs["position_embeddings"] = _from_token(kwargs.get("position_embeddings"), split)
+    with untracked(), torch.random.fork_rng(devices=[]), \
+            (contextlib.nullcontext() if active else FakeTensorMode(allow_non_fake_inputs=True)):
+        later = torch.empty((batch, tokens - split, *hidden.shape[2:]), dtype=hidden.dtype, device=hidden.device)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked), \
+                replay.replaying(replay.SeededOps(), batch, tokens, split):
+            layer_forward(later.requires_grad_(hidden.requires_grad), *rest_args, **kwargs)
+    return shapes
+
+
+def _from_token(position_embeddings, start: int):
+    """The rotary tables (cos, sin: (B or 1, S, D), tokens on axis 1, as a layer receives
+    them) of tokens ``[start, S)``."""
+    if position_embeddings is None:
+        return None
+    return tree_map(lambda t: t[:, start:] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t, position_embeddings)
 
 
 def _never_unpacked(_):
@@ -342,9 +422,6 @@ def install_memo(context, options: Memo) -> None:
     adapter = context.adapter
     if not adapter.has_attention:
         raise LongtrainError("memo keeps attention outputs; this model has no attention (use the adjoint engine)")
-    if adapter.dropout() > 0:
-        raise LongtrainError("memo recomputes part of each layer and needs a model without dropout; "
-                             "set the dropout probabilities in the model config to 0")
     memo = MemoLayers(context, options)
     for index, layer in enumerate(adapter.layers):
         layer.forward = functools.partial(_memo_forward, memo, index, layer, layer.forward)

@@ -40,6 +40,7 @@ class TrainConfig:
     engine: str = "backprop"  # gradient engine with its options: "fpdt:chunk=8192:offload=true", "spaco:chunk=128:budget=8"
     lora: bool = False
     lora_rank: int = 8
+    lora_dropout: float = 0.0  # dropout on the adapters' inputs (replayed exactly by every recomputation)
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"
     seed: int = 0
@@ -112,6 +113,8 @@ def _check_types(config: TrainConfig) -> None:
 
 
 def _check_ranges(config: TrainConfig) -> None:
+    if not 0 <= config.lora_dropout < 1:
+        raise LongtrainError(f"--lora-dropout must be at least 0 and below 1, got {config.lora_dropout}")
     for name in _POSITIVE:
         if getattr(config, name) <= 0:
             raise LongtrainError(f"{option(name)} must be a positive integer, got {getattr(config, name)}")
@@ -139,12 +142,30 @@ def _check_ranges(config: TrainConfig) -> None:
                              "pass one of those")
 
 
+# Paths that must name something: an empty one would mean the current directory.
+_PATHS = {
+    "model": "name a preset (longtrain presets) or a model directory",
+    "data": "name a text/.jsonl file or a directory of them, or drop --data for the built-in pass-key task",
+    "out": "name the run directory, e.g. --out runs/NAME",
+    "resume_from": "name a checkpoint directory or a run directory",
+}
+
+
+def _check_paths(config: TrainConfig) -> None:
+    for name, fix in _PATHS.items():
+        value = getattr(config, name)
+        if value is not None and not value.strip():
+            raise LongtrainError(f"{option(name)} is empty (it would mean the current directory); {fix}")
+
+
 def check_config(config: TrainConfig) -> None:
-    """Refuse, in one line, a config whose values have the wrong type or range."""
+    """Refuse, in one line, a config whose values have the wrong type or range. Needs
+    neither torch nor transformers: the command line checks before loading them."""
     if not isinstance(config, TrainConfig):
         raise LongtrainError(f"a run is described by a TrainConfig, got {type(config).__name__}")
     _check_types(config)
     _check_ranges(config)
+    _check_paths(config)
     if config.resume and config.overwrite:
         raise LongtrainError("--resume and --overwrite contradict each other; pick one")
     if config.from_scratch and os.path.isdir(config.model):
@@ -152,6 +173,11 @@ def check_config(config: TrainConfig) -> None:
                              "directory, whose weights are what it holds; drop --from-scratch or name a preset")
     if config.resume and config.resume_from:
         raise LongtrainError("--resume continues --out's latest checkpoint and --resume-from a given one; pick one")
+    if config.optimizer_offload and (config.sp > 1 or config.optimizer != "adamw"):
+        raise LongtrainError("--optimizer-offload keeps AdamW's state in host memory on one process; it needs --optimizer adamw "
+                             "and no --sp (under --sp, FSDP2 already shards the optimizer state over the ranks)")
+    if config.master_weights is not None and config.sp <= 1:
+        raise LongtrainError("--master-weights keeps sharded parameters in another dtype than the layers compute in: it needs --sp")
 
 
 def config_from_dict(values: dict) -> TrainConfig:

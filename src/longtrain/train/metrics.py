@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from ..errors import LongtrainError, writing
 from .checkpoint import write_text_atomic
+
+
+def strict_json(obj, **dumps) -> str:
+    """``obj`` as strict JSON: a NaN or infinite number (a held-out loss in float16, say)
+    is written as null, never as the bare ``NaN``/``Infinity`` other parsers refuse."""
+    return json.dumps(_finite(obj), allow_nan=False, **dumps)
+
+
+def _finite(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def check_tensorboard() -> None:
@@ -47,7 +64,7 @@ class MetricsLog:
         if self._file is None:
             self._file = self._open()
         with writing("the metrics log", self.path, "continue with --resume"):
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(strict_json(record) + "\n")
             self._file.flush()
         if self._tb is not None:
             for key, value in _flatten(record).items():

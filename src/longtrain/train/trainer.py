@@ -37,7 +37,8 @@ from ..strategy import Strategy, applied_context, apply, engine_context, pinned_
 from . import checkpoint as ckpt
 from .config import MAX_SEQ_LEN, TrainConfig, check_config, config_from_dict, option  # noqa: F401  (re-exported: the Python API)
 from .data import TokenWindows, collate
-from .metrics import MetricsLog, check_tensorboard, read_metrics
+from .lock import RunLock, check_not_in_use
+from .metrics import MetricsLog, check_tensorboard, read_metrics, strict_json
 from .passkey import PasskeyTask
 from .plot import plot_metrics
 from .ranks import Ranks, check_distributed_engine
@@ -55,15 +56,6 @@ class WarmupCosine:
             return (step + 1) / self.warmup
         progress = (step - self.warmup) / max(1, self.total - self.warmup)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def _check(config: TrainConfig) -> None:
-    check_config(config)  # types and ranges of every field (train/config.py)
-    if config.optimizer_offload and (config.sp > 1 or config.optimizer != "adamw"):
-        raise LongtrainError("--optimizer-offload keeps AdamW's state in host memory on one process; it needs --optimizer adamw "
-                             "and no --sp (under --sp, FSDP2 already shards the optimizer state over the ranks)")
-    if config.master_weights is not None and config.sp <= 1:
-        raise LongtrainError("--master-weights keeps sharded parameters in another dtype than the layers compute in: it needs --sp")
 
 
 def _device(name: str) -> torch.device:
@@ -123,7 +115,7 @@ def build_model(config: TrainConfig, dtype: torch.dtype):
         model = build_from_config(model_config, dtype)
     model.config.use_cache = False
     if config.lora:
-        model = add_lora(model, config.lora_rank)
+        model = add_lora(model, config.lora_rank, dropout=config.lora_dropout)
     return model, tokenizer
 
 
@@ -208,13 +200,18 @@ def _strategy(config: TrainConfig, compute_dtype: torch.dtype, device: torch.dev
     sp = None
     if config.sp > 1:
         sp = {"degree": config.sp, "compute_dtype": str(compute_dtype).replace("torch.", "") if config.master_weights else None}
-    return Strategy.parse(config.strategy, engine=None if config.engine == "backprop" else config.engine,
-                          sequence_parallel=sp)
+    strategy = Strategy.parse(config.strategy, engine=None if config.engine == "backprop" else config.engine,
+                              sequence_parallel=sp)
+    degree = strategy.sequence_parallel.degree if strategy.sequence_parallel is not None else 1
+    if degree != config.sp:  # a plan's "+spN" row: the processes are --sp's to set (under torchrun)
+        raise LongtrainError(f"--strategy {config.strategy} runs sequence parallel over {degree} processes; pass --sp {degree} "
+                             f"and launch with torchrun --nproc-per-node {degree}")
+    return strategy
 
 
 class Trainer:
     def __init__(self, config: TrainConfig):
-        _check(config)
+        check_config(config)  # types, ranges and combinations of every field (train/config.py)
         self.config = config
         self.device = _device(config.device)
         compute = self.compute_dtype = parse_dtype(config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
@@ -223,6 +220,9 @@ class Trainer:
         self.strategy = _strategy(config, compute, self.device)
         self.out = Path(config.out)
         self.checkpoints = self.out / "checkpoints"
+        self._lock = RunLock(self.out)  # held from the first write to --out until the run ends
+        if os.environ.get("RANK", "0") == "0":  # the process that will hold the lock (torchrun's others never take it)
+            check_not_in_use(self.out)
         self._check_output_dir()  # before the model is built: a refusal costs nothing
         if config.tensorboard:
             check_tensorboard()
@@ -252,11 +252,15 @@ class Trainer:
                                      restart_per_document=config.packing == "documents", held_out=config.eval_samples)
 
         # Only now, with the model and data known to be good, touch the output directory.
-        self._prepare_output_dir()
-        self.ranks.barrier()
-        optimizer = "adamw-offload" if config.optimizer_offload else config.optimizer
-        self.optimizer = make_optimizer(optimizer, self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
-                                        model=self.model)
+        try:
+            self._prepare_output_dir()
+            self.ranks.barrier()
+            optimizer = "adamw-offload" if config.optimizer_offload else config.optimizer
+            self.optimizer = make_optimizer(optimizer, self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                                            model=self.model)
+        except BaseException:
+            self._lock.release()
+            raise
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, WarmupCosine(config.warmup_steps, config.steps))
         self.step_index = 0
         self.samples_seen = 0
@@ -284,16 +288,20 @@ class Trainer:
                                  "pass --out NEW_DIR, or --overwrite to replace it")
 
     def _prepare_output_dir(self) -> None:
-        """Create --out (checking it takes files) and clear what interrupted saves left."""
+        """Create --out and lock it (another run holding it is refused), check again what
+        it holds (a run may have ended there since the first look), check it takes files,
+        and clear what interrupted saves left."""
         c = self.config
         if not self.ranks.main:
             return
         with writing("the run directory", self.out):
-            if c.overwrite and self.out.exists():
+            self.out.mkdir(parents=True, exist_ok=True)
+            self._lock.acquire()
+            self._check_output_dir()
+            if c.overwrite:
                 for child in ("checkpoints", "metrics.jsonl", "metrics.png", "summary.json", "final", "tensorboard"):
                     path = self.out / child
                     shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-            self.out.mkdir(parents=True, exist_ok=True)
             tempfile.TemporaryFile(dir=self.out).close()  # writable? better now than at the first checkpoint
             ckpt.remove_leftovers(self.checkpoints)
             for stale in [*self.out.glob(".*.tmp-*"), *self.out.glob(".final.old-*")]:  # interrupted atomic writes
@@ -308,6 +316,34 @@ class Trainer:
         settings["dtype"] = str(self.dtype).replace("torch.", "")  # the one in effect, not "default"
         return settings
 
+    # ---- divergence ------------------------------------------------------------------------
+    def _flagged(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank (every rank must call it)."""
+        return bool(self.ranks.max(float(flag))) if self.ranks.distributed else flag
+
+    def _check_finite(self, loss: float, grad_norm: float) -> None:
+        """Stop at the first step whose loss or gradient norm is NaN or infinite."""
+        bad_loss = self._flagged(not math.isfinite(loss))
+        if bad_loss or not math.isfinite(grad_norm):  # the norm is the same on every rank
+            what = f"the loss is {loss}" if bad_loss and not math.isfinite(loss) else \
+                "the loss is not finite on another rank" if bad_loss else f"the gradient norm is {grad_norm}"
+            raise self._diverged(what, step=self.step_index + 1)
+
+    def _diverged(self, what: str, step: int | None = None) -> LongtrainError:
+        """One line: the step, what was not finite, what was kept and what to try."""
+        c = self.config
+        step = self.step_index if step is None else step
+        pointer = self.checkpoints / ckpt.LATEST
+        at = ckpt.checkpoint_step(self.checkpoints / pointer.read_text().strip()) if pointer.is_file() else None
+        kept = (f"{pointer} still names the last good checkpoint (step {at})" if at is not None
+                else "no checkpoint was written")
+        try_ = f"lower --lr (now {c.lr:g}) or lengthen --warmup-steps (now {c.warmup_steps})"
+        if self.compute_dtype == torch.float16:
+            try_ = "use --dtype bfloat16 or float32 (float16 without loss scaling overflows), or " + try_
+        then = "then continue with --resume" if at is not None else "then start again"
+        return LongtrainError(f"training diverged at step {step}: {what}; nothing of step {step} was saved and {kept}; "
+                              f"{try_}, {then}")
+
     def _files(self) -> tuple[str, str]:
         """This rank's checkpoint files (one pair per rank under layer groups)."""
         if not self.ranks.distributed:
@@ -316,6 +352,8 @@ class Trainer:
 
     def save(self) -> Path:
         trainable = _trainable(self.model)
+        if self._flagged(not all(bool(torch.isfinite(_local(p)).all()) for p in trainable.values())):
+            raise self._diverged("the optimizer step left non-finite weights")
         weights_file, state_file = self._files()
 
         def weights(path):  # this rank's parameters (its layers, or its shards)
@@ -474,6 +512,14 @@ class Trainer:
         return held_out_loss(model, samples, self.tokenizer.pad_token_id, self.device)
 
     def train(self) -> dict:
+        """Train to --steps (or continue); the summary (empty on ranks other than 0). The
+        run's lock on --out is let go when it returns or fails."""
+        try:
+            return self._train()
+        finally:
+            self._lock.release()
+
+    def _train(self) -> dict:
         c = self.config
         resume = self._resume_point()
         if resume is not None:
@@ -511,6 +557,7 @@ class Trainer:
                         grad_norm = self.optimizer.clip_grad_norm(c.max_grad_norm)
                     else:
                         grad_norm = self.ranks.clip_grad_norm(trainable, c.max_grad_norm)
+                    self._check_finite(loss, grad_norm)  # before the optimizer step: a diverged step changes nothing
                     lr = self.scheduler.get_last_lr()[0]
                     self.optimizer.step()
                     self.scheduler.step()
@@ -578,7 +625,7 @@ class Trainer:
         evaluation = self._evaluate(model)
         if evaluation is not None and not self._eval_logged():
             with writing("the metrics log", self.out / "metrics.jsonl"), open(self.out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"step": self.step_index, "eval": evaluation}) + "\n")
+                f.write(strict_json({"step": self.step_index, "eval": evaluation}) + "\n")
         base_config = self.model.get_base_model().config if c.lora else self.model.config  # before LoRA is merged
         self._save_final(model)
         self._plot()
@@ -675,7 +722,7 @@ class Trainer:
             "strategy_notes": dict(applied_context(self.model).notes),
         }
         with writing("the run summary", self.out / "summary.json"):
-            ckpt.write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=2))
+            ckpt.write_text_atomic(self.out / "summary.json", strict_json(summary, indent=2))
         return summary
 
 

@@ -25,8 +25,8 @@ from ..layers import unwrap
 
 _ADAPTERS: dict[str, type["DecoderAdapter"]] = {}
 
-# Config fields that hold dropout probabilities in the supported families.
-_DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "dropout")
+# Config fields that hold the dropout probability of attention weights.
+_ATTENTION_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop")
 
 
 @dataclass(frozen=True)
@@ -80,9 +80,10 @@ class DecoderAdapter:
     def head(self) -> Head:
         return Head(self.base.get_output_embeddings())
 
-    def dropout(self) -> float:
-        """The largest dropout probability the model applies in training."""
-        return max((float(getattr(self.config, f, 0.0) or 0.0) for f in _DROPOUT_FIELDS), default=0.0)
+    def attention_dropout(self) -> float:
+        """The dropout probability the model applies to attention weights in training
+        (longtrain's attention kernels apply none; other dropouts are replayed)."""
+        return max((float(getattr(self.config, f, 0.0) or 0.0) for f in _ATTENTION_DROPOUT_FIELDS), default=0.0)
 
     # ---- the forward, piece by piece -------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
