@@ -13,6 +13,7 @@ import io
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -631,3 +632,32 @@ def test_a_planners_label_trains_and_simulates_as_printed(tmp_path, data_file):
     code, _, err = cli(*tiny(data_file, "--steps", "1", "--strategy", label, "--engine", "fpdt:chunk=32:offload_inputs=yes",
                              "--out", tmp_path / "again"))
     assert code == 0, err  # the same engine named twice, agreeing
+
+
+# ---- lengths beyond any configuration ----------------------------------------------------
+
+@pytest.mark.parametrize("command", [
+    ["plan", "--model", "llama3-8b", "--seq-len", "1000000000000", "--device-memory", "80GiB", "--host-memory", "120GiB"],
+    ["plan", "--model", "llama3-8b", "--seq-len", "1T", "--device-memory", "80GiB", "--host-memory", "120GiB",
+     "--gpus", "8"],
+    ["simulate", "--model", "llama3-8b", "--seq-len", "1000000000000", "--device-memory", "80GiB"],
+    ["simulate", "--model", "llama3-8b", "--seq-len", "1000000000000", "--strategy", "checkpoint:offload_inputs=true,mst",
+     "--device-memory", "80GiB", "--host-memory", "120GiB"],
+    ["simulate", "--model", "llama3-8b", "--seq-len", "1T", "--strategy", "mst", "--engine", "fpdt:offload=true",
+     "--host-memory", "120GiB"],
+])
+def test_a_length_beyond_any_configuration_is_refused_at_once(command, capsys):
+    """A trillion tokens: the token ids and what the strategies park are counted from the
+    config (no chunk list, no small simulation): one line, exit code 2, naming the longest
+    length that could fit."""
+    main(command)  # once for the imports (torch, transformers, the model's modules), outside the timed call
+    capsys.readouterr()
+    started = time.perf_counter()
+    code = main(command)
+    seconds = time.perf_counter() - started
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert seconds < 5, seconds
+    assert "tokens" in err and "could fit" in err and "not simulated" in err
+    longest = int(err.split("fit is " if "fit is " in err else "at most ")[1].split(" tokens")[0].replace(",", ""))
+    assert 0 < longest < 2**40

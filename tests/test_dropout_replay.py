@@ -199,3 +199,19 @@ def test_the_command_line_trains_lora_with_dropout_under_recomputation(tmp_path)
     assert code == 0
     import json
     assert json.loads((out / "final" / "adapter" / "adapter_config.json").read_text())["lora_dropout"] == 0.1
+
+
+@pytest.mark.parametrize("strategy", ["fpdt+offload+mst", "fpdt,output-kept+mst", "memo(0.6)+mst"])
+def test_a_dropout_after_a_tiled_mlp_that_draws(strategy):
+    """LoRA dropout inside the MLP and Phi-3's residual dropout after it: where FPDT's
+    recomputation would leave the MLP's output unread, the MLP still runs (its draws
+    come before the residual dropout's)."""
+    config = preset_config("tiny-phi3")
+    config.resid_pdrop = 0.1
+    _, ours = stock_and_ours(config)
+    ours = lora_with_dropout(ours)
+    randomize_lora(ours)
+    lt.apply(ours, lt.Strategy(engine=RECOMPUTING[strategy]().engine, engine_options=RECOMPUTING[strategy]().engine_options,
+                               **{**RECOMPUTING[strategy]().techniques, "mst": lt.MsT(loss_chunks=3, mlp_chunk=16)}))
+    with in_float64():
+        check_directional_derivatives(ours, padded_batch(config.vocab_size, lengths=(101, 80)), directions=1)

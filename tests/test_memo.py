@@ -252,3 +252,84 @@ def test_memo_with_an_explicit_alpha_keeps_to_its_host_budget():
         lt.step(ours, padded_batch(320, lengths=(101, 90)))
     assert "\n" not in str(error.value) and "memo:alpha" in str(error.value)
     assert all(torch.equal(p, before[n]) for n, p in ours.named_parameters())
+
+
+def test_memo_under_autocast_with_float32_adapters_returns_real_tensors():
+    """bf16 weights, float32 LoRA adapters, CPU autocast (what a Trainer with bf16=True
+    runs): the shape-only run must leave no fake casts in autocast's weight cache."""
+    from peft import LoraConfig, get_peft_model
+    from torch._subclasses.fake_tensor import is_fake
+
+    def make(alpha):
+        _, model = stock_and_ours("tiny-llama", dtype=torch.bfloat16)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+        return lt.apply(model, lt.Strategy(memo=lt.Memo(alpha=alpha, keep_last=0, offload=False)))
+
+    ours, whole = make(0.5), make(1.0)
+    whole.load_state_dict(ours.state_dict())
+    batch = padded_batch(320, lengths=(101, 80))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, reference = lt.step(ours, batch), lt.step(whole, batch)
+    assert not is_fake(loss) and float(loss) == float(reference)
+    for (name, p), q in zip(ours.named_parameters(), whole.parameters()):
+        if p.requires_grad:
+            assert not is_fake(p.grad) and torch.equal(p.grad, q.grad), name
+
+
+def test_memo_after_the_layer_changes_what_it_saves():
+    """Steps after the model changed what its layers save (Phi-3's residual dropout on in
+    training mode, off in evaluation mode; MLP weights frozen): the shape-only run is made
+    again for each, every step exact."""
+    from conftest import computes_in_float64, grads, max_rel_error, stock_loss
+
+    config = preset_config("tiny-phi3")
+    config.resid_pdrop = 0.1
+    stock, ours = stock_and_ours(config)
+    batch = padded_batch(320, lengths=(101, 80))
+    lt.apply(ours, memo(0.5))
+    for change in ("eval", "train", "freeze"):
+        for model in (stock, ours):
+            model.zero_grad(set_to_none=True)
+            model.train(change != "eval")
+            if change == "freeze":
+                for name, p in model.named_parameters():
+                    p.requires_grad_("mlp" not in name)
+        with computes_in_float64():
+            torch.manual_seed(5)
+            reference = stock_loss(stock, batch)
+            reference.backward()
+            torch.manual_seed(5)
+            loss = lt.step(ours, batch)
+        assert abs(float(loss) - float(reference)) <= TOL * abs(float(reference)), change
+        assert max_rel_error(grads(ours), grads(stock)) <= TOL, change
+
+
+def test_an_explicit_alpha_over_its_budget_is_refused_at_the_first_layer(monkeypatch):
+    """What a step would park is known after its first offloaded layer (input, attention
+    output and α's share of the rest): refused there, not when the host is already full."""
+    from longtrain.techniques import memo as memo_module
+
+    seen = []
+    check = memo_module.MemoLayers._check_host_budget
+
+    def watched(self, index, layer_bytes):
+        seen.append(self.store.host_bytes)
+        return check(self, index, layer_bytes)
+
+    monkeypatch.setattr(memo_module.MemoLayers, "_check_host_budget", watched)
+    config = preset_config("tiny-llama", num_hidden_layers=8)
+    batch = padded_batch(320, lengths=(101, 90))
+    _, ours = stock_and_ours(config)
+    lt.step(lt.apply(ours, lt.Strategy(memo=lt.Memo(alpha=0.3, keep_last=0))), batch)
+    whole_step = seen[-1]  # the last layer's check: every layer parked
+    seen.clear()
+    _, tight = stock_and_ours(config)
+    lt.apply(tight, lt.Strategy(memo=lt.Memo(alpha=0.3, keep_last=0, host_memory=whole_step - 1)))
+    with pytest.raises(lt.LongtrainError, match="over the host budget"):
+        lt.step(tight, batch)
+    assert len(seen) == 1 and 8 * seen[0] == whole_step
+
+
+def test_memo_does_not_combine_with_liger():
+    with pytest.raises(lt.LongtrainError, match="'memo' does not combine with 'liger'"):
+        lt.Strategy(memo=True, liger=True)

@@ -42,10 +42,11 @@ from torch import nn
 from .. import validate
 from ..errors import LongtrainError
 from ..memory.units import parse_bytes
-from ..models.layers import active_dropout, unwrap
+from ..models.layers import unwrap
 from ..models.ssm_resnet import SSMLayer, is_ssm_resnet
 from ..ops.chunked_loss import chunked_causal_lm_loss
 from ..ops.linear_scan import adjoint_states
+from ..ops.replay import active_dropout
 from ..parallel.layer_groups import LayerGroup
 from ..registry import register_engine
 from .batch import prepare_batch

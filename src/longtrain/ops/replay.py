@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -92,6 +93,13 @@ def same_states(a: GeneratorStates | None, b: GeneratorStates | None) -> bool:
         a.device_state is None or a.device_state.numpy().tobytes() == b.device_state.numpy().tobytes())
 
 
+def active_dropout(module: nn.Module) -> float:
+    """The largest probability of the dropout modules in ``module`` that draw masks now
+    (in training mode): LoRA's ``lora_dropout``, say; 0 where none does."""
+    return max((m.p for m in module.modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training),
+               default=0.0)
+
+
 class RegionStates:
     """Generator states by region (an engine's (layer, chunk), say): :meth:`record` before
     a region's forward, :meth:`replay` around each of its recomputations."""
@@ -103,7 +111,7 @@ class RegionStates:
         self._states[key] = capture(reference)
 
     def replay(self, key):
-        return restoring(self._states.get(key))
+        return restoring(self._states[key])  # (a region never recorded is a schedule's mistake, not a fresh draw)
 
     def clear(self) -> None:
         self._states.clear()
@@ -120,6 +128,7 @@ def seeded(func) -> bool:
 class _Draw:
     func: object
     shapes: list  # per leaf of (args, kwargs): a tensor's shape, else the value
+    strides: list  # per leaf: a tensor's strides, else None (a kernel's draws may follow its layout)
     states: GeneratorStates | None
 
 
@@ -159,6 +168,7 @@ class ReplayedRows:
     batch: int
     tokens: int
     split: int
+    device: torch.device | None = None  # where position tensors are made
 
     @property
     def forward_count(self) -> int:
@@ -168,10 +178,14 @@ class ReplayedRows:
     def count(self) -> int:
         return self.batch * (self.tokens - self.split)
 
-    def positions(self) -> torch.Tensor:
-        """Each replayed row's position among the forward's rows (ascending)."""
-        later = torch.arange(self.split, self.tokens)
-        return (torch.arange(self.batch).unsqueeze(1) * self.tokens + later).reshape(-1)
+    def later(self, device: torch.device | None = None) -> torch.Tensor:
+        """The replayed tokens' positions in a row."""
+        return torch.arange(self.split, self.tokens, device=device)
+
+    def positions(self, device: torch.device | None = None) -> torch.Tensor:
+        """Each replayed row's position among the forward's rows (ascending); made on
+        ``device`` (no copy from the host)."""
+        return (torch.arange(self.batch, device=device).unsqueeze(1) * self.tokens + self.later(device)).reshape(-1)
 
     def before(self, position: int) -> int:
         """How many replayed rows lie before the forward's row ``position`` (host arithmetic)."""
@@ -182,12 +196,12 @@ class ReplayedRows:
 class _Session:
     """The active recording or replay on this thread, and its tiled-call count."""
 
-    def __init__(self, ops: SeededOps, select: Callable[[int], torch.Tensor | None] | None = None,
+    def __init__(self, ops: SeededOps, select: Callable[[int, torch.device], torch.Tensor | None] | None = None,
                  rows: ReplayedRows | None = None):
         self.ops, self.select, self.rows = ops, select, rows
         self.tiled_calls = 0
         self.scope = None
-        self.scope_select: Callable[[int], torch.Tensor | None] | None = None
+        self.scope_select: Callable[[int, torch.device], torch.Tensor | None] | None = None
 
 
 _local = threading.local()
@@ -243,7 +257,9 @@ class _Recorder(_SeededOpsMode):
                                  "draw from the global generator or drop the op from training")
         out, states, drew = _drawing(func, args, kwargs)
         if drew:
-            self.session.ops.add(self.session.scope, _Draw(func, _signature(tree_flatten((args, kwargs))[0]), states))
+            leaves = tree_flatten((args, kwargs))[0]
+            strides = [leaf.stride() if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
+            self.session.ops.add(self.session.scope, _Draw(func, _signature(leaves), strides, states))
         return out
 
 
@@ -269,24 +285,25 @@ def _replay_draw(draw: _Draw, func, args, kwargs, select):
     leaves, spec = tree_flatten((args, kwargs))
     full = list(leaves)
     placed: dict[tuple, tuple[int, torch.Tensor]] = {}  # forward shape -> (token axis, forward positions)
-    for n, (leaf, was) in enumerate(zip(leaves, draw.shapes)):
+    for n, (leaf, was, stride) in enumerate(zip(leaves, draw.shapes, draw.strides)):
         now = tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else leaf
         if now == was:
             continue
         if not isinstance(leaf, torch.Tensor) or len(now) != len(was):
             _mismatch(func, draw.shapes, _signature(leaves))
         axes = [a for a, (x, y) in enumerate(zip(now, was)) if x != y]
-        index = select(was[axes[0]]) if len(axes) == 1 and select is not None else None
+        index = select(was[axes[0]], leaf.device) if len(axes) == 1 and select is not None else None
         if index is None or len(index) != now[axes[0]]:
             _mismatch(func, draw.shapes, _signature(leaves))
-        index = index.to(leaf.device)
-        full[n] = leaf.new_empty(was).index_copy_(axes[0], index, leaf)  # the other tokens' values do not matter
+        # Laid out as the forward's tensor was; the other tokens' values do not matter.
+        full[n] = leaf.new_empty_strided(was, stride).index_copy_(axes[0], index, leaf)
         placed[was] = (axes[0], index)
+    args, kwargs = tree_unflatten(full, spec)
     with restoring(draw.states):
-        out = func(*tree_unflatten(full, spec)[0], **tree_unflatten(full, spec)[1])
-    if func._schema.is_mutable and full[0] is not leaves[0]:  # in place on its first argument (bernoulli_)
-        axis, index = placed[tuple(full[0].shape)]
-        leaves[0].copy_(full[0].index_select(axis, index))
+        out = func(*args, **kwargs)
+    if func._schema.is_mutable and args[0] is not leaves[0]:  # in place on its first argument (bernoulli_)
+        axis, index = placed[tuple(args[0].shape)]
+        leaves[0].copy_(args[0].index_select(axis, index))
         return leaves[0]
 
     def cut(t):
@@ -318,16 +335,21 @@ def recording(ops: SeededOps):
 
 
 @contextlib.contextmanager
-def replaying(ops: SeededOps, batch: int, tokens: int, split: int):
+def replaying(ops: SeededOps, batch: int, tokens: int, split: int, device: torch.device | None = None):
     """Replay ``ops`` (a forward over ``batch`` × ``tokens``) in a recomputation of tokens
     ``[split, tokens)`` of each row: each seeded op runs at the forward's shape from its
     states, and keeps the rows of those tokens (a token axis of ``tokens`` positions, or a
-    flattened one of ``batch`` · ``tokens``)."""
-    rows = ReplayedRows(batch, tokens, split)
-    later, flat = torch.arange(split, tokens), rows.positions()
+    flattened one of ``batch`` · ``tokens``). ``device``: where the replay runs."""
+    rows = ReplayedRows(batch, tokens, split, device)
+    made: dict = {}  # (kind, device) -> positions, made once per replay on the device that asks
 
-    def select(size: int) -> torch.Tensor | None:
-        return flat if size == batch * tokens else later if size == tokens else None
+    def select(size: int, device: torch.device) -> torch.Tensor | None:
+        kind = "flat" if size == batch * tokens else "later" if size == tokens else None
+        if kind is None:
+            return None
+        if (kind, device) not in made:
+            made[kind, device] = rows.positions(device) if kind == "flat" else rows.later(device)
+        return made[kind, device]
 
     ops.rewind()
     session = _Session(ops, select, rows)
@@ -368,7 +390,7 @@ class TileScopes:
             return
         saved = session.scope, session.scope_select
         session.scope = (self.call, tile)
-        session.scope_select = None if positions is None else (lambda size: positions)
+        session.scope_select = None if positions is None else (lambda size, device: positions)
         try:
             yield
         finally:

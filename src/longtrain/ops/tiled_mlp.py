@@ -29,7 +29,9 @@ one its own backward needs. The placeholder has x's shape (a feed-forward block 
 back to the residual width) and the dtype of its last linear (autocast's where autocast
 casts x, else x's); a mismatch would stop autograd with an error, not bend a gradient.
 Only valid where no later op of the layer saves the MLP output or anything computed
-from it (the adapter's ``mlp_output_saved`` says so).
+from it (the adapter's ``mlp_output_saved`` says so), and where the MLP draws no random
+numbers (a later dropout would draw from another state): with dropout in the MLP the
+output is computed.
 
 Random numbers (dropout in the MLP, LoRA's ``lora_dropout``): the tiles draw in order
 from the generator states the forward started them from, and the backward sets those
@@ -321,7 +323,7 @@ def _tiles(n_tokens: int, chunk_tokens: int, reference: torch.Tensor) -> list[tu
 def _subset_tiles(rows: replay.ReplayedRows, chunk_tokens: int) -> list[tuple]:
     """The tiles of a replay of some of the forward's rows: for each tile of the forward
     that holds some of them, their span here and their places in that tile."""
-    positions, tiles = rows.positions(), []
+    positions, tiles = rows.positions(rows.device), []
     for key, start in enumerate(range(0, rows.forward_count, chunk_tokens)):
         lo, hi = rows.before(start), rows.before(start + chunk_tokens)
         if lo < hi:
@@ -351,4 +353,7 @@ def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, param
     mailbox = _Mailbox(replay.capture(x), scopes)
     # saves x first: see the module docstring
     token = _TiledMLPGrad.apply(fn, chunk_tokens, mailbox, module, x, *params)
-    return _TiledMLPOutput.apply(fn, tiles, mailbox, x.detach(), token, _unread.on)
+    # An MLP that draws random numbers runs even where its output goes unread: what a later
+    # op of the layer draws must start where the forward's did.
+    unread = _unread.on and not (module is not None and replay.active_dropout(module) > 0)
+    return _TiledMLPOutput.apply(fn, tiles, mailbox, x.detach(), token, unread)

@@ -46,7 +46,6 @@ from ..memory.token_swap import LayerActivations, storage_id
 from ..memory.tracker import untracked
 from ..memory.units import format_bytes
 from ..models.attention import AttentionCall
-from ..models.layers import active_dropout
 from ..ops import replay
 from ..ops.causal_attention import attention_from_output
 from ..registry import register_technique
@@ -63,7 +62,7 @@ class Memo:
     """Knobs of Memo's token-wise swapping."""
 
     alpha: float | str = "auto"  # fraction of tokens of the other saved tensors swapped to host; "auto": Memo's rule
-    host_memory: int | str | None = None  # host budget for the swapped activations; default half the physical memory
+    host_memory: int | str | None = None  # host budget for the swapped activations; default: the run's host memory
     offload: bool = True  # swap to host memory (false: keep on the device, to test the schedule)
     keep_last: int = 2  # the last layers keep what they save on the device
 
@@ -191,7 +190,7 @@ class MemoLayers:
         split = min(tokens, max(0, round(alpha * tokens)))
         offload = self.options.offload and index < self.layers - self.options.keep_last
         rest = args[1:], _without(kwargs, "hidden_states")
-        later_shapes = self._later_shapes_of(index, layer_forward, *rest, hidden, split) if 0 < split < tokens else None
+        later_shapes = self._later_shapes_of(index, layer, layer_forward, *rest, hidden, split) if 0 < split < tokens else None
         record = LayerActivations(
             self._store(hidden.device), batch=batch, tokens=tokens, split=split, offload=offload,
             external=self._external(layer, kwargs.get("position_embeddings")), later_shapes=later_shapes,
@@ -202,14 +201,14 @@ class MemoLayers:
         record.recompute = functools.partial(_recompute, layer_forward, *rest, split, hidden.requires_grad,
                                              _autocast_state(hidden.device), weakref.ref(record), draws)
         record.input_storage = storage_id(hidden)
+        host_before = self.store.host_bytes
         if split < tokens:  # the recomputation starts from the layer input's recomputed tokens
             record.keep("input", hidden.detach()[:, split:].contiguous())
         plain = args, kwargs
         args, kwargs = _with_hidden(args, kwargs, hidden, _KeptOutputAttention(call, record))
-        host_before = self.store.host_bytes
         replays = split < tokens and not _is_fake(hidden)
         before = replay.capture(hidden) if replays else None
-        recording = replay.recording(draws) if replays and active_dropout(layer) > 0 else contextlib.nullcontext()
+        recording = replay.recording(draws) if replays and replay.active_dropout(layer) > 0 else contextlib.nullcontext()
         with torch.autograd.graph.saved_tensors_hooks(record.pack, record.unpack), recording:
             out = layer_forward(*args, **kwargs)
         record.finish_forward()
@@ -249,16 +248,23 @@ class MemoLayers:
                 self.context.pool.reserve(torch.Size([numel]), dtype)
             self._early = None
 
-    def _later_shapes_of(self, index: int, layer_forward, rest_args, kwargs, hidden: torch.Tensor, split: int) -> list:
+    def _later_shapes_of(self, index: int, layer, layer_forward, rest_args, kwargs, hidden: torch.Tensor,
+                         split: int) -> list:
         """What layer ``index`` saves when it runs on tokens ``[split, S)`` alone, slot by
         slot: from one shape-only run per call shape (:func:`_saved_shapes_on_later_tokens`)."""
         kind = hidden.device.type if hidden.device.type in ("cuda", "cpu") else "cpu"
-        key = (index, tuple(hidden.shape), split, hidden.dtype, hidden.requires_grad, torch.is_autocast_enabled(kind))
+        # Whatever changes what the layer saves: the call's shape, autocast, train/eval
+        # mode and dropout, which parameters train.
+        key = (index, tuple(hidden.shape), split, hidden.dtype, hidden.requires_grad, torch.is_autocast_enabled(kind),
+               torch.get_autocast_dtype(kind), tuple(m.training for m in layer.modules()),
+               tuple(p.requires_grad for p in layer.parameters()), replay.active_dropout(layer))
         if key not in self._later_shapes:
+            if len(self._later_shapes) >= _SHAPE_RUNS_KEPT:
+                self._later_shapes.pop(next(iter(self._later_shapes)))  # the oldest: lengths that vary do not pile up
             self._later_shapes[key] = _saved_shapes_on_later_tokens(layer_forward, rest_args, kwargs, hidden, split)
         return self._later_shapes[key]
 
-    def host_budget(self) -> int:
+    def host_budget(self) -> float:
         """Bytes of host memory the swapped activations may take."""
         return self.options.host_memory or self.context.host_memory or float("inf")  # the run's (EngineContext), else unbounded
 
@@ -331,7 +337,7 @@ def _recompute(layer_forward, rest_args, kwargs, split, requires_grad, autocast,
     device_type, dtype, enabled = autocast
     with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled), \
             torch.autograd.graph.saved_tensors_hooks(capture, _never_unpacked), \
-            replay.replaying(draws, record.batch, record.tokens, split):
+            replay.replaying(draws, record.batch, record.tokens, split, hidden.device):
         layer_forward(hidden, *rest_args, **kwargs)
 
 
@@ -350,13 +356,28 @@ def _saved_shapes_on_later_tokens(layer_forward, rest_args, kwargs, hidden: torc
     kwargs = dict(kwargs)
     kwargs["attention_mask"] = _ShapeOnlyAttention(kwargs["attention_mask"].mask)
     kwargs["position_embeddings"] = _from_token(kwargs.get("position_embeddings"), split)
-    with untracked(), torch.random.fork_rng(devices=[]), \
+    with untracked(), torch.random.fork_rng(devices=[]), _autocast_cache_off(), \
             (contextlib.nullcontext() if active else FakeTensorMode(allow_non_fake_inputs=True)):
         later = torch.empty((batch, tokens - split, *hidden.shape[2:]), dtype=hidden.dtype, device=hidden.device)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked), \
-                replay.replaying(replay.SeededOps(), batch, tokens, split):
+                replay.replaying(replay.SeededOps(), batch, tokens, split, hidden.device):
             layer_forward(later.requires_grad_(hidden.requires_grad), *rest_args, **kwargs)
     return shapes
+
+
+@contextlib.contextmanager
+def _autocast_cache_off():
+    """Autocast keeps the casts of trainable weights for reuse; cast in a fake run, they
+    would be fake tensors the real forward then reads."""
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
+
+
+_SHAPE_RUNS_KEPT = 256  # shape-only runs remembered (per layer and call shape)
 
 
 def _from_token(position_embeddings, start: int):
@@ -417,7 +438,10 @@ def _memo_forward(memo: MemoLayers, index: int, layer, layer_forward, *args, **k
 
 
 @register_technique("memo", Memo, "token-wise activation swapping to host + recomputation without attention (exact)",
-                    order=45, excludes={"checkpoint": "memo already recomputes what it does not swap; drop 'checkpoint'"})
+                    order=45, excludes={
+                        "checkpoint": "memo already recomputes what it does not swap; drop 'checkpoint'",
+                        "liger": "memo learns what a layer saves from a run on fake tensors, which Liger's Triton kernels "
+                                 "cannot take; drop 'liger' or use checkpoint,mst,liger"})
 def install_memo(context, options: Memo) -> None:
     adapter = context.adapter
     if not adapter.has_attention:
