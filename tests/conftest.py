@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import os
 import tempfile
 import threading
@@ -302,3 +303,16 @@ class AttentionKernelCalls(TorchDispatchMode):
         if "attention" in name:
             self.calls[name] = self.calls.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
+
+
+def cli(*argv) -> tuple[int, str, str]:
+    """``longtrain ARGV`` in this process: exit code, stdout, stderr."""
+    from longtrain.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code
+    return code, out.getvalue(), err.getvalue()

@@ -208,18 +208,35 @@ def test_resume_problems(tmp_path, capsys):
     assert code == 2 and "neither a checkpoint" in err
 
 
-def test_document_packing_restarts_positions_and_drops_cross_document_targets(tmp_path):
+def _first_sample(tmp_path, packing: str):
+    """Documents of 5, 9, 3 and 30 bytes in 16-token windows: the windows, the first
+    training sample and that sample's position ids."""
     from longtrain.train.data import TokenWindows
     from longtrain.train.tokenizer import ByteTokenizer
 
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": "x" * n}) + "\n" for n in (5, 9, 3, 30)))
-    windows = TokenWindows(docs, ByteTokenizer(), seq_len=16, restart_per_document=True)
+    windows = TokenWindows(docs, ByteTokenizer(), seq_len=16, packing=packing)
     rows = {tuple(windows.windows[i].tolist()): i for i in range(len(windows))}
     first = windows.sample(0)
-    row = rows[tuple(first["input_ids"].tolist())]
-    positions = windows.positions[row]
+    return windows, first, windows.positions[rows[tuple(first["input_ids"].tolist())]]
+
+
+def test_document_packing_restarts_positions_and_drops_cross_document_targets(tmp_path):
+    windows, first, positions = _first_sample(tmp_path, "documents")
     assert positions[0] == 0 and ((positions[1:] == positions[:-1] + 1) | (positions[1:] == 0)).all()
     assert (first["labels"][positions == 0] == -100).all() and (first["labels"][positions != 0] >= 0).all()
     # documents of 5 and 9 bytes (each + EOS) then the third: window 0 restarts at 0, 6, 16...
     assert windows.positions[0].tolist()[:8] == [0, 1, 2, 3, 4, 5, 0, 1]
+
+
+def test_best_fit_packing_keeps_documents_whole_and_restarts_positions(tmp_path):
+    from longtrain.train.tokenizer import ByteTokenizer
+
+    windows, first, positions = _first_sample(tmp_path, "best-fit")
+    real = first["input_ids"] != ByteTokenizer.PAD  # a window's end may be padding, without labels
+    assert positions[0] == 0 and ((positions[1:] == positions[:-1] + 1) | (positions[1:] == 0)).all()
+    assert (first["labels"][positions == 0] == -100).all() and (first["labels"][real & (positions != 0)] >= 0).all()
+    assert (first["labels"][~real] == -100).all()
+    # documents of 5 and 9 bytes (each + EOS) fill one window whole (best fit): positions 0…5, then 0…9
+    assert list(range(6)) + list(range(10)) in windows.positions.tolist()

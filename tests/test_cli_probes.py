@@ -5,11 +5,9 @@ nothing else."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import importlib.util
-import io
 import json
 import os
 import shutil
@@ -22,23 +20,13 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import longtrain as lt
 from longtrain.cli import main
+from conftest import cli
 from longtrain.errors import LongtrainError
 from longtrain.train.config import TrainConfig, check_config
 from longtrain.train.metrics import read_metrics
 
 FUZZ = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 TEXT = "The quick brown fox jumps over the lazy dog; then it naps in the sun. " * 40  # 2,800 bytes: 43 windows of 64
-
-
-def cli(*argv) -> tuple[int, str, str]:
-    """``longtrain ARGV`` in this process: exit code, stdout, stderr."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main([str(a) for a in argv])
-        except SystemExit as exc:  # argparse's usage errors
-            code = exc.code
-    return code, out.getvalue(), err.getvalue()
 
 
 def snapshot(root: Path) -> dict:

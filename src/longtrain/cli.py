@@ -1,4 +1,4 @@
-"""Command line: ``longtrain train | simulate | plan | presets``.
+"""Command line: ``longtrain train | simulate | plan | calibrate | presets | eval``.
 
 User mistakes raise :class:`LongtrainError` and are printed as one line, exit code 2;
 so are usage errors. Unexpected errors keep their traceback.
@@ -62,8 +62,9 @@ def _add_train(sub) -> None:
     p.add_argument("--from-scratch", action="store_true", help="start a preset from random weights, even the demo's")
     p.add_argument("--tokenizer", default=d.tokenizer, help="auto: a model directory's own tokenizer (presets: bytes); "
                    "bytes: the byte tokenizer; or a tokenizer directory")
-    p.add_argument("--data", default=d.data, help="text/.jsonl file or directory; a tenth of its windows, up to "
-                   "--eval-samples, is held out for the held-out loss (not given: the built-in pass-key task)")
+    p.add_argument("--data", default=d.data, help="text, .jsonl, .json, .parquet, .arrow or .csv file, a directory of them or "
+                   "a save_to_disk folder; records of text, chat messages or prompt/completion (docs/data.md); a tenth of its "
+                   "windows, up to --eval-samples, is held out for the held-out loss (not given: the built-in pass-key task)")
     p.add_argument("--seq-len", type=_tokens, default=d.seq_len, help="tokens per sample, e.g. 8192, 64K")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per micro-batch")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
@@ -98,8 +99,13 @@ def _add_train(sub) -> None:
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate (pass-key accuracy or held-out loss) every N steps; 0: only at the end")
     p.add_argument("--eval-samples", type=int, default=d.eval_samples, help="samples per evaluation (with --data: the most windows held out)")
     p.add_argument("--task-loss", default=d.task_loss, choices=["task", "all"], help="pass-key task: loss on needle+answer, or on all text")
-    p.add_argument("--packing", default=d.packing, choices=["concat", "documents"],
-                   help="--data: join documents with EOS and attend across them (concat), or restart positions and attention at each document (documents)")
+    p.add_argument("--packing", default=d.packing, choices=["auto", "concat", "documents", "best-fit"],
+                   help="--data: join documents with EOS and cut them into windows, attending across them (concat) or with "
+                   "positions and attention restarting at each (documents); or best-fit whole documents into windows, restarting "
+                   "at each (best-fit); auto: best-fit for chat and prompt/completion records, concat for text")
+    p.add_argument("--loss-on", default=d.loss_on, choices=["assistant", "all"],
+                   help="--data chat and prompt/completion records: the loss on the assistant messages' or completion's tokens "
+                   "only (assistant), or on every token (all); text has it on every token")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint (from step 0 "
                    "if it has none); a changed --steps, --lr, --warmup-steps or --weight-decay applies from there on")
     p.add_argument("--resume-from", default=None, help="continue from this checkpoint directory, or a run directory's latest")
@@ -349,6 +355,55 @@ def _run_presets(args) -> int:
     return 0
 
 
+def _add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="long-context accuracy of a trained model: pass key by length, needle by length x depth",
+                       description="Evaluate a causal LM on the built-in pass-key task at several lengths and on a "
+                                   "needle-in-a-haystack variant (one needle at each relative depth), on held-out samples; "
+                                   "write eval.json (every cell) and eval.png (a heat map) and print a table (docs/eval.md).")
+    p.add_argument("--model", required=True, help="a model directory (a run's final/) or a preset (random weights; demo: "
+                   "the small pretrained model longtrain ships)")
+    p.add_argument("--lengths", default=None, help="context lengths in tokens, e.g. 2K,4K,8K (default: those of 2K,4K,8K "
+                   "within the model's max_position_embeddings)")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1]: 0 the start of the context, "
+                   "1 just before the question")
+    p.add_argument("--samples", type=int, default=16, help="held-out samples per cell")
+    p.add_argument("--task", default="both", choices=["passkey", "needle", "both"], help="passkey: needles at random points "
+                   "(as train evaluates); needle: one needle at each depth; both")
+    p.add_argument("--seed", type=int, default=0, help="seed of the samples (and of a preset's random weights)")
+    p.add_argument("--out", default=None, help="directory for eval.json and eval.png, never one holding an earlier evaluation "
+                   "(default: a new eval-DATE-TIME in the run directory of a run's final/, else under runs/)")
+    p.add_argument("--tokenizer", default="auto", help="auto: the model directory's own (presets: bytes); bytes: the byte "
+                   "tokenizer; or a tokenizer directory")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (not given: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--extend-context", action="store_true", help="allow lengths beyond the model's max_position_embeddings")
+    p.add_argument("--json", action="store_true", help="print the evaluation as JSON instead of the table")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no line per finished cell on stderr")
+    p.set_defaults(run=_run_eval)
+
+
+def _run_eval(args) -> int:
+    from .train.eval_config import EvalConfig, check_eval_config, parse_depths, parse_lengths
+
+    # Values, the model directory and --out first: a mistake is refused before torch loads.
+    config = EvalConfig(model=args.model, lengths=None if args.lengths is None else parse_lengths(args.lengths),
+                        depths=parse_depths(args.depths), samples=args.samples, task=args.task, seed=args.seed,
+                        out=args.out, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
+                        extend_context=args.extend_context, progress=args.progress)
+    check_eval_config(config)
+    _prefer_expandable_segments()
+    from .train.evaluate import format_table, run_eval
+
+    document = run_eval(config)
+    if args.json:
+        print(json.dumps(document, indent=2))
+    else:
+        print(format_table(document["cells"]))
+        written = [name for name in ("eval.json", "eval.png") if os.path.exists(os.path.join(document["out"], name))]
+        print(f"longtrain eval: {', '.join(written)} in {document['out']}")
+    return 0
+
+
 class _TopParser(_Parser):
     """The ``longtrain`` parser: a command line that starts with an option (a forgotten
     command) or holds none is told which commands there are; an option's value that
@@ -405,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_calibrate(sub)
     _add_presets(sub)
+    _add_eval(sub)
     return parser
 
 

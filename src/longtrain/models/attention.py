@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from transformers import AttentionInterface
 
 from ..errors import LongtrainError
@@ -86,8 +87,19 @@ class WholeSequenceAttention(AttentionCall):
         return out, lse, functools.partial(causal_attention_backward, **settings)
 
 
+def _autocast_inputs(*tensors):
+    """q, k, v as autocast would hand them to stock SDPA: in autocast's dtype where it is on
+    (rotary tables in float32 leave q and k in float32 while v is in bfloat16); float64 stays."""
+    kind = tensors[0].device.type
+    if kind not in ("cpu", "cuda") or not torch.is_autocast_enabled(kind):
+        return tensors
+    dtype = torch.get_autocast_dtype(kind)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
+
+
 def longtrain_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                         sliding_window=None, softcap=None, **kwargs):
+    query, key, value = _autocast_inputs(query, key, value)
     if isinstance(attention_mask, AttentionCall):
         if dropout and module.training:
             raise LongtrainError("longtrain's engines do not support attention dropout; set attention_dropout=0 in the model config")

@@ -26,7 +26,7 @@ class TrainConfig:
 
     model: str = "demo"  # preset name or local Hugging Face model directory
     from_scratch: bool = False  # a preset from random weights even where longtrain ships trained ones (the demo's)
-    data: str | None = None  # text/JSONL file or directory; None = built-in pass-key task
+    data: str | None = None  # text or record files (jsonl, json, parquet, arrow, csv), a directory, a save_to_disk folder; None = built-in pass-key task
     seq_len: int = 8192
     batch_size: int = 1
     grad_accum: int = 1
@@ -50,7 +50,11 @@ class TrainConfig:
     eval_every: int = 0  # 0: evaluate only at the end
     eval_samples: int = 16
     task_loss: str = "all"  # pass-key task: loss on all text ("all") or on the needles and answer only ("task")
-    packing: str = "concat"  # --data: "concat" (documents joined by EOS, attending across) or "documents" (attention and positions restart per document)
+    # --data packing: "concat" (documents joined by EOS, attending across), "documents" (joined and cut as concat, positions
+    # and attention restart per document), "best-fit" (whole documents best-fit into windows, restarting per document),
+    # "auto" (best-fit for chat and prompt/completion records, else concat)
+    packing: str = "auto"
+    loss_on: str = "assistant"  # --data chat and prompt/completion records: loss on the assistant/completion tokens ("assistant") or every token ("all")
     sp: int = 1  # Ulysses sequence parallelism: ranks that share each sequence (under torchrun; the rest is data parallel)
     master_weights: str | None = None  # under --sp: keep parameters (and optimizer state) in this dtype, compute in --dtype
     optimizer_offload: bool = False  # AdamW state and fp32 master weights in host memory, gradients streamed there
@@ -64,7 +68,7 @@ class TrainConfig:
 
     # Settings a resumed run must share with the checkpoint it resumes (refused if changed).
     IDENTITY = ("model", "from_scratch", "data", "seq_len", "batch_size", "grad_accum", "seed", "lora", "lora_rank", "optimizer", "task_loss",
-                "packing", "sp", "tokenizer")
+                "packing", "loss_on", "sp", "tokenizer")
     # Settings a resumed run may change: applied from the checkpoint's step on, each change logged.
     # (The rest — where to write, how often to save or evaluate, the strategy, which change
     # how a step is computed but not what it computes — apply as given.)
@@ -75,7 +79,8 @@ class TrainConfig:
 _POSITIVE = ("seq_len", "batch_size", "grad_accum", "steps", "eval_samples", "lora_rank", "sp", "save_every",
              "keep_checkpoints")
 _NON_NEGATIVE = ("warmup_steps", "eval_every", "seed")
-_CHOICES = {"optimizer": ("adamw", "sgd"), "task_loss": ("task", "all"), "packing": ("concat", "documents")}
+_CHOICES = {"optimizer": ("adamw", "sgd"), "task_loss": ("task", "all"), "packing": ("auto", "concat", "documents", "best-fit"),
+            "loss_on": ("assistant", "all")}
 
 
 def option(name: str) -> str:
@@ -145,7 +150,8 @@ def _check_ranges(config: TrainConfig) -> None:
 # Paths that must name something: an empty one would mean the current directory.
 _PATHS = {
     "model": "name a preset (longtrain presets) or a model directory",
-    "data": "name a text/.jsonl file or a directory of them, or drop --data for the built-in pass-key task",
+    "data": "name a data file (text, .jsonl, .json, .parquet, .arrow, .csv), a directory of them or a save_to_disk folder, "
+            "or drop --data for the built-in pass-key task",
     "out": "name the run directory, e.g. --out runs/NAME",
     "resume_from": "name a checkpoint directory or a run directory",
 }

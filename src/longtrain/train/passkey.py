@@ -11,6 +11,11 @@ weight over thousands of positions, so one needle gets ~1/8000 of the gradient s
 and a tiny model learns nothing in the demo's few hundred steps (measured: chance-level
 accuracy after 250 steps with one copy). Eight copies make the signal eight times
 stronger while every copy still lies at least ``min_distance`` tokens back.
+
+With ``depth`` set, a sample is a needle in a haystack instead: one needle at that
+relative depth of the filler (0: the first token, 1: just before the question), the
+key and filler of sample ``index`` the same at every depth, so depths differ in where
+the needle is and nothing else (``longtrain eval``, train/evaluate.py).
 """
 
 from __future__ import annotations
@@ -54,37 +59,75 @@ def filler_text(max_bytes: int = 4_000_000) -> bytes:
     return text
 
 
+class TooShortForTask(LongtrainError):
+    """A length the pass-key task cannot fill; ``shortest`` is a length it can."""
+
+    def __init__(self, message: str, shortest: int):
+        super().__init__(message)
+        self.shortest = shortest
+
+
 class PasskeyTask:
-    """Pass-key retrieval at ``seq_len`` tokens (byte-level: one token per byte).
+    """Pass-key retrieval at ``seq_len`` tokens (one token per byte with the byte tokenizer;
+    a subword tokenizer's tokens otherwise).
 
     ``loss_on="all"`` trains language modelling of the whole text, answer included;
-    ``"task"`` puts the loss on the needles and the question/answer only.
+    ``"task"`` puts the loss on the needles and the question/answer only. ``depth`` (0 to
+    1) places one needle at that relative depth of the filler instead of ``copies`` at
+    random points.
     """
 
-    def __init__(self, tokenizer, seq_len: int, seed: int = 0, loss_on: str = "all", copies: int | None = None):
+    def __init__(self, tokenizer, seq_len: int, seed: int = 0, loss_on: str = "all", copies: int | None = None,
+                 depth: float | None = None):
+        if depth is not None and not 0 <= depth <= 1:
+            raise LongtrainError(f"a needle's depth must lie in [0, 1] (0: start of the context, 1: just before the question), got {depth}")
+        if depth is not None and copies not in (None, 1):
+            raise LongtrainError(f"a needle at a given depth is one needle, got copies={copies}")
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.seed = seed
         self.loss_on = loss_on
-        self.copies = copies or max(1, min(8, seq_len // 1024))  # one per 1K tokens, up to 8
-        self.min_distance = min(2048, seq_len // 4)
+        self.depth = depth
+        self.copies = 1 if depth is not None else copies or max(1, min(8, seq_len // 1024))  # one per 1K tokens, up to 8
+        filler_at_least = min(2048, seq_len // 4)  # a quarter of the sample, up to 2,048 tokens, is filler
+        self.min_distance = 0 if depth is not None else filler_at_least  # how far back every needle lies
         self.filler = filler_text()
         fixed = self.copies * len(tokenizer.encode(NEEDLE.format(key="0" * KEY_DIGITS))) + len(tokenizer.encode(QUESTION)) + KEY_DIGITS
-        if seq_len - fixed < self.min_distance:
-            raise LongtrainError(
+        if seq_len - fixed < filler_at_least:
+            raise TooShortForTask(
                 f"--seq-len {seq_len} is too short for the built-in pass-key task (it needs at least {fixed + fixed // 3 + 1} tokens); "
-                "use a longer --seq-len or pass --data"
+                "use a longer --seq-len or pass --data", shortest=fixed + fixed // 3 + 1,
             )
+
+    def _filler_ids(self, start: int, n: int) -> list[int]:
+        """``n`` tokens of filler from byte ``start`` on, wrapping around its end. Four
+        bytes per token are read (one token per byte, or a few bytes per token of a
+        subword tokenizer), more where that falls short."""
+        span = 4 * n
+        while span <= 64 * n:
+            repeats = (start + span) // len(self.filler) + 1
+            ids = self.tokenizer.encode((self.filler * repeats)[start : start + span].decode("ascii"))[:n]
+            if len(ids) == n:
+                return ids
+            span *= 2
+        raise LongtrainError(f"the tokenizer makes fewer than {n:,} tokens of {span // 2:,} bytes of filler text; "
+                             "use the model's own tokenizer (--tokenizer auto)")
 
     def _layout(self, rng: random.Random):
         key = "".join(rng.choice("0123456789") for _ in range(KEY_DIGITS))
         enc = self.tokenizer.encode
         needle = enc(NEEDLE.format(key=key))
-        question, answer = enc(QUESTION), enc(key)
+        question, asked = enc(QUESTION), enc(QUESTION + key)
+        # The key's tokens as they follow the question (a subword tokenizer may split a
+        # number differently alone), unless the tokenizer merges across the boundary.
+        answer = asked[len(question):] if asked[: len(question)] == question else enc(key)
         n_fill = self.seq_len - self.copies * len(needle) - len(question) - len(answer)
-        start = rng.randrange(0, len(self.filler) - 4 * n_fill)
-        fill = enc(self.filler[start : start + 4 * n_fill].decode("ascii"))[:n_fill]
-        cuts = sorted(rng.randrange(0, n_fill - self.min_distance + 1) for _ in range(self.copies))
+        start = rng.randrange(0, max(1, len(self.filler) - 4 * n_fill))
+        fill = self._filler_ids(start, n_fill)
+        if self.depth is not None:  # no draw: the key and filler are those of this index at every depth
+            cuts = [round(self.depth * n_fill)]
+        else:
+            cuts = sorted(rng.randrange(0, n_fill - self.min_distance + 1) for _ in range(self.copies))
         ids, needle_starts, previous = [], [], 0
         for cut in cuts:
             ids += fill[previous:cut]

@@ -47,6 +47,11 @@ class HFTokenizer:
         self._tok = tokenizer
         self.vocab_size = len(tokenizer)
 
+    @property
+    def hf(self):
+        """The Hugging Face tokenizer itself: chat templates and character offsets live there."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return self._tok(text, add_special_tokens=False)["input_ids"]
 

@@ -9,7 +9,7 @@ scheduler, RNG states and the data position — is in the checkpoint.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 import os
 import random
@@ -58,7 +58,7 @@ class WarmupCosine:
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _device(name: str) -> torch.device:
+def resolve_device(name: str) -> torch.device:
     if name == "auto":
         if torch.cuda.is_available():  # under torchrun, each process takes its own GPU
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -213,7 +213,7 @@ class Trainer:
     def __init__(self, config: TrainConfig):
         check_config(config)  # types, ranges and combinations of every field (train/config.py)
         self.config = config
-        self.device = _device(config.device)
+        self.device = resolve_device(config.device)
         compute = self.compute_dtype = parse_dtype(config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
         # The parameters' dtype: the compute dtype, or with --master-weights (FSDP2 mixed precision) their own.
         self.dtype = parse_dtype(config.master_weights) if config.master_weights else compute
@@ -248,8 +248,10 @@ class Trainer:
             self.data = self.task
         else:
             self.task = None
-            self.data = TokenWindows(config.data, self.tokenizer, config.seq_len, seed=config.seed,
-                                     restart_per_document=config.packing == "documents", held_out=config.eval_samples)
+            self.data = TokenWindows(config.data, self.tokenizer, config.seq_len, seed=config.seed, packing=config.packing,
+                                     held_out=config.eval_samples, loss_on=config.loss_on)
+        if config.packing == "auto":  # the packing the data settled on is what a resumed run must share
+            self.config = config = dataclasses.replace(config, packing=self.data.packing if self.task is None else "concat")
 
         # Only now, with the model and data known to be good, touch the output directory.
         try:

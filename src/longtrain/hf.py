@@ -1,0 +1,380 @@
+"""The bridge to Hugging Face's ``Trainer`` and TRL: a Trainer whose training step is :func:`longtrain.step`.
+
+    from longtrain.hf import LongtrainTrainer, wrap
+    trainer = LongtrainTrainer(model=model, args=args, train_dataset=data, strategy="checkpoint,mst")
+    trainer = wrap(trl.SFTTrainer)(model=model, args=SFTConfig(...), train_dataset=data,
+                                   strategy="fpdt:chunk=8192:offload=true,mst")
+
+Everything but the micro-batch's forward and backward stays the Trainer's own: data
+loading and collation, gradient accumulation, clipping, the optimizer and scheduler,
+logging, evaluation (Hugging Face's forward, through longtrain's attention), checkpoints
+and resumption. The step divides the summed token loss by exactly what the stock step
+divides it by — the Trainer's ``num_items_in_batch`` (the label tokens of the whole
+accumulation step) when it counts one, else this micro-batch's label tokens times the
+accumulation steps (a mean per micro-batch, divided as stock divides it) — so the
+gradients, the returned and logged loss and every later step equal stock's.
+
+The strategy is applied once, when the trainer is built: the Trainer has placed the model
+on its device by then. The training arguments are checked before the Trainer is built
+(before TRL prepares its datasets), the built Trainer right after; what cannot run exactly
+is refused in one line. A model that ``model_init`` builds again inside ``train()`` gets
+the same strategy at its first step. Hugging Face's activation checkpointing
+(``gradient_checkpointing=True``, TRL's default) is taken over by the strategy: it adds
+longtrain's ``checkpoint`` where the strategy composes with it, and is switched off
+otherwise (the chunked engines and Memo recompute on their own schedule).
+
+Only ``transformers`` (and, for the Trainer, ``accelerate``) are imported here; TRL is
+needed only by the caller that passes ``trl.SFTTrainer`` to :func:`wrap`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping
+
+import torch
+from transformers import Trainer
+
+from . import registry
+from .engines.batch import count_label_tokens
+from .errors import LongtrainError
+from .models.layers import unwrap
+from .strategy import Strategy, applied_strategy, apply, step
+
+__all__ = ["LongtrainTrainer", "wrap"]
+
+logger = logging.getLogger(__name__)
+
+# What lt.step reads from a batch, and the keys a padding-free collator (TRL's) derives
+# from position_ids for varlen kernels: they say nothing lt.step does not already read.
+_BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
+_DERIVED_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "use_cache"})
+
+_SP_HINT = ("for several GPUs, `longtrain train --sp P` under torchrun splits sequences over P processes "
+            "(FSDP2 shards the rest)")
+_FP16 = ("fp16 scales the loss with a GradScaler inside backward, which longtrain's step runs itself; load the model in "
+         "bfloat16 and set bf16=True, or train in float32")
+
+
+class _LongtrainTraining:
+    """The part of :class:`LongtrainTrainer` that any ``transformers.Trainer`` subclass takes
+    on through :func:`wrap`: the strategy, the refusals, and the training step."""
+
+    def __init__(self, *args, strategy: "Strategy | str | None" = None, long_context_eval: Mapping | None = None,
+                 **kwargs):
+        planned = _parse_strategy(strategy)  # a typo fails before the datasets are prepared
+        self.long_context_eval = _check_long_context_eval(long_context_eval)
+        given_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if given_args is not None:
+            _check_arguments(given_args)
+        super().__init__(*args, **kwargs)
+        _check_arguments(self.args)  # the defaults the Trainer filled in (TRL's SFTConfig())
+        _check_trainer(self)
+        strategy = _auto_strategy(self) if planned == "auto" else planned
+        self.strategy = _take_over_checkpointing(self, strategy, planned == "auto")
+        apply(self.model, self.strategy)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """One micro-batch: forward and backward by :func:`longtrain.step` with the applied
+        strategy (gradients accumulate on the parameters; nothing is left for
+        ``accelerator.backward``). Returns the detached loss the stock step returns."""
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()  # schedule-free optimizers, as the stock step does
+        target = self.accelerator.unwrap_model(model)
+        if applied_strategy(target) is None:  # a model model_init built inside train()
+            apply(target, self.strategy)
+        batch = _longtrain_batch(self._prepare_inputs(inputs))
+        count = self._loss_normaliser(batch["labels"], num_items_in_batch)
+        if count == 0:
+            # No label token in this micro-batch: its loss and gradients are 0, as TRL reports
+            # them (stock Transformers divides 0 by 0 where the whole step has none).
+            return torch.zeros((), device=self.args.device)
+        # The autocast Accelerate wraps the model's forward in (bf16=True), around longtrain's step.
+        with self.compute_loss_context_manager(), self.accelerator.autocast():
+            loss = step(target, batch, num_label_tokens=count)
+        self._maybe_empty_cache()
+        return loss
+
+    def _loss_normaliser(self, labels: torch.Tensor, num_items_in_batch) -> int:
+        """What this micro-batch's summed token loss is divided by, as stock divides it: the
+        Trainer's ``num_items_in_batch`` where it counts one, else this micro-batch's own
+        label tokens (a mean); times the accumulation steps where the stock step counts the
+        loss as not yet scaled for accumulation. 0 when the micro-batch has no label token."""
+        own = count_label_tokens(labels)
+        if own == 0:
+            return 0
+        count = own if num_items_in_batch is None else _as_count(num_items_in_batch)
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:  # Trainer.training_step's rule (compute_loss_func is refused)
+            scaled = bool(self.model_accepts_loss_kwargs) and num_items_in_batch is not None
+        return count if scaled else count * self.current_gradient_accumulation_steps
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """The Trainer's evaluation, and with ``long_context_eval`` the pass-key and
+        needle-in-a-haystack accuracies (:func:`longtrain.train.evaluate.evaluate_long_context`)
+        logged beside it as ``{prefix}_passkey_{length}`` and ``{prefix}_needle_{length}_d{depth}``.
+        Without an evaluation dataset only the long-context part runs."""
+        metrics = {}
+        if eval_dataset is not None or self.eval_dataset is not None:
+            metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        if self.long_context_eval is not None:
+            from .train.evaluate import evaluate_long_context, flat_metrics
+
+            cells = evaluate_long_context(self.accelerator.unwrap_model(self.model), self.processing_class,
+                                          **self.long_context_eval)
+            found = flat_metrics(cells, prefix=f"{metric_key_prefix}_")
+            self.log(found)
+            metrics = {**metrics, **found}
+        return metrics
+
+    def _maybe_empty_cache(self) -> None:
+        """``torch_empty_cache_steps``, as the stock step honours it."""
+        every = self.args.torch_empty_cache_steps
+        if every is not None and self.state.global_step % every == 0:
+            from accelerate.utils import clear_device_cache
+
+            clear_device_cache()
+
+
+class LongtrainTrainer(_LongtrainTraining, Trainer):
+    """A ``transformers.Trainer`` whose training step is :func:`longtrain.step` with ``strategy``.
+
+    ``strategy`` is a :class:`~longtrain.Strategy`, a strategy string as ``longtrain plan``
+    prints it or ``--strategy`` takes it (``"checkpoint,mst"``,
+    ``"fpdt:chunk=8192:offload=true,mst"``, ``"memo:alpha=0.3,mst"``), ``"auto"`` (the
+    planner's fastest strategy that fits this device at the run's length), or None (plain
+    autograd through longtrain's engine). Every other argument is the Trainer's. What
+    cannot run exactly (DeepSpeed, FSDP, several processes or GPUs, fp16's GradScaler, a
+    custom loss, ...) is refused here in one line. ``trainer.strategy`` is the strategy applied.
+    """
+
+
+def _check_long_context_eval(settings: Mapping | None) -> dict | None:
+    """``long_context_eval``: keyword arguments of ``evaluate_long_context`` (``lengths``
+    required; ``depths``, ``samples``, ``task``, ``seed``), checked by name now."""
+    if settings is None:
+        return None
+    allowed = {"lengths", "depths", "samples", "task", "seed"}
+    if not isinstance(settings, Mapping) or "lengths" not in settings or set(settings) - allowed:
+        unknown = sorted(set(settings) - allowed) if isinstance(settings, Mapping) else []
+        raise LongtrainError(f"long_context_eval takes a mapping with 'lengths' and optionally depths, samples, task and "
+                             f"seed{f'; unknown: {unknown[0]!r}' if unknown else ''}, e.g. "
+                             "{'lengths': [2048, 8192], 'depths': [0, 0.5, 1], 'samples': 8}")
+    return dict(settings)
+
+
+def wrap(trainer_cls: type) -> type:
+    """A subclass of ``trainer_cls`` (``trl.SFTTrainer``, or any ``transformers.Trainer``
+    subclass) that takes ``strategy=`` and trains with :func:`longtrain.step`, as
+    :class:`LongtrainTrainer` does. Training never calls ``compute_loss``: a class whose
+    loss is not next-token cross-entropy (one overriding ``compute_loss``, other than
+    TRL's SFTTrainer) is refused, and metrics computed from logits in ``compute_loss``
+    (SFTTrainer's entropy and token accuracy) are not logged in training; evaluation runs
+    as the class has it."""
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+        raise LongtrainError(f"wrap takes a transformers.Trainer subclass such as trl.SFTTrainer, got {trainer_cls!r}")
+    return _wrapped(trainer_cls)
+
+
+@functools.cache
+def _wrapped(trainer_cls: type) -> type:
+    """One subclass per Trainer class: ``wrap(SFTTrainer) is wrap(SFTTrainer)``."""
+    if trainer_cls is Trainer:
+        return LongtrainTrainer
+    if issubclass(trainer_cls, _LongtrainTraining):
+        return trainer_cls
+    _check_loss_is_cross_entropy(trainer_cls)
+    name = f"Longtrain{trainer_cls.__name__}"
+    doc = f"``{trainer_cls.__module__}.{trainer_cls.__qualname__}`` whose training step is :func:`longtrain.step`."
+    return type(name, (_LongtrainTraining, trainer_cls), {"__module__": __name__, "__qualname__": name, "__doc__": doc})
+
+
+# Trainers whose compute_loss is next-token cross-entropy (for SFTTrainer, with loss_type="nll",
+# no label smoothing and no compute_loss_func, which the checks below insist on).
+_CROSS_ENTROPY_LOSSES = {("transformers.trainer", "Trainer"), ("trl.trainer.sft_trainer", "SFTTrainer")}
+
+
+def _check_loss_is_cross_entropy(trainer_cls: type) -> None:
+    """Refuse a Trainer subclass whose own ``compute_loss`` training would silently skip."""
+    owner = next(c for c in trainer_cls.__mro__ if "compute_loss" in vars(c))
+    if (owner.__module__, owner.__qualname__) not in _CROSS_ENTROPY_LOSSES:
+        raise LongtrainError(f"{trainer_cls.__name__} computes its loss in {owner.__name__}.compute_loss, which "
+                             "longtrain's step replaces with next-token cross-entropy; wrap a trainer whose loss is "
+                             "that (transformers.Trainer, trl.SFTTrainer)")
+
+
+# ---- the strategy -----------------------------------------------------------------------
+
+
+def _parse_strategy(strategy) -> "Strategy | str":
+    """``strategy`` as a :class:`Strategy`, or ``"auto"`` (planned once the model is placed)."""
+    if isinstance(strategy, str) and strategy.strip() == "auto":
+        return "auto"
+    parsed = Strategy.parse(strategy)
+    if parsed.sequence_parallel is not None:
+        raise LongtrainError(f"strategy {parsed.name!r} is sequence parallel, which runs under torchrun with "
+                             f"`longtrain train --sp {parsed.sequence_parallel.degree}`, not inside a Trainer; drop "
+                             f"+sp{parsed.sequence_parallel.degree}")
+    return parsed
+
+
+def _auto_strategy(trainer) -> Strategy:
+    """``strategy="auto"``: the planner's fastest strategy fitting this device, for the run's
+    longest row (TRL's ``max_length``, times the batch for padding-free rows, else the
+    model's ``max_position_embeddings``) and its optimizer; full fine-tuning only, as
+    ``longtrain train --strategy auto`` plans it."""
+    from .plan.auto import auto_strategy
+
+    model = trainer.model
+    if unwrap(model) is not model:
+        raise LongtrainError("strategy='auto' plans full fine-tuning, not a PEFT model's; pick a strategy with "
+                             "`longtrain plan --lora` and pass it as strategy=")
+    config = model.config
+    length = getattr(trainer.args, "max_length", None) or getattr(config, "max_position_embeddings", None)
+    if not length:
+        raise LongtrainError("strategy='auto' needs the run's longest sequence: set max_length (TRL's SFTConfig) "
+                             "or the model config's max_position_embeddings, or name a strategy")
+    rows = trainer.args.per_device_train_batch_size
+    if getattr(trainer, "padding_free", False):  # TRL joins a batch's rows into one
+        rows, length = 1, length * rows
+    args = trainer.args
+    dtype = "bfloat16" if args.bf16 else str(next(model.parameters()).dtype).replace("torch.", "")
+    # Others are planned with AdamW's state, the larger.
+    optimizer = "sgd" if str(getattr(args.optim, "value", args.optim)) == "sgd" else "adamw"
+    return auto_strategy(config, int(length), args.device, dtype=dtype, batch=rows, optimizer=optimizer,
+                         say=logger.info)
+
+
+def _take_over_checkpointing(trainer, strategy: Strategy, planned: bool) -> Strategy:
+    """Hugging Face's activation checkpointing, asked in the arguments (TRL's default) or
+    already on the model, becomes the strategy's: longtrain's ``checkpoint`` is added where
+    the engine and techniques compose with it, and Hugging Face's is switched off — it would
+    checkpoint inside longtrain's schedule. A planned strategy is kept as planned."""
+    args, base = trainer.args, unwrap(trainer.model)
+    asked = bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
+    on_model = any(getattr(m, "gradient_checkpointing", False) is True for m in base.modules())
+    if not (asked or on_model):
+        return strategy
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        if getattr(args, name, None):
+            setattr(args, name, False)
+    if on_model:
+        disable = getattr(base, "activation_checkpointing_disable", None) or base.gradient_checkpointing_disable
+        disable()
+    if planned or strategy.uses("checkpoint") or not _composes_with_checkpoint(strategy):
+        logger.info("longtrain: Hugging Face's activation checkpointing is off; strategy %r keeps activations its "
+                    "own way", strategy.name)
+        return strategy
+    taken = Strategy(strategy.engine, strategy.engine_options, **strategy.techniques, checkpoint=True)
+    logger.warning("longtrain: the Trainer asks for activation checkpointing (TRL's default): training with "
+                   "strategy %r", taken.name)
+    return taken
+
+
+def _composes_with_checkpoint(strategy: Strategy) -> bool:
+    """Whether ``checkpoint`` can join ``strategy`` (its engine accepts it, no technique excludes it)."""
+    return ("checkpoint" in registry.engine(strategy.engine).accepts
+            and not any("checkpoint" in registry.technique(name).excludes for name in strategy.techniques))
+
+
+# ---- what cannot run ------------------------------------------------------------------
+
+
+def _check_arguments(args) -> None:
+    """Refuse, in one line, the training arguments longtrain's step cannot honour exactly."""
+    optim = str(getattr(args.optim, "value", args.optim))
+    refusals = [
+        (args.deepspeed, "DeepSpeed runs its own forward, backward and sharding, which longtrain's step replaces; drop "
+                         f"deepspeed= ({_SP_HINT})"),
+        (args.fsdp, "Accelerate's FSDP wraps the model's forward, which longtrain's step does not call; drop fsdp= "
+                    f"({_SP_HINT})"),
+        (getattr(args, "parallelism_config", None) is not None,
+         "context, sequence or tensor parallelism through ParallelismConfig is not supported; drop parallelism_config "
+         f"({_SP_HINT})"),
+        (args.n_gpu > 1, f"{args.n_gpu} GPUs visible to one process make the Trainer use torch DataParallel, which "
+                         f"longtrain's step bypasses; make one visible (CUDA_VISIBLE_DEVICES=0), or {_SP_HINT}"),
+        (args.world_size > 1, f"data parallelism over {args.world_size} processes is not supported (longtrain's step "
+                              f"bypasses DDP's gradient reduction); run one process, or {_SP_HINT}"),
+        (args.fp16, _FP16),
+        (args.torch_compile, "torch_compile compiles the model's forward, which longtrain's step does not call; set "
+                             "torch_compile=False"),
+        (optim in ("lomo", "adalomo"), f"optim={optim!r} fuses the update into the Trainer's backward, which "
+                                       "longtrain's step runs itself; pick another optimizer (adamw_torch, sgd)"),
+        (args.use_liger_kernel, "use_liger_kernel patches the model behind longtrain's engines; drop it and add liger "
+                                "to the strategy (e.g. 'checkpoint,mst,liger')"),
+        (args.label_smoothing_factor > 0, "label smoothing is not longtrain's loss (next-token cross-entropy over "
+                                          "chunks, no full logits); set label_smoothing_factor=0"),
+        (getattr(args, "loss_type", "nll") not in ("nll", None),
+         f"loss_type={getattr(args, 'loss_type', None)!r} is not longtrain's loss (next-token cross-entropy); "
+         "set loss_type='nll'"),
+        (getattr(args, "activation_offloading", False),
+         "activation_offloading moves saved tensors behind longtrain's engines; drop it and let the strategy "
+         "park activations (e.g. 'checkpoint:offload_inputs', 'fpdt:offload=true', 'memo')"),
+    ]
+    _refuse_first(refusals)
+
+
+def _check_trainer(trainer) -> None:
+    """Refuse, in one line, what the built Trainer (its accelerator, loss and model
+    placement) would do that longtrain's step cannot honour exactly."""
+    from accelerate.utils import DistributedType
+
+    accelerator = trainer.accelerator
+    kind = accelerator.distributed_type
+    refusals = [
+        (kind == DistributedType.DEEPSPEED,
+         f"the Accelerate config enables DeepSpeed, which longtrain's step replaces; disable it ({_SP_HINT})"),
+        (kind == DistributedType.FSDP,
+         f"the Accelerate config enables FSDP, which longtrain's step bypasses; disable it ({_SP_HINT})"),
+        (accelerator.num_processes > 1,
+         f"data parallelism over {accelerator.num_processes} processes is not supported; run one process, or {_SP_HINT}"),
+        (getattr(accelerator, "parallelism_config", None) is not None,
+         f"the Accelerate config enables context, sequence or tensor parallelism, which is not supported ({_SP_HINT})"),
+        (accelerator.scaler is not None, _FP16),
+        (trainer.compute_loss_func is not None, "compute_loss_func replaces the loss, and longtrain's step computes "
+                                                "next-token cross-entropy; drop it, or train with the stock Trainer"),
+        (trainer.is_model_parallel,
+         f"a model spread over several devices (device_map) is not supported; load it on one device (device_map=None), "
+         f"or {_SP_HINT}"),
+        (getattr(trainer, "aux_loss_enabled", False),
+         "a mixture-of-experts load-balancing loss is not longtrain's loss; set router_aux_loss_coef=0"),
+    ]
+    _refuse_first(refusals)
+
+
+def _refuse_first(refusals) -> None:
+    """Raise the message of the first (condition, message) pair whose condition holds."""
+    for refused, message in refusals:
+        if refused:
+            raise LongtrainError(message)
+
+
+# ---- the batch --------------------------------------------------------------------------
+
+
+def _longtrain_batch(inputs: Mapping) -> dict:
+    """The collated batch as :func:`longtrain.step` reads it (Hugging Face's conventions:
+    unshifted labels, -100 ignored, position ids restarting at packed documents); keys that
+    would change the loss unseen are refused."""
+    if "shift_labels" in inputs:
+        raise LongtrainError("batches with pre-shifted 'shift_labels' are not supported; collate unshifted 'labels' "
+                             "(position t predicts labels[t + 1])")
+    if inputs.get("labels") is None:
+        raise LongtrainError("the batch has no 'labels'; use a collator that sets them (TRL's SFTTrainer does, or "
+                             "transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False))")
+    unknown = sorted(set(inputs) - set(_BATCH_KEYS) - _DERIVED_KEYS)
+    if unknown:
+        raise LongtrainError(f"batch key {unknown[0]!r} is not read by longtrain's step (it reads "
+                             f"{', '.join(_BATCH_KEYS)}); drop it from the dataset or collator")
+    return {key: inputs[key] for key in _BATCH_KEYS if inputs.get(key) is not None}
+
+
+def _as_count(num_items_in_batch) -> int:
+    """The Trainer's ``num_items_in_batch`` (a tensor, after its divisions a float one) as an int."""
+    value = float(num_items_in_batch.item() if isinstance(num_items_in_batch, torch.Tensor) else num_items_in_batch)
+    if value != int(value) or value < 0:
+        raise LongtrainError(f"num_items_in_batch={value} is not a count of label tokens; a Trainer subclass that "
+                             "counts them itself (get_batch_samples) must return a whole number")
+    return int(value)
