@@ -193,7 +193,7 @@ class ReplayedRows:
         return row * (self.tokens - self.split) + min(max(token - self.split, 0), self.tokens - self.split)
 
 
-class _Session:
+class _Watch:
     """The active recording or replay on this thread, and its tiled-call count."""
 
     def __init__(self, ops: SeededOps, select: Callable[[int, torch.device], torch.Tensor | None] | None = None,
@@ -207,8 +207,8 @@ class _Session:
 _local = threading.local()
 
 
-def _session() -> _Session | None:
-    return getattr(_local, "session", None)
+def _watching() -> _Watch | None:
+    return getattr(_local, "watch", None)
 
 
 def _leaf_device(leaves) -> torch.device | None:
@@ -227,9 +227,9 @@ def _signature(leaves) -> list:
 class _SeededOpsMode(TorchDispatchMode):
     """Lets every op through but the seeded ones, which :meth:`seeded_op` runs."""
 
-    def __init__(self, session: _Session):
+    def __init__(self, watch: _Watch):
         super().__init__()
-        self.session = session
+        self.watch = watch
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -259,14 +259,14 @@ class _Recorder(_SeededOpsMode):
         if drew:
             leaves = tree_flatten((args, kwargs))[0]
             strides = [leaf.stride() if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
-            self.session.ops.add(self.session.scope, _Draw(func, _signature(leaves), strides, states))
+            self.watch.ops.add(self.watch.scope, _Draw(func, _signature(leaves), strides, states))
         return out
 
 
 class _Replayer(_SeededOpsMode):
     def seeded_op(self, func, args, kwargs):
-        session = self.session
-        draw = session.ops.next(session.scope, func)
+        watch = self.watch
+        draw = watch.ops.next(watch.scope, func)
         if draw is None:  # not one of the forward's draws: it must draw nothing here either
             out, _, drew = _drawing(func, args, kwargs)
             if drew:
@@ -275,7 +275,7 @@ class _Replayer(_SeededOpsMode):
                     "exactly: set the dropout probabilities (lora_dropout, the model's) to 0, or use a strategy that "
                     "recomputes whole layers (checkpoint)")
             return out
-        select = session.scope_select if session.scope is not None else session.select
+        select = watch.scope_select if watch.scope is not None else watch.select
         return _replay_draw(draw, func, args, kwargs, select)
 
 
@@ -325,13 +325,13 @@ def _mismatch(func, was, now):
 @contextlib.contextmanager
 def recording(ops: SeededOps):
     """Record the seeded ops the block runs (a forward whose tokens may be replayed in part)."""
-    session = _Session(ops)
-    before, _local.session = _session(), session
+    watch = _Watch(ops)
+    before, _local.watch = _watching(), watch
     try:
-        with _Recorder(session):
+        with _Recorder(watch):
             yield
     finally:
-        _local.session = before
+        _local.watch = before
 
 
 @contextlib.contextmanager
@@ -352,51 +352,51 @@ def replaying(ops: SeededOps, batch: int, tokens: int, split: int, device: torch
         return made[kind, device]
 
     ops.rewind()
-    session = _Session(ops, select, rows)
-    before, _local.session = _session(), session
+    watch = _Watch(ops, select, rows)
+    before, _local.watch = _watching(), watch
     try:
-        with contextlib.nullcontext() if ops.empty else _Replayer(session):  # (nothing drawn: no op to watch)
+        with contextlib.nullcontext() if ops.empty else _Replayer(watch):  # (nothing drawn: no op to watch)
             yield
     finally:
-        _local.session = before
+        _local.watch = before
 
 
 def replayed_rows(count: int) -> ReplayedRows | None:
     """Inside :func:`replaying`, for a token-wise op over ``count`` flattened rows: which of
     the forward's rows they are; else None."""
-    session = _session()
-    if session is None or session.rows is None or session.rows.count != count:
+    watch = _watching()
+    if watch is None or watch.rows is None or watch.rows.count != count:
         return None
-    return session.rows
+    return watch.rows
 
 
 class TileScopes:
     """The scopes of one tiled call's tiles in the active recording or replay."""
 
-    def __init__(self, session: _Session | None):
-        self.session = session
+    def __init__(self, watch: _Watch | None):
+        self.watch = watch
         self.call = None
-        if session is not None:
-            self.call = session.tiled_calls
-            session.tiled_calls += 1
+        if watch is not None:
+            self.call = watch.tiled_calls
+            watch.tiled_calls += 1
 
     @contextlib.contextmanager
     def scope(self, tile: int, positions: torch.Tensor | None = None):
         """Tile ``tile`` of this call; ``positions`` (replay): the rows of the forward's
         tile this replay's rows are."""
-        session = self.session
-        if session is None:
+        watch = self.watch
+        if watch is None:
             yield
             return
-        saved = session.scope, session.scope_select
-        session.scope = (self.call, tile)
-        session.scope_select = None if positions is None else (lambda size, device: positions)
+        saved = watch.scope, watch.scope_select
+        watch.scope = (self.call, tile)
+        watch.scope_select = None if positions is None else (lambda size, device: positions)
         try:
             yield
         finally:
-            session.scope, session.scope_select = saved
+            watch.scope, watch.scope_select = saved
 
 
 def tile_scopes() -> TileScopes:
     """Scopes for the tiles of one tiled op (a tiled MLP's call) on this thread."""
-    return TileScopes(_session())
+    return TileScopes(_watching())
