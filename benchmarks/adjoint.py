@@ -15,8 +15,7 @@
 5. ``training``: the pass-key task trained with backprop, exact and truncated adjoint.
 6. ``plot``: docs/adjoint.png from the JSON files.
 7. ``gpu`` (not run by default; needs CUDA): allocator peak and step time of backprop,
-   checkpoint + MsT and adjoint for ssm-127m at 16K and 64K tokens. Written, not yet run
-   (no GPU was lent to this issue).
+   checkpoint + MsT and adjoint for ssm-127m at 16K and 64K tokens (not yet measured).
 
 Writes docs/adjoint_{cpu,count,presets,ranks,training}.{json,md} and docs/adjoint.png.
 """

@@ -11,7 +11,7 @@ with and without kept attention outputs. Device and host peaks are simulated on 
 figure multiplied by the allocator's fragmentation margin measured on the H100 (1.43 with
 offload, 1.06 without) to decide what fits.
 
-Step time is predicted, not measured (no GPU was lent), by longtrain's time model
+Step time is predicted, not measured, by longtrain's time model
 (``longtrain.plan.time_model``, rates from the H100 run: within 15% of each of its longtrain
 rows): matmuls, fused or block attention and what each strategy recomputes — checkpoint the
 layer forward and, under MsT, the MLP forward a third time; fpdt the same plus attention's

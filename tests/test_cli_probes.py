@@ -149,7 +149,7 @@ def test_probe(name, argv, out_kind, code, message, tmp_path, data_file, finishe
 
 
 def test_a_full_disk_leaves_no_half_written_checkpoint_and_the_run_carries_on(tmp_path, data_file, monkeypatch):
-    import longtrain.train.trainer as trainer
+    import longtrain.train.resume as trainer
 
     real = trainer.save_file
 

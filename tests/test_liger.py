@@ -109,8 +109,9 @@ def test_strategy_auto_adds_liger_on_a_gpu_where_it_is_installed(monkeypatch):
     import longtrain.plan.auto as auto
     import longtrain.plan.calibrate as calibrate
     import longtrain.plan.planner as planner
-    import longtrain.train.trainer as trainer
+    import longtrain.train.setup as trainer
     from longtrain.plan.time_model import H100
+    import longtrain.techniques.liger as liger_technique
     from longtrain.train.config import TrainConfig
 
     winner = lt.Strategy(checkpoint=True, mst=True).to_dict()
@@ -120,7 +121,7 @@ def test_strategy_auto_adds_liger_on_a_gpu_where_it_is_installed(monkeypatch):
     monkeypatch.setattr(trainer.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 << 30))
     config = TrainConfig(model="tiny-llama", strategy="auto")
     for installed in (True, False):
-        monkeypatch.setattr(auto, "liger_available", lambda model_type: installed and model_type == "llama")
+        monkeypatch.setattr(liger_technique, "liger_available", lambda model_type: installed and model_type == "llama")
         chosen = trainer._planned_strategy(config, trainer.torch.device("cuda"), trainer.torch.bfloat16)
         assert ("liger" in chosen.techniques) == installed
         assert {"checkpoint", "mst"} <= set(chosen.techniques)

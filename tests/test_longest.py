@@ -8,8 +8,8 @@ import pytest
 
 import longtrain as lt
 from longtrain.models.presets import preset_config
+from longtrain.plan.bounds import _Budget, _reserved
 from longtrain.plan.longest import longest_context, overflow, search
-from longtrain.plan.planner import _Budget, _reserved
 from longtrain.plan.simulate import simulate
 
 CONVEX = {

@@ -75,7 +75,7 @@ def test_kept_outputs_take_what_the_host_budget_leaves_beside_parked_inputs():
     """Llama-3-8B at 256K: a layer's input is 2 GiB, its attention output and LSE ~2.06 GiB.
     62 GiB keep 30 outputs, or, with the 32 inputs parked first, none; 94 GiB keep 14 beside
     them (16 of 30 with two layers left whole). Each output not kept is one attention forward more."""
-    from longtrain.plan.time_model import kept_output_share
+    from longtrain.techniques.checkpoint import kept_output_share
 
     config, n = preset_config("llama3-8b"), 256 * K
 
@@ -399,11 +399,11 @@ def test_fpdt_keeps_as_many_attention_outputs_as_the_host_holds():
     parked = [parked_host_bytes(config, 1, tokens, 2, settings, kept) for kept in (0, 1)]
     room = parked[0] + 5 * (parked[1] - parked[0]) // 2  # two and a half layers' outputs
     label, counted = planner.outputs_kept_within(config, tokens, fit, 2, 1, room)
-    assert label == ":keep_output=2" and counted.engine_options.keep_output == 2
+    assert label == (":keep_output=fit", ":keep_output=2") and counted.engine_options.keep_output == 2
     _, host, _ = simulate_step(config, tokens, counted, "bfloat16")
     assert parked[0] < host <= room
     seconds = [step_time(config, tokens, s).seconds for s in (every, counted, none)]
     assert seconds == sorted(seconds) and seconds[0] < seconds[2]
     assert planner.outputs_kept_within(config, tokens, fit, 2, 1, 2 * room) is None  # every layer's: that candidate
     assert planner.outputs_kept_within(config, tokens, fit, 2, 1, parked[0]) is None  # none: the plain one
-    assert planner.outputs_kept_within(config, tokens, none, 2, 1, room) == ("", none)
+    assert planner.outputs_kept_within(config, tokens, none, 2, 1, room) == (("", ""), none)

@@ -15,8 +15,8 @@ import longtrain as lt
 from longtrain.cli import main
 from longtrain.models.loading import add_lora, build_from_config, default_dtype
 from longtrain.models.presets import preset_config
-from longtrain.plan.simulate import (_layer_axis, _scaled_strategy, build_fake_model, chunk_curve, run_training_steps,
-                                     simulate)
+from longtrain.plan.extrapolate import _layer_axis, _scaled_strategy
+from longtrain.plan.simulate import build_fake_model, chunk_curve, run_training_steps, simulate
 from longtrain.techniques.memo import memo_alpha
 
 # name -> (layers, tokens, strategy, engine, LoRA rank). Chunked engines: 7 chunks of 16

@@ -12,6 +12,7 @@ longtrain keeps there; :func:`step` hands that context to the engine.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import typing
 from dataclasses import dataclass
@@ -107,9 +108,8 @@ class Strategy:
             for other, reason in registry.technique(name).excludes.items():
                 if other in chosen:
                     raise LongtrainError(f"'{name}' does not combine with '{other}': {reason}")
-        # Stored in install order so that equal strategies compare and print equally.
-        order = registry.techniques()
-        self.techniques = dict(sorted(chosen.items(), key=lambda kv: (order[kv[0]].order, kv[0])))
+        # Stored in install order (apply's) so that equal strategies compare and print equally.
+        self.techniques = {name: chosen[name] for name in install_order(chosen)}
         if isinstance(sequence_parallel, int) and not isinstance(sequence_parallel, bool):
             sequence_parallel = {"degree": sequence_parallel}
         self.sequence_parallel = None
@@ -118,8 +118,9 @@ class Strategy:
             if not spec.sequence_parallel:
                 raise LongtrainError(f"the {engine} engine does not run under sequence parallelism; "
                                      "use backprop, fpdt, seco or spaco, or drop --sp")
-            if "memo" in self.techniques:
-                raise LongtrainError("memo does not run under sequence parallelism yet; drop memo or --sp")
+            for name in self.techniques:
+                if not registry.technique(name).sequence_parallel:
+                    raise LongtrainError(f"{name} does not run under sequence parallelism yet; drop {name} or --sp")
 
     # ---- names -------------------------------------------------------------------
     @property
@@ -327,6 +328,19 @@ def _same_engine(spec: str, named: tuple[str, dict], given: tuple[str, dict]) ->
     return {**named[1], **given[1]}
 
 
+# Where each built-in technique installs, innermost first: fused kernels replace stock ops,
+# MsT tiles the MLP and the head, and what wraps a whole layer (Memo, checkpointing) comes
+# last, around the patched layer. Techniques registered elsewhere follow, in registration order.
+INSTALL_SEQUENCE = ("liger", "mst", "memo", "checkpoint")
+
+
+def install_order(names) -> list[str]:
+    """``names`` in the order :func:`apply` installs them (:data:`INSTALL_SEQUENCE`)."""
+    registered = list(registry.techniques())
+    return sorted(names, key=lambda name: (INSTALL_SEQUENCE.index(name) if name in INSTALL_SEQUENCE else
+                                           len(INSTALL_SEQUENCE) + registered.index(name)))
+
+
 # The one attribute longtrain sets on a model: its EngineContext once a strategy is applied.
 _CONTEXT_ATTR = "_longtrain"
 
@@ -367,24 +381,49 @@ def apply(model, strategy: "Strategy | str | None"):
             f"to apply {strategy.name!r}"
         )
     context = EngineContext(strategy, adapter_for(model))
-    engine = registry.engine(strategy.engine)
+    _check_trainable(context)
+    _route_attention(context)
+    install = functools.partial(_install, context)
+    install("liger")  # fused RMSNorm, gated MLP and rotary kernels in place of the stock ops
+    install("mst")  # the MLPs and the head in mini-sequences
+    install("memo")  # token-wise swapping around each (patched) layer
+    install("checkpoint")  # recomputation around each (patched) layer
+    for name in install_order(set(strategy.techniques) - set(INSTALL_SEQUENCE)):
+        install(name)
+    if strategy.sequence_parallel is not None:
+        distribute(context)  # join the group, shard parameters over all ranks (FSDP2)
+    # (an engine's layer groups split the layers over processes once they are known:
+    # registry.Engine.layer_groups, called by the trainer)
+    object.__setattr__(model, _CONTEXT_ATTR, context)  # the one documented place (see above)
+    return model
+
+
+def _check_trainable(context: EngineContext) -> None:
+    """The engine may refuse the model (an SSM under a chunked engine); attention dropout
+    is refused (longtrain's kernels apply none)."""
+    engine = registry.engine(context.strategy.engine)
     if engine.check is not None:
         engine.check(context)
     if context.adapter.has_attention and context.adapter.attention_dropout() > 0:
         raise LongtrainError(f"longtrain's attention kernels apply no dropout to attention weights, and this model's "
                              f"config sets attention_dropout={context.adapter.attention_dropout():g}; set it to 0 for "
                              "training (other dropouts, LoRA's included, are applied and replayed exactly)")
+
+
+def _route_attention(context: EngineContext) -> None:
+    """Attention through longtrain's backend; no KV cache (useless in training, costs memory)."""
     base = context.adapter.base
     if context.adapter.has_attention:
         use_longtrain_attention(base)
     if hasattr(base.config, "use_cache"):
-        base.config.use_cache = False  # a KV cache is useless in training and costs memory
-    for name, options in strategy.techniques.items():
+        base.config.use_cache = False
+
+
+def _install(context: EngineContext, name: str) -> None:
+    """Install technique ``name`` if the strategy has it."""
+    options = context.strategy.techniques.get(name)
+    if options is not None:
         registry.technique(name).install(context, options)
-    if strategy.sequence_parallel is not None:
-        distribute(context)  # join the group, shard parameters over all ranks (FSDP2)
-    object.__setattr__(model, _CONTEXT_ATTR, context)  # the one documented place (see above)
-    return model
 
 
 def engine_context(model, strategy: "Strategy | str") -> EngineContext:

@@ -1,6 +1,6 @@
 """The ``adjoint`` engine: adjoint sharding for SSM-ResNet models (exact or truncated).
 
-Paper: ../shared/papers/adjoint_sharding.txt (Prop. 2–3, §4.3, Alg. 1–4). No
+Paper: the adjoint sharding paper (Prop. 2–3, §4.3, Alg. 1–4). No
 backpropagation-through-time graph is built. The forward runs without autograd and
 keeps, per layer, the layer's input y_{k−1} (the residual stream) — and, with
 ``recompute=False``, the rest of what the paper lists: A, c (the input-dependent part
@@ -47,7 +47,8 @@ from ..models.ssm_resnet import SSMLayer, is_ssm_resnet
 from ..ops.chunked_loss import chunked_causal_lm_loss
 from ..ops.linear_scan import adjoint_states
 from ..ops.replay import active_dropout
-from ..parallel.layer_groups import LayerGroup
+from ..parallel.layer_groups import LayerGroup, shard_model
+from ..costs import EngineCosts
 from ..registry import register_engine
 from .batch import prepare_batch
 
@@ -245,12 +246,19 @@ def embedding_backward(base: nn.Module, input_ids: torch.Tensor, grad: torch.Ten
         embedding(input_ids).backward(grad)
 
 
+class AdjointCosts(EngineCosts):
+    """Layer groups over ranks, each layer's VJPs token-wise: simulated whole (its models are small)."""
+
+    repeats_layers = False
+
+
 _OWN_MEMORY = "the adjoint engine keeps only each layer's input and runs its head in mini-sequences already"
 
 
 @register_engine("adjoint", AdjointOptions, "adjoint sharding for SSM-ResNet: token-wise VJPs, no BPTT graph; exact or truncated",
                  conflicts={"checkpoint": _OWN_MEMORY + "; drop 'checkpoint'", "mst": _OWN_MEMORY + "; drop 'mst'"},
-                 check=lambda context: check_model(context.model))
+                 check=lambda context: check_model(context.model), costs=AdjointCosts(),
+                 layer_groups=shard_model)
 def adjoint_step(context, batch, num_label_tokens: int | None = None, stats: AdjointStats | None = None):
     """One micro-batch. On a model sharded by :func:`~longtrain.parallel.layer_groups.shard_model`
     this rank runs its layer group and exchanges the residual stream (forward) and its

@@ -29,9 +29,13 @@ from ..errors import LongtrainError
 from ..ops.loss import IGNORE_INDEX, shift_labels
 from ..ops.masking import SequenceMask, segments_from_positions
 
+__all__ = ["PreparedBatch", "Shard", "prepare_batch", "shard_sequence", "count_label_tokens"]
+
 
 @dataclass
-class Sequence:
+class PreparedBatch:
+    """A validated micro-batch (:func:`prepare_batch`); B rows of S tokens."""
+
     input_ids: torch.Tensor  # (B, S) token ids
     labels: torch.Tensor  # (B, S) unshifted targets, IGNORE_INDEX where no loss
     targets: torch.Tensor  # (B, S) labels shifted: what each position predicts
@@ -53,7 +57,7 @@ def _check_shape(name: str, tensor, input_ids: torch.Tensor, rows_may_broadcast:
         raise LongtrainError(f"{name} shape {tuple(tensor.shape)} differs from input_ids {tuple(input_ids.shape)}")
 
 
-def prepare_batch(batch: Mapping, num_label_tokens: int | None = None) -> Sequence:
+def prepare_batch(batch: Mapping, num_label_tokens: int | None = None) -> PreparedBatch:
     """Validate a batch mapping (``input_ids`` and optional ``attention_mask``,
     ``labels``, ``position_ids``) and settle its masking; see the module docstring."""
     if not isinstance(batch, Mapping) or "input_ids" not in batch:
@@ -78,7 +82,7 @@ def prepare_batch(batch: Mapping, num_label_tokens: int | None = None) -> Sequen
     targets = shift_labels(labels)
     count = label_token_count(targets, num_label_tokens)
     seq_mask, positions = _settle_masking(input_ids, mask, targets, positions)
-    return Sequence(input_ids, labels, targets, positions, seq_mask, count, num_label_tokens is not None)
+    return PreparedBatch(input_ids, labels, targets, positions, seq_mask, count, num_label_tokens is not None)
 
 
 def _settle_masking(input_ids, attention_mask, targets, position_ids):
@@ -147,7 +151,7 @@ class Shard:
         return table if self.local_index is None else table[:, self.local_index]
 
 
-def shard_sequence(seq: Sequence, sp=None, chunk: int | None = None, rank: int | None = None) -> Shard:
+def shard_sequence(seq: PreparedBatch, sp=None, chunk: int | None = None, rank: int | None = None) -> Shard:
     """This rank's :class:`Shard` of ``seq``: all of it without sequence parallelism
     (``sp`` None); otherwise ``sp``'s layout (contiguous shards, or global chunks
     r, r+P, … of ``chunk`` tokens), after padding the sequence at its end to fill the
@@ -169,3 +173,12 @@ def shard_sequence(seq: Sequence, sp=None, chunk: int | None = None, rank: int |
     bounds = layout.gathered_bounds() if chunk is not None else None
     return Shard(input_ids[:, index], targets[:, index], positions[:, index], SequenceMask(segments, valid),
                  seq.num_label_tokens, positions, index, bounds)
+
+
+_RENAMED = {"Sequence": "PreparedBatch"}  # earlier names, still importable with a warning
+
+
+def __getattr__(name: str):
+    from .._aliases import renamed
+
+    return renamed(__name__, globals(), _RENAMED, name)

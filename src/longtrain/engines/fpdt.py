@@ -1,6 +1,6 @@
 """The ``fpdt`` engine: layer-major chunked attention with host offload (FPDT on one device).
 
-FPDT (../shared/papers/fpdt.txt) keeps only the chunks in use on the device. Here, with
+FPDT (its paper) keeps only the chunks in use on the device. Here, with
 the model's own layers run through its adapter (:mod:`.chunked` has the shared pieces):
 
 **Forward** (no gradients, layer-major): each layer runs over chunk 0, 1, … (the first
@@ -24,7 +24,7 @@ Device memory holds one chunk's working set plus what the store keeps on the dev
 (nothing with ``offload`` and ``offload_inputs``). Compute is that of layer
 checkpointing — one extra forward, without the MLP's output (the recomputed layer is only
 backpropagated through: ``ops.tiled_mlp.outputs_unread``, where the adapter allows) — plus,
-with ``recompute_kv``, each layer's q/k/v projections once more. With ``keep_output`` (Memo's idea, ../shared/papers/memo.txt §4)
+with ``recompute_kv``, each layer's q/k/v projections once more. With ``keep_output`` (Memo's idea, the Memo paper §4)
 each chunk's attention output and LSE are parked too (beside its layer input), and the
 recomputation hands them to attention's backward instead of attending again: the
 extra forward is token-wise work only, and the earlier chunks' K/V are fetched once per
@@ -53,14 +53,15 @@ import torch
 from .. import validate
 from ..errors import LongtrainError
 from ..memory.units import parse_bytes
-from ..models.shapes import head_dim, kept_output_bytes, kv_bytes_per_token
-from ..ops.chunked_attention import chunk_bounds
 from ..ops.tiled_mlp import outputs_unread
 from ..parallel.fsdp import gathered
 from ..registry import register_engine
 from .base import EngineContext
 from .batch import prepare_batch
 from .chunked import ChunkedRun, ChunkSettings, check_chunkable, check_host_budget
+from .fpdt_costs import FPDTCosts, HostTraffic, host_traffic
+
+__all__ = ["FPDT", "fpdt_step", "forward_layer_major", "backward_layer_major", "HostTraffic", "host_traffic"]
 
 
 @dataclass
@@ -239,65 +240,11 @@ def _recompute_segment_inputs(run: ChunkedRun, first: int, top: int) -> None:
                 run.discard_kv(layer, i)
 
 
-@dataclass(frozen=True)
-class HostTraffic:
-    """Bytes one FPDT step copies between the device and host memory, by what moves."""
-
-    kv: int  # parked K/V and their gradient sums: quadratic in the chunks (every pair of chunks)
-    inputs: int  # parked layer inputs, output gradients, rotary tables and kept attention outputs: linear
-
-    @property
-    def total(self) -> int:
-        return self.kv + self.inputs
-
-
-def host_traffic(config, batch: int, length: int, item: int, settings: ChunkSettings, kept_outputs: int,
-                 position_rows: int = 1) -> HostTraffic:
-    """What :func:`fpdt_step` copies to and from host memory in one training step over
-    ``batch`` rows of ``length`` tokens (``item`` bytes per element), from its schedule, for
-    a causal batch without padding, packing or a sliding window (every pair of chunks meets),
-    on one device. K/V count with ``offload``; inputs, rotary tables and kept outputs with
-    ``offload_inputs``. tests/test_fpdt.py counts a step's copies and finds exactly this.
-
-    Per layer, with P the K/V of every (query chunk, earlier chunk) pair: the forward parks
-    its K/V and fetches P; backward parks them again (``recompute_kv``), fetches P twice (a
-    recomputed attention, then its backward; once where the output was kept), and sends P of
-    gradients to the earlier chunks' sums, each fetched and parked again per addition (the
-    first is only parked; the chunk's own backward fetches the sum last)."""
-    n = config.num_hidden_layers
-    bounds = chunk_bounds(length, settings.chunk)
-    kv_per_token = batch * kv_bytes_per_token(config, item)
-    kv = kv_per_token * length
-    pairs = sum(kv_per_token * (b - a) * (len(bounds) - 1 - j) for j, (a, b) in enumerate(bounds))
-    kept = min(kept_outputs, n)
-    # With segments, backward first runs each segment's lower layers forward again from its
-    # parked input: their attention parks K/V and fetches P, their outputs are parked again.
-    segment = max(1, settings.segment)
-    rerun = [layer for layer in range(n - 1) if (layer + 1) % segment] if segment > 1 else []
-    kv_traffic = 0
-    if settings.offload:
-        parks = n * (2 if settings.recompute_kv else 1) + len(rerun)
-        history = (n + len(rerun)) * pairs + (2 * n - kept) * pairs  # forward (and reruns); recomputation, backward
-        kv_traffic = parks * kv + history + 2 * n * pairs  # + gradient sums: every addition parked, fetched
-    inputs = 0
-    if settings.offload_inputs:
-        x = batch * length * config.hidden_size * item
-        rotary_dim = int(head_dim(config) * (getattr(config, "partial_rotary_factor", None) or 1.0))
-        rotary = 2 * position_rows * length * rotary_dim * item
-        reads = 3 if settings.recompute_kv else 2  # a layer input is read by the forward, the K/V re-park, the recomputation
-        inputs = ((n - 1) * x * (1 + reads)  # each layer's input but the first (embeddings): parked, fetched
-                  + rotary + n * rotary * reads  # the rotary tables: parked once, read by each layer as its inputs are
-                  + 2 * n * x  # output gradients: the head's and each layer's but the first parked, each layer's fetched
-                  + len(rerun) * (x + rotary) + sum(1 for layer in rerun if layer > 0) * x
-                  + 2 * kept * kept_output_bytes(config, batch, length, item))
-    return HostTraffic(kv=kv_traffic, inputs=inputs)
-
-
 @register_engine(
     "fpdt", FPDT, "layer-major chunked attention with host offload and prefetch (FPDT on one device, exact)",
     accepts=("mst", "liger"),
     conflicts={"checkpoint": "the fpdt engine already recomputes every layer chunk by chunk; drop 'checkpoint'"},
-    check=lambda context: check_chunkable(context, "fpdt"), sequence_parallel=True,
+    check=lambda context: check_chunkable(context, "fpdt"), sequence_parallel=True, costs=FPDTCosts(),
 )
 def fpdt_step(context: EngineContext, batch, num_label_tokens: int | None = None):
     settings = context.engine_options.settings()

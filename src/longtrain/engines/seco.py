@@ -1,6 +1,6 @@
 """Chunk-wise optimization engines: ``seco`` (exact) and ``spaco`` (sparse, unbiased).
 
-Paper: ../shared/papers/seco_spaco.txt (Alg. 1–2). Both run the sequence through the
+Paper: the SeCO/SpaCO paper (Alg. 1–2). Both run the sequence through the
 whole model chunk by chunk without gradients, parking every layer's K/V per chunk in a
 :class:`~longtrain.memory.chunk_store.ChunkStore` (on the device or in host memory);
 then, from the last chunk to the first, each chunk is recomputed with gradients against
@@ -40,6 +40,7 @@ from ..registry import register_engine
 from .base import EngineContext
 from .batch import prepare_batch
 from .chunked import ChunkedRun, ChunkSettings, check_chunkable, check_host_budget
+from .chunked_costs import SeCOCosts, SpaCOCosts
 
 
 @dataclass
@@ -141,7 +142,8 @@ _ACCEPTS = ("checkpoint", "mst", "liger")
 
 
 @register_engine("seco", SeCOOptions, "sequential chunk-wise optimization: exact, activations of one chunk (K/V parked)",
-                 accepts=_ACCEPTS, check=lambda context: check_chunkable(context, "seco"), sequence_parallel=True)
+                 accepts=_ACCEPTS, check=lambda context: check_chunkable(context, "seco"), sequence_parallel=True,
+                 costs=SeCOCosts())
 def seco_step(context: EngineContext, batch, num_label_tokens: int | None = None):
     run = _run(context, batch, num_label_tokens, "seco")
     try:
@@ -160,7 +162,8 @@ def select_chunks(n_chunks: int, budget: int, generator: torch.Generator) -> set
 
 
 @register_engine("spaco", SpaCOOptions, "sparse chunk-wise optimization: backprop ~budget chunks, unbiased",
-                 accepts=_ACCEPTS, check=lambda context: check_chunkable(context, "spaco"), sequence_parallel=True)
+                 accepts=_ACCEPTS, check=lambda context: check_chunkable(context, "spaco"), sequence_parallel=True,
+                 costs=SpaCOCosts())
 def spaco_step(context: EngineContext, batch, num_label_tokens: int | None = None, selected: set[int] | None = None):
     options = context.engine_options
     run = _run(context, batch, num_label_tokens, "spaco")

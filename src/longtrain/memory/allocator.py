@@ -4,7 +4,7 @@ A chunked step allocates tensors of a few chunk-sized shapes whose lifetimes int
 (a chunk's K/V, a prefetched copy, a gradient accumulator), and host offload frees
 device copies on side streams. With PyTorch's default allocator those frees leave
 fixed-size segments half used: on the first H100 run the reserved peak of chunked
-attention with offload was 1.31–1.43× the allocated one (../shared/gpu/h100-2026-11-22.md),
+attention with offload was 1.31–1.43× the allocated one (H100 measurements of 2026-11-22),
 and the reserved peak is what runs out. Expandable segments grow one mapping per stream
 instead, which keeps the reservation near the allocation (PyTorch's CUDA notes,
 "Optimizing memory usage with PYTORCH_CUDA_ALLOC_CONF").

@@ -6,7 +6,7 @@ step's allocation trace — each tensor's size and the interval it lives — the
 same time never overlap, with the smallest top offset (the *planned peak*). The most
 bytes ever alive at once bounds it from below; a caching allocator, which cannot see
 the future, ends above it (fragmentation: the reserved/allocated gap the H100 runs
-showed). Memo (../shared/papers/memo.txt §5) solves this offline and serves the step
+showed). Memo (its paper, §5) solves this offline and serves the step
 from the plan.
 
 Here:

@@ -1,6 +1,6 @@
 """A layer's saved activations kept token by token: some tokens swapped out, the rest recomputed.
 
-Memo (../shared/papers/memo.txt §4.1) keeps, for each decoder layer, its input and its
+Memo (its paper, §4.1) keeps, for each decoder layer, its input and its
 attention output, and of every other tensor autograd saves for backward only the first
 ``split`` tokens; the other tokens are dropped and recomputed in backward. With the
 attention output kept, everything else in a layer acts on each token alone (norms,

@@ -1,7 +1,6 @@
 """SSM-ResNet: a causal LM made of residual selective diagonal state-space layers.
 
-The architecture of the adjoint-sharding paper (../shared/papers/adjoint_sharding.txt,
-§3), as a Hugging Face model (config + ``PreTrainedModel``, registered with the Auto
+The architecture of the adjoint sharding paper (§3), as a Hugging Face model (config + ``PreTrainedModel``, registered with the Auto
 classes, so it saves, loads and trains like any other). Layer k reads the residual
 stream z_{k−1}, normalizes it (u = RMSNorm(z)), and for every token t
 

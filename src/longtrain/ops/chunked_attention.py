@@ -6,7 +6,7 @@ masking decisions of :mod:`.masking`:
 - :func:`chunked_attention` — the whole sequence is given; it is split into chunks of
   ``chunk`` tokens. Forward: each query chunk meets the key/value chunks at or before
   it (inside the sliding window, when one is set), merged with their log-sum-exp.
-  Backward, as in FPDT (../shared/papers/fpdt.txt §4.2): outer loop over key/value
+  Backward, as in FPDT (the FPDT paper §4.2): outer loop over key/value
   chunks, inner loop over the query chunks that see them, accumulating dK/dV for the
   outer chunk and dQ for each inner one, from the saved output and LSE.
 - :func:`attend_chunk` — one query chunk with its own keys/values, plus a *history*

@@ -1,6 +1,6 @@
 """Adjoint sharding over ranks: each rank owns a contiguous group of SSM layers.
 
-Paper: ../shared/papers/adjoint_sharding.txt, §4.4, Alg. 1 and 4, Tables 2–6. Rank r
+Paper: the adjoint sharding paper, §4.4, Alg. 1 and 4, Tables 2–6. Rank r
 holds the parameters, gradients, optimizer state and the forward records (y, A, c, h)
 of its layers only; rank 0 also holds the embedding, the last rank the final norm and
 the LM head. One step:
@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import LongtrainError
+from ..models.layers import unwrap
+from ..models.ssm_resnet import is_ssm_resnet
 
 def layer_ranges(n_layers: int, world_size: int) -> list[range]:
     """Contiguous, balanced layer groups, one per rank (earlier ranks take the remainder)."""
@@ -76,9 +78,9 @@ def shard_model(context, rank: int, world_size: int, process_group=None) -> Laye
     ``context`` is the model's :class:`~longtrain.engines.base.EngineContext`
     (``longtrain.strategy.applied_context(model)``).
     """
-    from ..engines.adjoint import check_model
-
-    base = check_model(context.model)
+    base = unwrap(context.model)
+    if not is_ssm_resnet(base):
+        raise LongtrainError(f"layer groups split SSM-ResNet models over processes, not {type(base).__name__}")
     if world_size > 1 and base.config.tie_word_embeddings:
         raise LongtrainError("layer groups need untied embeddings (the first rank holds the embedding, the last the head); set tie_word_embeddings=False")
     group = LayerGroup(len(base.model.layers), rank, world_size, process_group)

@@ -1,6 +1,6 @@
 """Ulysses sequence parallelism: each of P ranks holds 1/P of the tokens; around attention
 an all-to-all swaps sequence shards for head shards, so every rank attends over the whole
-sequence for its share of the heads (../shared/papers/fpdt.txt §3, DeepSpeed Ulysses).
+sequence for its share of the heads (the FPDT paper §3, DeepSpeed Ulysses).
 
 Without the limits users meet in other tools:
 

@@ -2,9 +2,9 @@
 
 The plan is made for this device's memory, half the host's physical memory (what Memo
 and kept attention may pin) and this machine's measured rates where ``longtrain
-calibrate`` stored them (the H100's otherwise). On a GPU where liger-kernel covers the
-model family, its fused kernels are added: same memory, less elementwise time (the
-simulator counts the stock ops, which keep at least as much).
+calibrate`` stored them (the H100's otherwise). Techniques that cost no memory and save
+time where they run (``added_automatically`` in their costs: Liger's fused kernels on a
+GPU whose model family liger-kernel covers) are then added.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import torch
 from ..errors import LongtrainError
 from ..memory.units import pinned_host_budget
 from ..models.loading import load_config
-from ..registry import engine as engine_spec
+from .. import registry
 from ..strategy import Strategy
-from ..techniques.liger import liger_available
+
+__all__ = ["auto_strategy"]
 
 
 def auto_strategy(model, seq_len: int, device: torch.device, *, dtype: str = "bfloat16", batch: int = 1,
@@ -43,9 +44,12 @@ def auto_strategy(model, seq_len: int, device: torch.device, *, dtype: str = "bf
         raise LongtrainError(f"--strategy auto: {result.verdict()}{hint}")
     say(f"--strategy auto chose {result.verdict()}")
     chosen = result.best.strategy
-    if (device.type == "cuda" and "liger" in engine_spec(chosen["engine"]["name"]).accepts
-            and liger_available(load_config(model).model_type)):
-        # Same memory, fused elementwise kernels (docs/speed.md: 6.02 s -> 5.24 s at 32K on an H100).
-        chosen = {**chosen, "techniques": {**chosen["techniques"], "liger": {}}}
-        say("--strategy auto adds liger (liger-kernel is installed)")
+    accepts = registry.engine(chosen["engine"]["name"]).accepts
+    model_type = load_config(model).model_type
+    for name, technique in registry.techniques().items():
+        # Same memory, less time (e.g. fused elementwise kernels), where the technique runs here.
+        reason = technique.costs.added_automatically(device.type, model_type) if name in accepts else None
+        if reason is not None and name not in chosen["techniques"]:
+            chosen = {**chosen, "techniques": {**chosen["techniques"], name: {}}}
+            say(f"--strategy auto adds {name} ({reason})")
     return Strategy.from_dict(chosen)

@@ -24,6 +24,8 @@ from ..errors import LongtrainError
 from ..memory.flops import device_peak_flops
 from .time_model import H100, MachineRates
 
+__all__ = ["device_name", "load", "local_rates", "measure", "save", "store_dir"]
+
 
 def store_dir() -> Path:
     """Where calibrations live: ``$LONGTRAIN_CACHE/rates`` or ``~/.cache/longtrain/rates``."""

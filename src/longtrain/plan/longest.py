@@ -6,7 +6,7 @@ repeating pattern peaks at an affine function of the number of chunks (and, in t
 unchunked engines, of tokens), and the peak is the largest of them. So the set of lengths
 that fit is an interval from zero, and its end is found by bracketing and refining:
 
-- **chunked engines (FPDT)**: :func:`~longtrain.plan.planner.chunk_curve_of` gives the
+- **chunked engines (FPDT)**: :func:`~longtrain.plan.steps.chunk_curve_of` gives the
   whole-length simulation at every length of whole chunks from one set of small
   simulations, so the search is a bisection over the number of chunks, exact to the chunk;
 - **the others (checkpointing, Memo)**: each length is simulated (:func:`simulate_step`,
@@ -29,12 +29,17 @@ from typing import Callable
 
 import torch
 
+from .. import registry
 from ..errors import LongtrainError
 from ..models.loading import load_config, parse_dtype
 from ..strategy import Strategy
-from .planner import (CHUNKS, _Budget, _reserved, budgets_for, candidates, chunk_curve_of, host_budgets_beside_optimizer,
-                      parked_bytes, parked_split, simulate_step)
+from .bounds import _Budget, _reserved, budgets_for, parked_bytes, parked_split
+from .candidates import CHUNKS, candidates, host_budgets_beside_optimizer
+from .extrapolate import chunk_of
+from .steps import chunk_curve_of, simulate_step
 from .time_model import H100, MachineRates, step_time
+
+__all__ = ["ContextLimit", "GRANULE", "LIMIT", "longest_context", "max_context", "overflow", "search"]
 
 GRANULE = 1024  # unchunked lengths are searched in multiples of this many tokens
 LIMIT = 2**31  # no search goes beyond this many tokens
@@ -122,9 +127,9 @@ def longest_context(config, strategy: Strategy, budget: _Budget, dtype: str, *, 
     say = progress or (lambda _: None)
     label = label or strategy.name
     item = torch.tensor([], dtype=parse_dtype(dtype)).element_size()
-    chunk = getattr(strategy.engine_options, "chunk", None) if strategy.engine == "fpdt" else None
+    chunk = chunk_of(strategy)
     curve = None
-    if chunk and strategy.sequence_parallel is None:
+    if chunk:
         say(f"simulating {label} at every length of whole {chunk:,}-token chunks")
         curve = chunk_curve_of(config, strategy, dtype, batch, budget.optimizer, lora_rank)
 
@@ -182,9 +187,8 @@ def max_context(model, *, device_memory: int, host_memory: int, optimizer: str =
     limits = []
     for label, strategy in candidates(LIMIT, host_memory, config.num_hidden_layers, every_chunk=True,
                                       chunks=chunks).items():
-        options = strategy.engine_options
-        if strategy.engine == "fpdt" and (options.keep_output or options.segment == 1):
-            continue  # parks more than the segmented schedule at the same chunk: never the longer context
+        if not registry.engine(strategy.engine).costs.in_longest_search(strategy.engine_options):
+            continue  # parks more than another variant at the same chunk: never the longer context
         for budget in budgets:
             offloaded = budget.optimizer == "adamw-offload"
             if offloaded:

@@ -45,9 +45,13 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+import dataclasses
+
 from .. import validate
+from ..costs import StepWork, TechniqueCosts
 from ..errors import LongtrainError
 from ..memory.chunk_store import ChunkStore
+from ..memory.flops import attention_width
 from ..memory.token_swap import storage_id
 from ..models.attention import AttentionCall
 from ..models.shapes import kept_output_bytes
@@ -253,8 +257,67 @@ def whole_layers(strategy, layers: int) -> range:
     return range(layers - keep, layers)
 
 
+def kept_output_share(config, tokens: int, checkpoint) -> float:
+    """The share of checkpointed layers whose attention output is kept (their recomputation
+    skips attention's forward): all of them on the device; in host memory, as many as
+    ``host_memory`` holds beside the parked inputs (``offload_inputs``), which come first —
+    a budget not given is not this machine's default but unknown, taken as enough (a plan
+    always gives one). ``tokens``: of the whole batch; activations in bf16."""
+    if checkpoint is None or not checkpoint.keep_attention:
+        return 0.0
+    if not checkpoint.offload or checkpoint.host_memory is None:
+        return 1.0
+    layers = config.num_hidden_layers - min(checkpoint.except_last, config.num_hidden_layers)
+    if layers <= 0:
+        return 1.0
+    item = 2
+    output = tokens * (attention_width(config) * item + config.num_attention_heads * 4)  # and its float32 LSE
+    inputs = layers * tokens * config.hidden_size * item if checkpoint.offload_inputs else 0
+    return min(layers, max(0, (checkpoint.host_memory - inputs) // output)) / layers
+
+
+class CheckpointCosts(TechniqueCosts):
+    """Checkpointing: every layer's input parked (in host memory with ``offload_inputs``,
+    first in the host budget), each layer's forward once more in backward, attention's
+    skipped where its output is kept; ``except_last`` top layers left whole."""
+
+    def layers_apart_at_top(self, options: CheckpointOptions) -> int:
+        return options.except_last
+
+    def small_options(self, options: CheckpointOptions, layers: int, full: int):
+        # Fewer layers than the whole model are simulated only where the budget stops none.
+        return dataclasses.replace(options, host_memory=None) if layers < full else options
+
+    def parked(self, config, seq_len, options: CheckpointOptions, item, batch, engine_offloads):
+        inputs = config.num_hidden_layers * batch * seq_len * config.hidden_size * item
+        if options.offload_inputs:
+            on_host = inputs if options.host_memory is None else min(inputs, options.host_memory)
+            return inputs - on_host, on_host
+        return (0, inputs) if engine_offloads else (inputs, 0)
+
+    def with_host_budget(self, options: CheckpointOptions, room: int):
+        return options if options.host_memory is None else dataclasses.replace(options, host_memory=max(1, room))
+
+    def candidates(self, host_memory):
+        budget = {"host_memory": host_memory} if host_memory else {}
+        # Kept attention outputs wait in host memory within the budget; with offload_inputs the
+        # checkpointed inputs too, first (whole-sequence layers past where their inputs fit the device).
+        return {"checkpoint": budget or True, "checkpoint:offload_inputs": {"offload_inputs": True, **budget}}
+
+    def with_whole_layers(self, name, options: CheckpointOptions, count):
+        return dataclasses.replace(options, except_last=count), f"{name}:except_last={count}"
+
+    def describe(self, work: StepWork, options: CheckpointOptions) -> None:
+        n = work.layers
+        work.recomputes_layers = True
+        work.mlp_forward_charged = True
+        # Layers left whole (except_last) recompute nothing, their MLP untiled.
+        work.recomputed = 1.0 - (min(options.except_last, n) / n if n else 0.0)
+        work.kept_attention = 0.0 if work.chunk else kept_output_share(work.config, work.tokens * work.batch, options)
+
+
 @register_technique("checkpoint", CheckpointOptions, "per-layer activation checkpointing (attention kept, not recomputed)",
-                    order=50)
+                    costs=CheckpointCosts())
 def install_checkpoint(context, options: CheckpointOptions) -> None:
     layers = context.adapter.layers
     if options.except_last > len(layers):

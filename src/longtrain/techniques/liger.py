@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from torch._subclasses.fake_tensor import is_fake
 
 from .. import validate
+from ..costs import TechniqueCosts
 from ..errors import LongtrainError
 from ..registry import register_technique
 
@@ -68,7 +69,16 @@ def liger_available(model_type: str) -> bool:
         return False
 
 
-@register_technique("liger", LigerOptions, "Liger's fused RMSNorm, gated-MLP and rotary kernels (CUDA)", order=30)
+class LigerCosts(TechniqueCosts):
+    """Liger: the same memory as the stock ops (the simulator counts those, which keep at
+    least as much) in less elementwise time; added by ``--strategy auto`` where it runs."""
+
+    def added_automatically(self, device_type: str, model_type: str) -> str | None:
+        return "liger-kernel is installed" if device_type == "cuda" and liger_available(model_type) else None
+
+
+@register_technique("liger", LigerOptions, "Liger's fused RMSNorm, gated-MLP and rotary kernels (CUDA)",
+                    costs=LigerCosts())
 def install_liger(context, options: LigerOptions) -> None:
     model = context.adapter.base
     if is_fake(next(model.parameters())):  # the simulator: Liger's kernels cannot run on fake tensors

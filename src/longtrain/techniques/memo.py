@@ -1,4 +1,4 @@
-"""``memo``: token-wise activation swapping and recomputation (Memo, ../shared/papers/memo.txt §4.1).
+"""``memo``: token-wise activation swapping and recomputation (the Memo paper, §4.1).
 
 Each decoder layer keeps its input and its attention output (and the attention's
 log-sum-exp) in host memory; of every other tensor it saves for backward, a fraction
@@ -38,7 +38,10 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+import dataclasses
+
 from .. import validate
+from ..costs import StepWork, TechniqueCosts
 from ..errors import LongtrainError
 from ..memory.chunk_store import ChunkStore
 from ..memory.pinned import host_empty
@@ -437,11 +440,62 @@ def _memo_forward(memo: MemoLayers, index: int, layer, layer_forward, *args, **k
     return memo.forward(index, layer, layer_forward, args, kwargs)
 
 
+class MemoCosts(TechniqueCosts):
+    """Memo: every layer's input and attention output in host memory, an α share of the
+    rest; backward recomputes the (1 − α) share token-wise, never attention."""
+
+    decides_at_first_step = True  # α is chosen from the first step's sizes
+
+    def layers_apart_at_top(self, options: Memo) -> int:
+        return options.keep_last
+
+    def small_options(self, options: Memo, layers: int, full: int):
+        """The budget of the layers below ``keep_last`` scaled to those simulated, so α is the full model's."""
+        budget, top = options.host_memory, options.keep_last
+        share = None if budget is None else max(1, budget * max(1, layers - top) // max(1, full - top))
+        return dataclasses.replace(options, host_memory=share)
+
+    def full_notes(self, options: Memo, notes: dict) -> None:
+        if "memo_host_budget" in notes:
+            notes["memo_host_budget"] = options.host_memory  # the small simulations' is a share of it
+
+    def parked(self, config, seq_len, options: Memo, item, batch, engine_offloads):
+        return 0, config.num_hidden_layers * batch * seq_len * config.hidden_size * item  # inputs, with more
+
+    def fragmentation(self, options: Memo) -> str:
+        return "offload"
+
+    def with_host_budget(self, options: Memo, room: int):
+        return dataclasses.replace(options, host_memory=max(1, room))
+
+    def candidates(self, host_memory):
+        return {"memo": {"host_memory": host_memory}}
+
+    def describe(self, work: StepWork, options: Memo) -> None:
+        work.mlp_forward_charged = True
+
+    def add_work(self, work: StepWork, options: Memo) -> None:
+        notes = work.notes
+        alpha = notes.get("memo_alpha", options.alpha if options.alpha != "auto" else 0.0)
+        work.matmul += (1 - alpha) * (work.layer_fwd - (work.mlp_fwd if work.tiled_mlp else 0))
+        if work.tiled_mlp:
+            # The tiled backward's forward, and the (1 − α) share of checkpointing's third MLP
+            # forward (the elementwise work a token-wise recomputation repeats): at α = 0 Memo
+            # is checkpointing with attention kept, and is predicted as such.
+            work.matmul += work.mlp_fwd + (1 - alpha) * work.mlp_fwd
+        if "memo_input_bytes" in notes:
+            moved = notes["memo_input_bytes"] + notes["memo_attention_bytes"] + alpha * notes["memo_other_bytes"]
+            n = work.layers
+            layer_seconds = (work.layer_fwd / n + work.attention_fwd / n) / work.rates.matmul
+            work.exposed = n * max(0.0, moved / work.rates.host_bandwidth - layer_seconds)
+
+
 @register_technique("memo", Memo, "token-wise activation swapping to host + recomputation without attention (exact)",
-                    order=45, excludes={
+                    excludes={
                         "checkpoint": "memo already recomputes what it does not swap; drop 'checkpoint'",
                         "liger": "memo learns what a layer saves from a run on fake tensors, which Liger's Triton kernels "
-                                 "cannot take; drop 'liger' or use checkpoint,mst,liger"})
+                                 "cannot take; drop 'liger' or use checkpoint,mst,liger"},
+                    costs=MemoCosts(), sequence_parallel=False)
 def install_memo(context, options: Memo) -> None:
     adapter = context.adapter
     if not adapter.has_attention:

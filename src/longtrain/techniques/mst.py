@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .. import validate
+from ..costs import StepWork, TechniqueCosts
 from ..errors import LongtrainError
 from ..ops.tiled_mlp import tiled_mlp
 from ..registry import register_technique
@@ -61,7 +62,22 @@ def default_mlp_chunk(context) -> int:
     return max(1, engine_chunk // 2) if engine_chunk else context.adapter.config.hidden_size
 
 
-@register_technique("mst", MsT, "mini-sequence MLP and LM-head + loss (exact)", order=40)
+class MsTCosts(TechniqueCosts):
+    """MsT: the tiled MLP's backward runs its forward once more (where nothing else recomputes
+    it) at a measured efficiency; the chunked head's weight gradient at its own rate. Same
+    memory or less for every strategy, so a plan adds it to every candidate."""
+
+    in_every_candidate = True
+
+    def describe(self, work: StepWork, options: MsT) -> None:
+        work.tiled_mlp, work.chunked_head = options.mlp, options.head
+
+    def add_work(self, work: StepWork, options: MsT) -> None:
+        if work.tiled_mlp and not work.mlp_forward_charged:
+            work.matmul += work.mlp_fwd
+
+
+@register_technique("mst", MsT, "mini-sequence MLP and LM-head + loss (exact)", costs=MsTCosts())
 def install_mst(context, options: MsT) -> None:
     adapter = context.adapter
     if options.head and adapter.head().linear is None:

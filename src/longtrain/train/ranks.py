@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import registry
 from ..errors import LongtrainError
 
 
@@ -125,7 +126,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def check_distributed_engine(ranks: Ranks, engine: str) -> None:
-    if not ranks.distributed or engine == "adjoint":
+    """A distributed run splits either the layers (an engine with layer groups) or the
+    sequence (``--sp``) over its processes."""
+    if not ranks.distributed or registry.engine(engine).layer_groups is not None:
         return
     if ranks.sequence_parallel == 1:
         raise LongtrainError(

@@ -1,0 +1,206 @@
+"""What the simulator, the time model and the planner ask of an engine or a technique.
+
+Each engine and technique registers a costs object with :mod:`longtrain.registry` — a
+subclass of :class:`EngineCosts` or :class:`TechniqueCosts` that overrides what differs
+from plain autograd over the whole sequence. :mod:`longtrain.plan` asks only these
+objects, so a new engine or technique is simulated, timed and planned without a change
+there. Every hook receives the options dataclass of its own engine or technique.
+
+Sizes are in bytes; ``item`` is the activation dtype's element size; ``seq_len`` and
+``tokens`` count one sequence, ``batch`` sequences per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .memory.flops import attention_width
+
+__all__ = ["EngineCosts", "TechniqueCosts", "StepWork", "PARKED_NOTHING"]
+
+PARKED_NOTHING = (0, 0)  # (device bytes, host bytes)
+
+
+@dataclass
+class StepWork:
+    """One step's work as the time model counts it (``longtrain.plan.time_model``).
+
+    Sizes in forward FLOPs (``*_fwd``: one forward pass over the batch's tokens); the
+    hooks add to ``matmul`` (FLOPs), ``attention_passes`` (in units of attention's
+    forward) and ``exposed`` (seconds of host copies compute does not hide). The facts below are set by the ``describe`` hooks before any
+    ``add_work`` hook runs, so no hook depends on another's order.
+    """
+
+    config: Any
+    tokens: int  # per sequence
+    batch: int
+    rates: Any  # longtrain.plan.time_model.MachineRates
+    notes: dict  # what the simulation noted (Memo's α and sizes)
+    sequence_parallel: int = 1  # ranks the sequence is split over
+    # shapes
+    layers: int = 0
+    attention_params: int = 0  # q, k, v, o projection weights of one layer
+    mlp_params: int = 0
+    head_params: int = 0
+    layer_fwd: float = 0.0
+    mlp_fwd: float = 0.0
+    head_fwd: float = 0.0
+    attention_fwd: float = 0.0
+    # accumulators
+    matmul: float = 0.0
+    attention_passes: float = 3.0  # forward + backward
+    exposed: float = 0.0
+    # facts (describe hooks)
+    recomputes_layers: bool = False  # backward runs each layer's forward again (checkpointing, chunked engines)
+    recomputed: float = 1.0  # share of the layers not left whole (they recompute and tile)
+    kept_attention: float = 0.0  # share of recomputed layers whose attention output is kept (skips attention)
+    recompute_reads_mlp: bool = True  # a recomputed layer's MLP output is read, so its MLP runs again
+    mlp_forward_charged: bool = False  # some strategy part already charges the tiled MLP's extra forward
+    tiled_mlp: bool = False
+    chunked_head: bool = False
+    chunk: int | None = None  # tokens per chunk of a chunked engine
+    inner: float = 0.0  # share of layers whose input backward recomputes inside a segment
+    attention_rate: float = 0.0  # FLOP/s of the engine's attention kernels
+
+    @classmethod
+    def of(cls, config, tokens: int, batch: int, rates, notes: dict | None, sequence_parallel: int) -> "StepWork":
+        """The plain step's work: forward 2, backward 4 FLOPs per matmul parameter and token;
+        causal attention 2·w·s² forward per layer."""
+        n, d = config.num_hidden_layers, config.hidden_size
+        width = attention_width(config)
+        head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
+        kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+        attn = 2 * d * width + 2 * d * kv  # q, o and k, v projections
+        mlp = 3 * d * config.intermediate_size
+        head = config.vocab_size * d
+        s = tokens * batch
+        work = cls(config, tokens, batch, rates, dict(notes or {}), sequence_parallel, n, attn, mlp, head,
+                   layer_fwd=2.0 * s * (attn + mlp) * n, mlp_fwd=2.0 * s * mlp * n, head_fwd=2.0 * s * head,
+                   attention_fwd=2.0 * width * tokens * tokens * n * batch, attention_rate=rates.fused_attention)
+        work.matmul = 3 * (work.layer_fwd + work.head_fwd)
+        return work
+
+    @property
+    def model_flops(self) -> float:
+        return 3 * (self.layer_fwd + self.head_fwd) + 3 * self.attention_fwd
+
+
+class EngineCosts:
+    """An engine's costs; these defaults describe plain autograd over the whole sequence."""
+
+    repeats_layers = True  # a step repeats layer by layer (simulations extrapolate along layers)
+
+    def chunk(self, options) -> int | None:
+        """Tokens per chunk where the engine runs the sequence in chunks (simulations then
+        extrapolate along chunks too, and plans search whole chunks); None otherwise."""
+        return None
+
+    def fewest_chunks(self, options) -> int:
+        """The fewest chunks a small simulation may hold (beyond the ends' own)."""
+        return 0
+
+    def layer_period(self, options) -> int:
+        """Layers per repeat of the engine's own schedule (e.g. checkpoint segments)."""
+        return 1
+
+    def small_options(self, options, config, sequence_parallel):
+        """The options for a simulation with a few of ``config``'s layers (host budgets are
+        lifted by the simulator itself)."""
+        return options
+
+    def kept_outputs_apart(self, config, options, batch: int, item: int, sequence_parallel) -> Callable | None:
+        """Where a few layers cannot stand for the model (some layers keep what others do
+        not): ``correction(tokens) -> (device bytes, host bytes, count)`` to add at full
+        scale to small simulations run with :meth:`small_options`. None: nothing to correct."""
+        return None
+
+    def parks_on_host(self, options) -> bool:
+        """Whether what the step parks (a technique's layer inputs too) waits in host memory."""
+        return bool(getattr(options, "offload", False))
+
+    def parked(self, config, seq_len: int, options, item: int, batch: int) -> tuple[int, int]:
+        """(device, host) bytes the engine parks at its fullest, counted from the config: a
+        lower bound of its step beside the model states."""
+        return PARKED_NOTHING
+
+    def fragmentation(self, options) -> str:
+        """The allocator margin kind (``longtrain.plan.planner.FRAGMENTATION``) its steps see."""
+        if getattr(options, "offload", False) or getattr(options, "offload_inputs", False):
+            return "offload"
+        return "chunked" if self.chunk(options) else "whole"
+
+    def candidates(self, seq_len: int, host_memory: int | None, layers: int, every_chunk: bool,
+                   chunks: tuple[int, ...]) -> dict[str, dict]:
+        """The engine's variants a plan weighs: label -> options (a mapping)."""
+        return {}
+
+    def fit_to_host(self, config, seq_len: int, options, item: int, batch: int, room: int,
+                    sequence_parallel) -> tuple[tuple[str, str], Any] | None:
+        """Options whose host-dependent choices are made for ``room`` bytes of host memory:
+        ((label part replaced, its replacement), options); None where the candidate is
+        redundant then."""
+        return ("", ""), options
+
+    def in_longest_search(self, options) -> bool:
+        """Whether the longest-context search weighs this variant (it may park more than
+        another at the same chunk)."""
+        return True
+
+    def describe(self, work: StepWork, options) -> None:
+        """Set the facts of ``work`` the engine decides (recomputation, chunks, attention rate)."""
+
+    def add_work(self, work: StepWork, options) -> None:
+        """Add what the engine's schedule costs beyond the plain step."""
+
+
+class TechniqueCosts:
+    """A technique's costs; these defaults describe a technique that changes nothing a
+    plan weighs."""
+
+    decides_at_first_step = False  # it measures the model in its first step (no warm start of a simulation)
+    in_every_candidate = False  # a plan adds it to every candidate whose engine accepts it
+
+    def layers_apart_at_top(self, options) -> int:
+        """Top layers that run differently from the others."""
+        return 0
+
+    def small_options(self, options, layers: int, full: int):
+        """The options for a simulation of ``layers`` of the model's ``full`` layers."""
+        return options
+
+    def full_notes(self, options, notes: dict) -> None:
+        """Correct in place what small simulations noted to the full model's figures."""
+
+    def parked(self, config, seq_len: int, options, item: int, batch: int, engine_offloads: bool) -> tuple[int, int]:
+        """(device, host) bytes the technique parks at its fullest, counted from the config."""
+        return PARKED_NOTHING
+
+    def fragmentation(self, options) -> str | None:
+        """An allocator margin kind its steps need (the planner takes the largest)."""
+        return None
+
+    def with_host_budget(self, options, room: int):
+        """The options with their host budget cut to ``room`` bytes (what the optimizer
+        state leaves when it lives in host memory)."""
+        return options
+
+    def candidates(self, host_memory: int | None) -> dict[str, Any]:
+        """The technique's variants a plan weighs on the default engine: label -> options."""
+        return {}
+
+    def with_whole_layers(self, name: str, options, count: int) -> tuple[Any, str] | None:
+        """The options leaving the top ``count`` layers whole, and the label item naming
+        them; None where the technique cannot."""
+        return None
+
+    def added_automatically(self, device_type: str, model_type: str) -> str | None:
+        """Why ``--strategy auto`` adds it (same memory, faster) on this device; None: it does not."""
+        return None
+
+    def describe(self, work: StepWork, options) -> None:
+        """Set the facts of ``work`` the technique decides."""
+
+    def add_work(self, work: StepWork, options) -> None:
+        """Add what the technique costs beyond the plain step."""
+

@@ -1,0 +1,87 @@
+"""The strategies the planner weighs (:func:`candidates`: each technique's and each engine's
+variants, as their costs propose them) and their adjustments to the machine: host budgets
+beside AdamW's state in host memory, kept attention outputs within the host's room, and the
+technique that can leave top layers whole."""
+
+from __future__ import annotations
+
+from .. import registry
+from ..strategy import Strategy
+from .bounds import _engine_costs
+
+__all__ = [
+    "CHUNKS",
+    "candidates",
+    "host_budgets_beside_optimizer",
+    "outputs_kept_within",
+]
+
+
+CHUNKS = (8192, 16384, 32768)
+
+
+def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_chunk: bool = False,
+               chunks: tuple[int, ...] = CHUNKS) -> dict[str, Strategy]:
+    """The strategies the planner weighs at ``seq_len`` tokens: each technique's variants on
+    the default engine, then each engine's (``candidates`` of their costs), with the
+    techniques every candidate carries (MsT) where the engine takes them. ``every_chunk``:
+    every chunk size, however many chunks (for :func:`max_context`)."""
+    techniques = registry.techniques()
+    always = [name for name, technique in sorted(techniques.items()) if technique.costs.in_every_candidate]
+
+    def carried(accepts) -> dict:
+        return {name: True for name in always if name in accepts}
+
+    def label(head: str, extra: dict) -> str:
+        return ",".join([head, *extra])
+
+    found = {}
+    default = Strategy()
+    for name, technique in sorted(techniques.items()):
+        extra = carried(registry.engine(default.engine).accepts)
+        for variant, options in technique.costs.candidates(host_memory).items():
+            found[label(variant, extra)] = Strategy(**{name: options}, **extra)
+    for name, engine in sorted(registry.engines().items()):
+        extra = carried(engine.accepts)
+        for variant, options in engine.costs.candidates(seq_len, host_memory, layers, every_chunk, chunks).items():
+            found[label(variant, extra)] = Strategy(engine=name, engine_options=options, **extra)
+    return found
+
+
+def host_budgets_beside_optimizer(strategy: Strategy, room: int) -> Strategy:
+    """``strategy`` with its techniques' host budgets cut to ``room``: what AdamW's state and
+    master weights leave of the host when they live there."""
+    changed = {name: registry.technique(name).costs.with_host_budget(options, room)
+               for name, options in strategy.techniques.items()}
+    return _rebuilt(strategy, **changed)
+
+
+def outputs_kept_within(config, seq_len: int, strategy: Strategy, item: int, batch: int,
+                        room: int) -> tuple[tuple[str, str], Strategy] | None:
+    """((label part, its replacement), strategy) of a candidate whose host-dependent choices
+    are made for ``room`` bytes of host memory (FPDT's ``keep_output=fit`` made a count:
+    :meth:`~longtrain.costs.EngineCosts.fit_to_host`), or None where the candidate is then
+    redundant. Other candidates come back as they are."""
+    fitted = _engine_costs(strategy).fit_to_host(config, seq_len, strategy.engine_options, item, batch, room,
+                                                 strategy.sequence_parallel)
+    if fitted is None:
+        return None
+    relabel, options = fitted
+    if options is strategy.engine_options:
+        return relabel, strategy
+    return relabel, Strategy(engine=strategy.engine, engine_options=options,
+                             sequence_parallel=strategy.sequence_parallel, **strategy.techniques)
+
+
+def _leaves_layers_whole(strategy: Strategy) -> str | None:
+    """The technique of ``strategy`` that can leave top layers whole (checkpointing's
+    ``except_last``), or None."""
+    return next((name for name, options in strategy.techniques.items()
+                 if registry.technique(name).costs.with_whole_layers(name, options, 0) is not None), None)
+
+
+def _rebuilt(strategy: Strategy, sequence_parallel=None, **techniques) -> Strategy:
+    """``strategy`` with a sequence-parallel degree and/or techniques replaced."""
+    return Strategy(engine=strategy.engine, engine_options=strategy.engine_options,
+                    sequence_parallel=sequence_parallel or strategy.sequence_parallel,
+                    **{**strategy.techniques, **techniques})

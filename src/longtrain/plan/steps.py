@@ -1,0 +1,139 @@
+"""The planner's whole-length simulations of one step (:func:`simulate_step`), cached in the
+process — a candidate is simulated once however often a plan or a longest-context search
+asks — and read from a chunk curve (:func:`chunk_curve_of`) where a chunked engine's length
+is whole chunks; :class:`_Simulations` runs them in worker processes."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Callable
+
+from ..strategy import Strategy
+from .extrapolate import _chunk_axis
+from .simulate import chunk_curve, simulate
+
+__all__ = [
+    "chunk_curve_of",
+    "simulate_step",
+]
+
+
+_SIMULATIONS: dict[tuple, tuple[int, int, dict]] = {}  # simulate_step's results in this process
+_CURVES: dict[tuple, object] = {}  # chunk_curve's results (a ChunkCurve or None) in this process
+
+
+def _key(config, seq_len, strategy: Strategy, dtype, batch, optimizer, lora_rank) -> tuple:
+    return (json.dumps(config.to_dict(), sort_keys=True, default=str), seq_len, strategy.to_json(), str(dtype), batch,
+            optimizer, lora_rank)
+
+
+def _iterations(optimizer: str) -> int | None:
+    # One step suffices where no optimizer state lives on the device between steps (or where the
+    # optimizer creates it on the host in its first step); LoRA's adapters keep theirs on the device.
+    return 1 if optimizer in ("none", "adamw-offload") else None
+
+
+def chunk_curve_of(config, strategy: Strategy, dtype: str, batch: int = 1, optimizer: str = "none",
+                   lora_rank: int | None = None, progress: Callable[[str], None] | None = None):
+    """:func:`~longtrain.plan.simulate.chunk_curve` of a planned step (cached in the process):
+    the peaks at every length of whole chunks from one set of small simulations."""
+    key = _key(config, 0, strategy, dtype, batch, optimizer, lora_rank)
+    if key not in _CURVES:
+        _CURVES[key] = chunk_curve(config, strategy, batch_size=batch, optimizer=optimizer, dtype=dtype,
+                                   lora_rank=lora_rank, iterations=_iterations(optimizer), progress=progress)
+    return _CURVES[key]
+
+
+def simulate_step(config, seq_len: int, strategy: Strategy, dtype: str, batch: int = 1, optimizer: str = "none",
+                  lora_rank: int | None = None) -> tuple[int, int, dict]:
+    """(device peak, host peak, notes) of one step at ``seq_len`` tokens; with
+    ``optimizer="none"`` without optimizer state, with ``"adamw-offload"`` with its host
+    state and streamed gradients. Cached in the process.
+
+    Always the whole length: the simulator extends each phase's peak from a few layers and
+    chunks itself (plan/extrapolate.py), so a step of an 8B model costs seconds to half a minute at
+    any length; a chunked engine at a length of whole chunks reads its
+    :func:`chunk_curve_of`, which shares those small simulations between lengths. (A line
+    through the peaks at two and four FPDT chunks, used here before, underestimated long
+    contexts: the peak moves from one phase to another as the length grows — Llama-3-8B,
+    fpdt:chunk=8192:segment=6 with the gradients on the device, 32.14 / 32.40 / 35.88 /
+    42.94 / 63.32 GiB at 16K / 32K / 128K / 256K / 512K tokens, 17 KB per token at first
+    and 84 KB at the end.)"""
+    key = _key(config, seq_len, strategy, dtype, batch, optimizer, lora_rank)
+    if key not in _SIMULATIONS:
+        _SIMULATIONS[key] = _simulate_step(config, seq_len, strategy, dtype, batch, optimizer, lora_rank)
+    return _SIMULATIONS[key]
+
+
+def _simulate_step(config, seq_len, strategy: Strategy, dtype, batch, optimizer, lora_rank) -> tuple[int, int, dict]:
+    axis = _chunk_axis(config, seq_len, strategy)
+    if axis is not None and axis.offset == 0 and axis.target >= axis.first + 3:
+        curve = chunk_curve_of(config, strategy, dtype, batch, optimizer, lora_rank)
+        if curve is not None and axis.target >= curve.fewest:
+            device, host = curve.peaks(axis.target)
+            return device, host, curve.notes
+    config = copy.deepcopy(config)
+    report = simulate(config, seq_len, batch_size=batch, strategy=strategy, optimizer=optimizer, dtype=dtype,
+                      iterations=_iterations(optimizer), lora_rank=lora_rank)
+    return report.device_peak_bytes, report.peak.peak_host_bytes, dict(report.notes)
+
+
+def _simulate_elsewhere(config_json: str, seq_len: int, strategy_json: str, dtype, batch, optimizer, lora_rank):
+    """simulate_step in a worker process (plan's ``jobs``), and the chunk curves it made on
+    the way: the parent caches them, so ``--longest`` searches them without simulating again."""
+    from transformers import AutoConfig
+
+    data = json.loads(config_json)
+    config = AutoConfig.for_model(data.pop("model_type"), **data)
+    before = set(_CURVES)
+    result = _simulate_step(config, seq_len, Strategy.from_json(strategy_json), dtype, batch, optimizer, lora_rank)
+    return result, {key: curve and curve.peaks_only() for key, curve in _CURVES.items() if key not in before}
+
+
+class _Simulations:
+    """The planned candidates' simulations (:func:`simulate_step`), in ``workers`` processes
+    when more than one: an 8B candidate takes up to half a minute of one core, so a plan on two cores
+    answers in about half the time. Results are cached in this process as simulate_step's."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.futures: dict[tuple, object] = {}
+        self.executor = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.executor is not None:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+
+    def started(self, args) -> bool:
+        return _key(*args) in self.futures or _key(*args) in _SIMULATIONS
+
+    def start(self, args) -> bool:
+        """Start simulating ``args`` (simulate_step's) in a worker; False if started or known already."""
+        if self.started(args):
+            return False
+        if self.workers > 1:
+            if self.executor is None:
+                import concurrent.futures
+                import multiprocessing
+
+                # spawn: a fresh interpreter, not a fork of one that may hold threads.
+                self.executor = concurrent.futures.ProcessPoolExecutor(
+                    self.workers, mp_context=multiprocessing.get_context("spawn"))
+            config, seq_len, strategy, *rest = args
+            config_json = json.dumps(config.to_dict(), default=str)
+            self.futures[_key(*args)] = self.executor.submit(_simulate_elsewhere, config_json, seq_len,
+                                                             strategy.to_json(), *rest)
+        return True
+
+    def result(self, args) -> tuple[int, int, dict]:
+        key = _key(*args)
+        future = self.futures.pop(key, None)
+        if future is not None and key not in _SIMULATIONS:
+            _SIMULATIONS[key], curves = future.result()
+            for curve_key, curve in curves.items():
+                _CURVES.setdefault(curve_key, curve)
+        return simulate_step(*args)
