@@ -39,7 +39,7 @@ def _fpdt(mst, **options) -> lt.Strategy:
 
 
 def _strategies(chunk: int) -> dict[str, lt.Strategy]:
-    mst = lt.MsT()
+    mst = lt.MsTOptions()
     return {
         "checkpoint+mst": lt.Strategy(checkpoint=True, mst=mst),
         "chunked": _fpdt(mst, chunk=chunk),
@@ -127,10 +127,10 @@ def chunk_sweep(seq_len=8192, chunks=(256, 512, 1024, 2048, 4096, 8192), repeats
     ratios to checkpointing + MsT (whole-sequence attention)."""
     torch.manual_seed(0)
     batch = {"input_ids": torch.randint(0, SMALL["vocab_size"], (1, seq_len))}
-    cases = {"checkpoint+mst": lt.Strategy(checkpoint=True, mst=lt.MsT())}
+    cases = {"checkpoint+mst": lt.Strategy(checkpoint=True, mst=lt.MsTOptions())}
     for c in chunks:
         for offload in (False, True):
-            cases[(c, offload)] = _fpdt(lt.MsT(), chunk=c, offload=offload)
+            cases[(c, offload)] = _fpdt(lt.MsTOptions(), chunk=c, offload=offload)
     models = {}
     for key, strategy in cases.items():
         torch.manual_seed(0)

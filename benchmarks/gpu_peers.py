@@ -189,7 +189,7 @@ CASES = [
     Case("lt:fpdt+inputs+fit+mst+liger", "longtrain", lambda n: _fpdt(n, liger=True, offload_inputs=True, keep_output="fit")),
     # Memo: attention once, other activations swapped to host memory by token (alpha measured
     # in the warm-up step), no layer recomputed where the host link hides the copies.
-    Case("lt:memo+mst", "longtrain", lambda n: lt.Strategy(memo=lt.Memo(), mst=True)),
+    Case("lt:memo+mst", "longtrain", lambda n: lt.Strategy(memo=lt.MemoOptions(), mst=True)),
     Case("lt:seco+checkpoint+mst", "longtrain",
          lambda n: lt.Strategy(engine="seco", engine_options={"chunk": _fpdt_chunk(n) // 2, "offload": True},
                                checkpoint=True, mst=True)),

@@ -93,7 +93,7 @@ def write(rows: list[dict], smoke: bool = False, out: str | None = None) -> None
                ("anchor", "anchors (their figures)")]
     notes = """Simulated, not measured: the longest context of any candidate strategy of `longtrain plan`
 (FPDT at 8K-token chunks with checkpoint segments, with and without offload; checkpointing + MsT;
-Memo + MsT), found by a search over whole-length simulations on fake tensors (plan/longest.py: FPDT
+Memo + MsT), found by a search over whole-length simulations on fake tensors (plan/longest.py: FPDTOptions
 exact to the chunk, the others within 1/64), the device side with the allocator's fragmentation margin
 measured on the H100; host memory 128 GB = 119.2 GiB; the H200's usable memory taken as 139 GiB).
 "Either place" weighs AdamW on the device (bf16 moments, no fp32 masters) against AdamW in host memory

@@ -98,10 +98,10 @@ def planner() -> None:
     cases = [
         ("Llama layer, 1K tokens, fp32 (exact)", preset_config("demo", num_hidden_layers=1), 1024, lt.Strategy(), False),
         ("Llama layer + memo α=0.5, 1K (exact)", preset_config("demo", num_hidden_layers=1), 1024,
-         lt.Strategy(memo=lt.Memo(alpha=0.5, keep_last=0)), False),
+         lt.Strategy(memo=lt.MemoOptions(alpha=0.5, keep_last=0)), False),
         ("Llama-3-8B, 4K, checkpoint (simulated)", preset_config("llama3-8b"), 4096, lt.Strategy(checkpoint=True), True),
         ("Llama-3-8B, 4K, memo+mst (simulated)", preset_config("llama3-8b"), 4096,
-         lt.Strategy(memo=lt.Memo(alpha=0.5), mst=True), True),
+         lt.Strategy(memo=lt.MemoOptions(alpha=0.5), mst=True), True),
     ]
     rows = []
     for name, config, tokens, strategy, fake in cases:

@@ -79,7 +79,7 @@ def strategies(chunk: int) -> dict[str, lt.Strategy]:
         "checkpoint": lt.Strategy(checkpoint=True),
         "checkpoint,mst": lt.Strategy(checkpoint=True, mst=True),
         "checkpoint:offload_inputs,mst": lt.Strategy(checkpoint={"offload_inputs": True}, mst=True),
-        "memo,mst (alpha 1)": lt.Strategy(memo=lt.Memo(alpha=1.0), mst=True),
+        "memo,mst (alpha 1)": lt.Strategy(memo=lt.MemoOptions(alpha=1.0), mst=True),
         "fpdt,mst": lt.Strategy(engine="fpdt", engine_options=fpdt, mst=True),
         "fpdt:recompute_kv=false,mst": lt.Strategy(engine="fpdt", engine_options={**fpdt, "recompute_kv": False}, mst=True),
         "fpdt:keep_output,mst": lt.Strategy(engine="fpdt", engine_options={**fpdt, "keep_output": True}, mst=True),

@@ -36,7 +36,7 @@ with MemoryTracker(model, optimizer) as tracker:
 
 # 3. Longer than the device holds: the fpdt engine (chunked attention) parks K/V and layer
 #    inputs in host memory (exact gradients); the report shows what moved to the host.
-long_strategy = lt.Strategy(engine="fpdt", engine_options=lt.FPDT(chunk=512, offload=True), mst=lt.MsT())
+long_strategy = lt.Strategy(engine="fpdt", engine_options=lt.FPDTOptions(chunk=512, offload=True), mst=lt.MsTOptions())
 long_model = lt.apply(build_from_config(preset_config("tiny-llama")), long_strategy)
 with MemoryTracker(long_model) as tracker:
     lt.step(long_model, {"input_ids": torch.randint(0, 256, (1, 4096))}, long_strategy)

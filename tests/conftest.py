@@ -91,6 +91,19 @@ def stock_lora_and_ours(preset: str, rank: int = 4, head: bool = False):
     return stock, ours
 
 
+def third_padded_batch(vocab: int, length: int, left: bool = False, seed: int = 1) -> dict:
+    """Batch 2: row 0 full, row 1 padded by a third (right or left), no labels on padding."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, length), generator=generator)
+    mask = torch.ones_like(ids)
+    pad = length // 3
+    if left:
+        mask[1, :pad] = 0
+    else:
+        mask[1, length - pad:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
 def stock_loss(model, batch) -> torch.Tensor:
     """Plain PyTorch: the stock model's logits (its own masks, position ids, soft-caps and
     logit scales) and F.cross_entropy in the logits' dtype (the Hugging Face loss would
@@ -149,25 +162,25 @@ BATCHES = {
 STRATEGIES = {
     "backprop": lambda: lt.Strategy(),
     "checkpoint": lambda: lt.Strategy(checkpoint=True),
-    "mst": lambda: lt.Strategy(mst=lt.MsT(loss_chunks=3, mlp_chunk=37)),
-    "checkpoint+mst": lambda: lt.Strategy(checkpoint=True, mst=lt.MsT(loss_chunks=3)),
+    "mst": lambda: lt.Strategy(mst=lt.MsTOptions(loss_chunks=3, mlp_chunk=37)),
+    "checkpoint+mst": lambda: lt.Strategy(checkpoint=True, mst=lt.MsTOptions(loss_chunks=3)),
     "fpdt": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 23}),
     "fpdt+offload+mst": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "offload": True, "prefetch": 2},
-                                            mst=lt.MsT(loss_chunks=3)),
+                                            mst=lt.MsTOptions(loss_chunks=3)),
     "fpdt+offload,kv-kept": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "offload": True, "recompute_kv": False}),
     # Attention outputs kept per chunk in the lowest layer (keep_output=1 of the 2): its
     # recomputation never attends again, the layer above's does.
     "fpdt+offload,output-kept+mst": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "offload": True,
                                                                                        "keep_output": 1},
-                                                        mst=lt.MsT(loss_chunks=3)),
+                                                        mst=lt.MsTOptions(loss_chunks=3)),
     # Segments of two layers: only layer 0's input (its embeddings) parked; backward recomputes layer 1's.
     "fpdt+segment+offload": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "offload": True, "segment": 2}),
     "seco": lambda: lt.Strategy(engine="seco", engine_options={"chunk": 23}),
     "seco+offload+checkpoint+mst": lambda: lt.Strategy(engine="seco", engine_options={"chunk": 40, "offload": True, "prefetch": 2},
-                                                       checkpoint=True, mst=lt.MsT(loss_chunks=3)),
+                                                       checkpoint=True, mst=lt.MsTOptions(loss_chunks=3)),
     "seco+checkpoint": lambda: lt.Strategy(engine="seco", engine_options={"chunk": 23}, checkpoint=True),
     # Memo: 30% of the tokens swapped (layer 0 to host; the last layer keeps them on the device).
-    "memo+mst": lambda: lt.Strategy(memo=lt.Memo(alpha=0.3, keep_last=1), mst=lt.MsT(loss_chunks=3, mlp_chunk=37)),
+    "memo+mst": lambda: lt.Strategy(memo=lt.MemoOptions(alpha=0.3, keep_last=1), mst=lt.MsTOptions(loss_chunks=3, mlp_chunk=37)),
     # SpaCO with a budget of at least the chunk count backpropagates every chunk: exact.
     "spaco(every chunk)": lambda: lt.Strategy(engine="spaco", engine_options={"chunk": 40, "budget": 8}),
 }

@@ -1,4 +1,4 @@
-"""Run under ``torchrun --nproc-per-node R``: Ulysses sequence parallelism (degree P) with
+"""Run under ``torchrun --nproc-per-node R``: UlyssesOptions sequence parallelism (degree P) with
 FSDP2 over R gloo processes against one process of stock Hugging Face autograd, in
 float64. Every case builds the stock model and ours with the same weights on every rank;
 the stock model steps on the whole batch (every data-parallel group's micro-batches
@@ -61,7 +61,7 @@ def strategy(name: str, degree: int) -> lt.Strategy:
         name, compute = name[:-len("/bf16")], "bfloat16"
     engines = {
         "backprop": ("backprop", None, {}),
-        "checkpoint+mst": ("backprop", None, {"checkpoint": True, "mst": lt.MsT(loss_chunks=3)}),
+        "checkpoint+mst": ("backprop", None, {"checkpoint": True, "mst": lt.MsTOptions(loss_chunks=3)}),
         "fpdt+offload+mst": ("fpdt", {"chunk": 16, "offload": True, "prefetch": 2}, {"mst": True}),
         "fpdt64+offload+mst": ("fpdt", {"chunk": 64, "offload": True, "prefetch": 2}, {"mst": True}),
         "seco+checkpoint": ("seco", {"chunk": 13}, {"checkpoint": True}),
@@ -81,7 +81,7 @@ def run_case(model_kind: str, batch_kind: str, engine: str, degree: int, lora: b
         stock, ours = add_lora(stock, rank=4), add_lora(ours, rank=4)
         randomize_lora(stock)
         ours.load_state_dict(stock.state_dict())
-    if engine.endswith("/bf16-params"):  # bf16 parameters, sharded as they are: FPDT sums their chunk gradients in float32
+    if engine.endswith("/bf16-params"):  # bf16 parameters, sharded as they are: FPDTOptions sums their chunk gradients in float32
         ours.to(torch.bfloat16)
     every = [b for g in range(dp) for b in batches(batch_kind, g, dp)]
     mine = batches(batch_kind, dp_rank, dp)

@@ -22,7 +22,7 @@ from longtrain.models.presets import preset_config
 from longtrain.ops.linear_scan import adjoint_states, diagonal_recurrence, linear_scan
 from longtrain.ops.loss import causal_lm_loss
 
-from conftest import grads, max_rel_error
+from conftest import grads, max_rel_error, third_padded_batch
 
 
 def ssm_pair(layers: int = 3, dtype=torch.float64, seed: int = 0, **overrides):
@@ -37,16 +37,7 @@ def ssm_pair(layers: int = 3, dtype=torch.float64, seed: int = 0, **overrides):
 
 
 def padded(length: int, left: bool = False, seed: int = 1):
-    """Batch 2: row 0 full, row 1 padded by a third (right or left)."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 320, (2, length), generator=generator)
-    mask = torch.ones_like(ids)
-    pad = length // 3
-    if left:
-        mask[1, :pad] = 0
-    else:
-        mask[1, length - pad:] = 0
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    return third_padded_batch(320, length, left, seed)
 
 
 def rel(x: torch.Tensor, y: torch.Tensor) -> float:

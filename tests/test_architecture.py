@@ -8,6 +8,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 
 SOURCE = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "longtrain"
@@ -152,8 +154,6 @@ def test_docs_and_code_speak_of_the_project_only():
 def test_renamed_names_still_import_with_one_warning():
     import warnings
 
-    import pytest
-
     from longtrain.engines import batch
 
     with pytest.warns(FutureWarning, match="Sequence is now PreparedBatch"):
@@ -163,3 +163,15 @@ def test_renamed_names_still_import_with_one_warning():
         assert batch.Sequence is batch.PreparedBatch  # once only
     with pytest.raises(AttributeError):
         batch.NoSuchName
+
+
+@pytest.mark.parametrize("old, new", [("FPDT", "FPDTOptions"), ("MsT", "MsTOptions"), ("Memo", "MemoOptions"),
+                                      ("Ulysses", "UlyssesOptions")])
+def test_options_classes_share_one_naming_scheme_and_the_old_names_warn(old, new):
+    """Every options class is <Name>Options; the earlier names still work, with a warning."""
+    import longtrain as lt
+
+    with pytest.warns(FutureWarning, match=f"{old} is now {new}"):
+        assert getattr(lt, old) is getattr(lt, new)
+    assert all(name.endswith("Options") for name in lt.__all__ if name[0].isupper() and name not in
+               ("LongtrainError", "Strategy"))

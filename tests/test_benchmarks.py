@@ -61,7 +61,7 @@ def test_a_case_longtrain_refuses_is_reported_as_refused_not_a_crash():
     import gpu_peers
     import longtrain as lt
 
-    case = gpu_peers.Case("lt:memo-tiny-host", "longtrain", lambda n: lt.Strategy(memo=lt.Memo(host_memory=1024), mst=True))
+    case = gpu_peers.Case("lt:memo-tiny-host", "longtrain", lambda n: lt.Strategy(memo=lt.MemoOptions(host_memory=1024), mst=True))
     config = gpu_peers._config("tiny-llama", [128])
     row = gpu_peers.run_case(case, config, 128, torch.device("cpu"), torch.float32, repeats=1, warmup=0)
     assert row["status"].startswith("refused: memo keeps every layer's input and attention output in host memory")
@@ -83,7 +83,7 @@ def test_a_case_killed_by_sigkill_is_reported_as_out_of_host_memory(monkeypatch)
 
 
 def test_step_work_counts_fpdt_matmuls_as_checkpointing_and_writes_its_report(tmp_path):
-    """benchmarks/step_work.py at toy size: FPDT without the K/V re-park does exactly layer
+    """benchmarks/step_work.py at toy size: FPDTOptions without the K/V re-park does exactly layer
     checkpointing's matmul work (its recomputed layers skip the MLP output nobody reads, its
     head runs backward in the forward pass); kept outputs run each attention block forward once."""
     sys.path.insert(0, str(ROOT / "benchmarks"))

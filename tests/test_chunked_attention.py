@@ -322,10 +322,10 @@ def test_cudnn_kernel_argument_conventions_on_fake_cuda_tensors(monkeypatch):
     layout only)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from longtrain.ops.attention_blocks import _cudnn_lse_is_4d, block_backward, block_forward
+    from longtrain.ops.attention_blocks import cudnn_lse_is_4d, block_backward, block_forward
 
     _pretend_gpu(monkeypatch, capability=(9, 0))
-    lse_4d = _cudnn_lse_is_4d()  # read from the op's meta kernel once (not recorded below)
+    lse_4d = cudnn_lse_is_4d()  # read from the op's meta kernel once (not recorded below)
     with FakeTensorMode():
         # (fake CUDA tensors on a CPU-only build cannot be copied: contiguous inputs here)
         q = torch.empty(1, 4, 48, 64, dtype=torch.bfloat16, device="cuda")
@@ -583,8 +583,8 @@ def test_a_single_key_block_avoids_cudnn(monkeypatch):
     from longtrain.ops import attention_blocks as blocks
 
     monkeypatch.setattr(blocks, "attention_kernel", lambda *a: "cudnn")
-    monkeypatch.setattr(blocks, "_supports", lambda kernel, *a: kernel in ("cudnn", "flash"))
+    monkeypatch.setattr(blocks, "kernel_supported", lambda kernel, *a: kernel in ("cudnn", "flash"))
     q = torch.empty(1, 4, 3, 64, device="meta", dtype=torch.bfloat16)
     one, two = (torch.empty(1, 2, n, 64, device="meta", dtype=torch.bfloat16) for n in (1, 2))
-    assert blocks._fused_kernel(q, one, None, None) == "flash"
-    assert blocks._fused_kernel(q, two, None, None) == "cudnn"
+    assert blocks.block_kernel(q, one, None, None) == "flash"
+    assert blocks.block_kernel(q, two, None, None) == "cudnn"

@@ -251,8 +251,8 @@ def _model():
 API_PROBES = [
     ("Strategy.parse of a list", lambda: lt.Strategy.parse(["checkpoint"]), "a strategy is a Strategy"),
     ("engine not a string", lambda: lt.Strategy.parse("none", engine=5), "an engine is a name"),
-    ("boolean as text", lambda: lt.FPDT(offload="no"), "offload must be true or false"),
-    ("ChunkedAttention", lambda: lt.ChunkedAttention, "now longtrain.FPDT"),
+    ("boolean as text", lambda: lt.FPDTOptions(offload="no"), "offload must be true or false"),
+    ("ChunkedAttention", lambda: lt.ChunkedAttention, "now longtrain.FPDTOptions"),
     ("list input_ids", lambda: lt.step(_model(), {"input_ids": [[1, 2, 3]]}), "input_ids must be a (batch, seq_len) tensor"),
     ("float input_ids", lambda: lt.step(_model(), {"input_ids": torch.ones(1, 8)}), "integer token ids"),
     ("ids outside the vocabulary", lambda: lt.step(_model(), {"input_ids": torch.full((1, 8), 999)}),
@@ -317,7 +317,7 @@ def test_fuzz_strategy_files(data):
 def _options_classes():
     from longtrain.engines.adjoint import AdjointOptions
 
-    return [lt.FPDT, lt.SeCOOptions, lt.SpaCOOptions, lt.MsT, lt.Memo, lt.Ulysses, AdjointOptions]
+    return [lt.FPDTOptions, lt.SeCOOptions, lt.SpaCOOptions, lt.MsTOptions, lt.MemoOptions, lt.UlyssesOptions, AdjointOptions]
 
 
 @FUZZ

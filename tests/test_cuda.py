@@ -34,7 +34,7 @@ BF16_FACTOR = 1.5
 CUDA_STRATEGIES = {
     "backprop": lambda: lt.Strategy(),
     "checkpoint": lambda: lt.Strategy(checkpoint=True),
-    "mst": lambda: lt.Strategy(mst=lt.MsT(loss_chunks=4)),
+    "mst": lambda: lt.Strategy(mst=lt.MsTOptions(loss_chunks=4)),
     "checkpoint+mst": lambda: lt.Strategy(checkpoint=True, mst=True),  # attention kept in pinned host memory
     "checkpoint(recompute attention)": lambda: lt.Strategy(checkpoint={"keep_attention": False}),
     "checkpoint(top layer whole)+mst": lambda: lt.Strategy(checkpoint={"except_last": 1}, mst=True),
@@ -55,10 +55,10 @@ CUDA_STRATEGIES = {
                                                                                    "keep_output": True}),
     "fpdt+offload,segments": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 300, "offload": True,
                                                                                 "segment": 2}),
-    "memo(α=0)": lambda: lt.Strategy(memo=lt.Memo(alpha=0.0, keep_last=0)),
-    "memo(α=0.3)+mst": lambda: lt.Strategy(memo=lt.Memo(alpha=0.3, keep_last=1), mst=True),
-    "memo(α=1)": lambda: lt.Strategy(memo=lt.Memo(alpha=1.0, keep_last=0)),
-    "memo(auto)": lambda: lt.Strategy(memo=lt.Memo(host_memory="8GiB")),
+    "memo(α=0)": lambda: lt.Strategy(memo=lt.MemoOptions(alpha=0.0, keep_last=0)),
+    "memo(α=0.3)+mst": lambda: lt.Strategy(memo=lt.MemoOptions(alpha=0.3, keep_last=1), mst=True),
+    "memo(α=1)": lambda: lt.Strategy(memo=lt.MemoOptions(alpha=1.0, keep_last=0)),
+    "memo(auto)": lambda: lt.Strategy(memo=lt.MemoOptions(host_memory="8GiB")),
 }
 PRESETS = ["tiny-llama", "tiny-gemma2"]
 
@@ -343,9 +343,9 @@ def test_adjoint_on_cuda_equals_float64_autograd():
 # ---- issue 13: every attention kernel the device has, and the head's float32 accumulation ----
 
 def _kernel_available(kernel: str, head_dim: int = 128) -> bool:
-    from longtrain.ops.attention_blocks import _supports
+    from longtrain.ops.attention_blocks import kernel_supported
 
-    return _supports(kernel, torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, head_dim)
+    return kernel_supported(kernel, torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, head_dim)
 
 
 @pytest.fixture
@@ -492,7 +492,7 @@ def test_bf16_head_weight_gradient_accumulates_in_float32_on_cuda():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the fallback warns
         chunked_causal_lm_loss(x, w, labels, chunks=8).backward()
-    assert not gemm._dtype_addmm_fails
+    assert not gemm.addmm_fallback_devices()
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     chunked_causal_lm_loss(x64, w64, labels, chunks=8).backward()
     assert float((w.grad.double() - w64.grad).norm() / w64.grad.norm()) < 1e-2
@@ -522,7 +522,7 @@ def test_bf16_tiled_mlp_weight_gradients_accumulate_in_float32_on_cuda():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the fallback warns
         tiled = torch.autograd.grad(tiled_mlp(half, x.bfloat16(), params, 512, module=half), params, grad_out.bfloat16())
-    assert not gemm._dtype_addmm_fails
+    assert not gemm.addmm_fallback_devices()
     for ours, theirs, want in zip(tiled, stock, expected):
         assert ours.dtype == torch.bfloat16
         assert float((ours.double() - want).norm() / want.norm()) <= 1.1 * float((theirs.double() - want).norm() / want.norm())

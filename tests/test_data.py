@@ -257,7 +257,7 @@ def test_documents_packing_is_the_joined_and_cut_layout(tmp_path):
     windows = TokenWindows(data, ByteTokenizer(), 4, packing="documents")
     a, b, c, d, e, f, eos = *b"abcdef", ByteTokenizer.EOS
     assert windows.windows.tolist() == [[a, b, eos, c], [d, e, eos, f]]
-    assert [windows._window(row)["labels"].tolist() for row in range(2)] == [[-100, b, eos, -100], [-100, e, eos, -100]]
+    assert [windows.window(row)["labels"].tolist() for row in range(2)] == [[-100, b, eos, -100], [-100, e, eos, -100]]
     assert windows.positions.tolist() == [[0, 1, 2, 0], [0, 1, 2, 0]]
 
 

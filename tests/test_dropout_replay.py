@@ -22,21 +22,21 @@ from conftest import computes_in_float64, grads, llama_norm_in_float64, max_rel_
 P = 0.1  # lora_dropout of most published recipes is 0.05-0.1
 
 RECOMPUTING = {
-    "mst": lambda: lt.Strategy(mst=lt.MsT(loss_chunks=3, mlp_chunk=37)),
+    "mst": lambda: lt.Strategy(mst=lt.MsTOptions(loss_chunks=3, mlp_chunk=37)),
     "checkpoint": lambda: lt.Strategy(checkpoint=True),
-    "checkpoint+mst": lambda: lt.Strategy(checkpoint=True, mst=lt.MsT(loss_chunks=3, mlp_chunk=37)),
-    "memo(0.3)": lambda: lt.Strategy(memo=lt.Memo(alpha=0.3, keep_last=0)),
-    "memo(0.6)+mst": lambda: lt.Strategy(memo=lt.Memo(alpha=0.6, keep_last=1), mst=lt.MsT(loss_chunks=3, mlp_chunk=37)),
-    "memo(0)+mst": lambda: lt.Strategy(memo=lt.Memo(alpha=0.0, keep_last=0), mst=lt.MsT(mlp_chunk=37)),
+    "checkpoint+mst": lambda: lt.Strategy(checkpoint=True, mst=lt.MsTOptions(loss_chunks=3, mlp_chunk=37)),
+    "memo(0.3)": lambda: lt.Strategy(memo=lt.MemoOptions(alpha=0.3, keep_last=0)),
+    "memo(0.6)+mst": lambda: lt.Strategy(memo=lt.MemoOptions(alpha=0.6, keep_last=1), mst=lt.MsTOptions(loss_chunks=3, mlp_chunk=37)),
+    "memo(0)+mst": lambda: lt.Strategy(memo=lt.MemoOptions(alpha=0.0, keep_last=0), mst=lt.MsTOptions(mlp_chunk=37)),
     "fpdt": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 23}),
-    "fpdt+offload+mst": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "offload": True}, mst=lt.MsT(loss_chunks=3)),
+    "fpdt+offload+mst": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "offload": True}, mst=lt.MsTOptions(loss_chunks=3)),
     "fpdt,output-kept+mst": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "offload": True, "keep_output": 1},
-                                                mst=lt.MsT(loss_chunks=3)),
+                                                mst=lt.MsTOptions(loss_chunks=3)),
     "fpdt,segment": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "offload": True, "segment": 2}),
     "fpdt,kv-kept": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40, "recompute_kv": False}),
     "seco": lambda: lt.Strategy(engine="seco", engine_options={"chunk": 23}),
     "seco+checkpoint+mst": lambda: lt.Strategy(engine="seco", engine_options={"chunk": 40, "offload": True},
-                                               checkpoint=True, mst=lt.MsT(loss_chunks=3, mlp_chunk=29)),
+                                               checkpoint=True, mst=lt.MsTOptions(loss_chunks=3, mlp_chunk=29)),
     "spaco(every chunk)": lambda: lt.Strategy(engine="spaco", engine_options={"chunk": 40, "budget": 8}),
 }
 # Whose forward draws every mask as stock's does (the tiled MLP draws tile by tile: stock's
@@ -44,7 +44,7 @@ RECOMPUTING = {
 STOCK_ORDER = {
     "backprop": lambda: lt.Strategy(),
     "checkpoint": RECOMPUTING["checkpoint"],
-    "memo(1)": lambda: lt.Strategy(memo=lt.Memo(alpha=1.0, keep_last=0)),
+    "memo(1)": lambda: lt.Strategy(memo=lt.MemoOptions(alpha=1.0, keep_last=0)),
     "mst(attention adapters)": RECOMPUTING["mst"],
     "checkpoint+mst(attention adapters)": RECOMPUTING["checkpoint+mst"],
 }
@@ -212,6 +212,6 @@ def test_a_dropout_after_a_tiled_mlp_that_draws(strategy):
     ours = lora_with_dropout(ours)
     randomize_lora(ours)
     lt.apply(ours, lt.Strategy(engine=RECOMPUTING[strategy]().engine, engine_options=RECOMPUTING[strategy]().engine_options,
-                               **{**RECOMPUTING[strategy]().techniques, "mst": lt.MsT(loss_chunks=3, mlp_chunk=16)}))
+                               **{**RECOMPUTING[strategy]().techniques, "mst": lt.MsTOptions(loss_chunks=3, mlp_chunk=16)}))
     with in_float64():
         check_directional_derivatives(ours, padded_batch(config.vocab_size, lengths=(101, 80)), directions=1)

@@ -101,7 +101,7 @@ def test_lora_on_the_head_is_refused_by_msts_chunked_head():
     with pytest.raises(lt.LongtrainError, match="plain linear layer.*LoRA on lm_head.*mst:head=false"):
         lt.apply(ours, lt.Strategy(mst=True))
     _, ours = stock_lora_and_ours("tiny-llama", head=True)
-    lt.apply(ours, lt.Strategy(mst=lt.MsT(head=False)))  # tiled MLPs alone are fine
+    lt.apply(ours, lt.Strategy(mst=lt.MsTOptions(head=False)))  # tiled MLPs alone are fine
 
 
 UNSUPPORTED = {

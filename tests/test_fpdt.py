@@ -79,7 +79,7 @@ def test_the_recomputed_layer_does_not_compute_its_mlp_output(preset, passes, mo
         for name, module in model.named_modules():
             if name.endswith("mlp.down_proj"):
                 module.register_forward_hook(lambda m, i, o: tokens.append(i[0].numel() // i[0].shape[-1]))
-        lt.apply(model, lt.Strategy(engine="fpdt", engine_options={"chunk": 32, "recompute_kv": False}, mst=lt.MsT(mlp_chunk=16)))
+        lt.apply(model, lt.Strategy(engine="fpdt", engine_options={"chunk": 32, "recompute_kv": False}, mst=lt.MsTOptions(mlp_chunk=16)))
         return model
 
     batch = {"input_ids": torch.randint(0, config.vocab_size, (1, seq))}
@@ -110,7 +110,7 @@ def test_the_head_forms_its_logits_once_per_chunk_and_backpropagates_in_the_forw
 
     config = preset_config("tiny-llama", num_hidden_layers=2)
     model = build_from_config(config, torch.float32)
-    lt.apply(model, lt.Strategy(engine="fpdt", engine_options={"chunk": 32, "offload": True}, mst=lt.MsT(loss_chunks=1)))
+    lt.apply(model, lt.Strategy(engine="fpdt", engine_options={"chunk": 32, "offload": True}, mst=lt.MsTOptions(loss_chunks=1)))
     batch = {"input_ids": torch.randint(0, config.vocab_size, (2, 80))}
     with Count():
         loss = lt.step(model, batch)
@@ -359,16 +359,16 @@ def test_host_budget_too_small_is_refused_before_the_step():
 
 def test_bad_options_get_one_clear_line():
     with pytest.raises(lt.LongtrainError, match="fpdt chunk must be a positive integer"):
-        lt.FPDT(chunk=0)
+        lt.FPDTOptions(chunk=0)
     with pytest.raises(lt.LongtrainError, match="cannot read size"):
-        lt.FPDT(host_memory="lots")
+        lt.FPDTOptions(host_memory="lots")
     with pytest.raises(lt.LongtrainError, match="offload must be true or false, got 'no'"):
-        lt.FPDT(offload="no")  # a string is not quietly taken as true
+        lt.FPDTOptions(offload="no")  # a string is not quietly taken as true
     with pytest.raises(lt.LongtrainError, match="fpdt engine already recomputes every layer.*drop 'checkpoint'"):
         lt.Strategy(engine="fpdt", checkpoint=True)
     with pytest.raises(lt.LongtrainError, match="now the 'fpdt' engine: write --engine fpdt"):
         lt.Strategy.parse("mst,attention:chunk=64")
-    with pytest.raises(lt.LongtrainError, match="ChunkedAttention is now longtrain.FPDT"):
+    with pytest.raises(lt.LongtrainError, match="ChunkedAttention is now longtrain.FPDTOptions"):
         lt.ChunkedAttention(chunk=64)
 
 
@@ -415,7 +415,7 @@ def test_offloaded_device_peak_stops_growing_with_the_sequence():
 
 
 def test_simulated_strategy_reports_host_bytes():
-    report = lt.simulate("tiny-llama", 1024, strategy=lt.Strategy(engine="fpdt", engine_options=lt.FPDT(chunk=256, offload=True), mst=True),
+    report = lt.simulate("tiny-llama", 1024, strategy=lt.Strategy(engine="fpdt", engine_options=lt.FPDTOptions(chunk=256, offload=True), mst=True),
                          dtype="float32", optimizer="none")
     assert report.peak.peak_host_bytes > 0
     assert report.strategy["engine"]["offload"] is True
@@ -554,7 +554,7 @@ def test_segments_park_fewer_inputs_and_stay_exact(layers, segment):
 
 def test_segment_refuses_options_that_park_per_layer():
     with pytest.raises(lt.LongtrainError, match="segment"):
-        lt.FPDT(chunk=64, segment=2, keep_output=True)
+        lt.FPDTOptions(chunk=64, segment=2, keep_output=True)
 
 
 class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):

@@ -44,7 +44,7 @@ class _KernelCalls:
 def test_attention_runs_once_per_layer_and_gradients_are_exact(preset, offload, monkeypatch):
     stock, ours = stock_and_ours(preset)
     calls = _KernelCalls(monkeypatch)
-    strategy = lt.Strategy(checkpoint=CheckpointOptions(offload=offload), mst=lt.MsT(loss_chunks=3))
+    strategy = lt.Strategy(checkpoint=CheckpointOptions(offload=offload), mst=lt.MsTOptions(loss_chunks=3))
     check_step(stock, ours, strategy, packed_batch(stock.config.vocab_size), TOL, another_thread=True)
     assert (calls.kept, calls.plain) == (stock.config.num_hidden_layers, 0)
 
@@ -130,7 +130,7 @@ def test_layers_left_whole_recompute_nothing_and_gradients_are_exact(preset, bat
     once, the plain way, and nothing of it is recomputed."""
     stock, ours = stock_and_ours(preset)
     calls = _KernelCalls(monkeypatch)
-    strategy = lt.Strategy(checkpoint={"except_last": 1}, mst=lt.MsT(loss_chunks=3, mlp_chunk=37))
+    strategy = lt.Strategy(checkpoint={"except_last": 1}, mst=lt.MsTOptions(loss_chunks=3, mlp_chunk=37))
     data = packed_batch(stock.config.vocab_size) if batch == "packed" else padded_batch(
         stock.config.vocab_size, lengths=(100, 70), left=True)
     check_step(stock, ours, strategy, data, TOL, another_thread=True)
@@ -148,7 +148,7 @@ def test_a_whole_layer_between_checkpointed_ones_keeps_the_chain_exact():
     config = preset_config("tiny-llama")
     config.num_hidden_layers = 3
     stock, ours = stock_and_ours(config)
-    strategy = lt.Strategy(checkpoint={"except_last": 2}, mst=lt.MsT(loss_chunks=3))
+    strategy = lt.Strategy(checkpoint={"except_last": 2}, mst=lt.MsTOptions(loss_chunks=3))
     check_step(stock, ours, strategy, padded_batch(config.vocab_size, lengths=(90, 61), left=True), TOL,
                another_thread=True)
 
@@ -164,7 +164,7 @@ def test_a_layer_left_whole_under_seco_is_exact():
     activations per chunk, and the gradients are still stock autograd's."""
     stock, ours = stock_and_ours("tiny-qwen2")
     strategy = lt.Strategy(engine="seco", engine_options={"chunk": 40}, checkpoint={"except_last": 1},
-                           mst=lt.MsT(loss_chunks=3))
+                           mst=lt.MsTOptions(loss_chunks=3))
     check_step(stock, ours, strategy, packed_batch(stock.config.vocab_size), TOL, another_thread=True)
 
 
@@ -201,7 +201,7 @@ def test_inputs_parked_in_host_memory_give_exact_gradients(preset, batch, monkey
     recomputation, the layer below's fetch started then; attention's output is kept too."""
     stock, ours = stock_and_ours(preset)
     calls, log = _KernelCalls(monkeypatch), _StoreLog(monkeypatch)
-    strategy = lt.Strategy(checkpoint={"offload_inputs": True}, mst=lt.MsT(loss_chunks=3, mlp_chunk=37))
+    strategy = lt.Strategy(checkpoint={"offload_inputs": True}, mst=lt.MsTOptions(loss_chunks=3, mlp_chunk=37))
     data = packed_batch(stock.config.vocab_size) if batch == "packed" else padded_batch(
         stock.config.vocab_size, lengths=(100, 70), left=True)
     check_step(stock, ours, strategy, data, TOL, another_thread=True)
@@ -239,7 +239,7 @@ def test_parked_inputs_with_outputs_kept_on_the_device_and_a_layer_left_whole(mo
     stock, ours = stock_and_ours(config)
     log = _StoreLog(monkeypatch)
     strategy = lt.Strategy(checkpoint={"offload_inputs": True, "offload": False, "except_last": 1},
-                           mst=lt.MsT(loss_chunks=3))
+                           mst=lt.MsTOptions(loss_chunks=3))
     check_step(stock, ours, strategy, packed_batch(config.vocab_size), TOL, another_thread=True)
     assert len(log.of("input", "put")) == 2  # the layer left whole saves its activations itself
 

@@ -58,7 +58,7 @@ def test_liger_patches_norms_mlps_and_rope_and_mst_tiles_its_mlp(monkeypatch):
 
     _fake_liger(monkeypatch, {"llama": apply_liger_kernel_to_llama})
     stock, ours = stock_and_ours("tiny-llama")
-    strategy = lt.Strategy(liger={"rope": False}, checkpoint=True, mst=lt.MsT(loss_chunks=3, mlp_chunk=37))
+    strategy = lt.Strategy(liger={"rope": False}, checkpoint=True, mst=lt.MsTOptions(loss_chunks=3, mlp_chunk=37))
     check_step(stock, ours, strategy, padded_batch(320, lengths=(100, 70)), 1e-10)
     assert asked == dict(rope=False, cross_entropy=False, fused_linear_cross_entropy=False, rms_norm=True, swiglu=True)
     assert ran and max(ran) <= 37  # MsT's mini-sequences ran through Liger's MLP
@@ -106,7 +106,6 @@ def test_strategy_auto_adds_liger_on_a_gpu_where_it_is_installed(monkeypatch):
     CUDA and liger-kernel covers the family; without it, the winner as it is."""
     from types import SimpleNamespace
 
-    import longtrain.plan.auto as auto
     import longtrain.plan.calibrate as calibrate
     import longtrain.plan.planner as planner
     import longtrain.train.setup as trainer
@@ -122,6 +121,6 @@ def test_strategy_auto_adds_liger_on_a_gpu_where_it_is_installed(monkeypatch):
     config = TrainConfig(model="tiny-llama", strategy="auto")
     for installed in (True, False):
         monkeypatch.setattr(liger_technique, "liger_available", lambda model_type: installed and model_type == "llama")
-        chosen = trainer._planned_strategy(config, trainer.torch.device("cuda"), trainer.torch.bfloat16)
+        chosen = trainer.planned_strategy(config, trainer.torch.device("cuda"), trainer.torch.bfloat16)
         assert ("liger" in chosen.techniques) == installed
         assert {"checkpoint", "mst"} <= set(chosen.techniques)

@@ -8,7 +8,7 @@ import pytest
 
 import longtrain as lt
 from longtrain.models.presets import preset_config
-from longtrain.plan.bounds import _Budget, _reserved
+from longtrain.plan.bounds import Budget, reserved_bytes
 from longtrain.plan.longest import longest_context, overflow, search
 from longtrain.plan.simulate import simulate
 
@@ -52,12 +52,12 @@ def _peaks(config, tokens, strategy) -> tuple[int, int]:
                                                ("checkpoint,mst", None, 3000)])
 def test_the_longest_context_fits_and_one_step_more_does_not(spec, engine, aim):
     """Whole-length simulations (simulate(), not the curve the search reads) on both sides
-    of the limit found: FPDT to the chunk, the others to within 1/64."""
+    of the limit found: FPDTOptions to the chunk, the others to within 1/64."""
     config = preset_config("tiny-llama", num_hidden_layers=2)
     strategy = lt.Strategy.parse(spec, engine=engine)
     # A device just large enough for `aim` tokens (the allocator's margin included).
-    needs = _reserved(strategy, _Budget(0, 0, 0, 0, 0, "none"), _peaks(config, aim, strategy)[0])
-    budget = _Budget(needs + 100, 2**40, 0, 0, 0, "none")
+    needs = reserved_bytes(strategy, Budget(0, 0, 0, 0, 0, "none"), _peaks(config, aim, strategy)[0])
+    budget = Budget(needs + 100, 2**40, 0, 0, 0, "none")
     found, binds = longest_context(config, strategy, budget, "float32")
     assert binds == "device memory"
     step = 16 if engine else max(1024, found // 64)

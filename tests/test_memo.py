@@ -20,7 +20,7 @@ TOL = 1e-10
 
 def memo(alpha, **options):
     # keep_last=0: every layer of the 2-layer test models swaps to host.
-    return lt.Strategy(memo=lt.Memo(alpha=alpha, keep_last=options.pop("keep_last", 0), **options))
+    return lt.Strategy(memo=lt.MemoOptions(alpha=alpha, keep_last=options.pop("keep_last", 0), **options))
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
@@ -38,7 +38,7 @@ def test_memo_on_the_other_families(preset):
 
 
 @pytest.mark.parametrize("strategy", [memo(0.45, keep_last=1), memo(0.0, offload=False), memo("auto"),
-                                      lt.Strategy(memo=lt.Memo(alpha=0.7, keep_last=0), mst=lt.MsT(mlp_chunk=29))])
+                                      lt.Strategy(memo=lt.MemoOptions(alpha=0.7, keep_last=0), mst=lt.MsTOptions(mlp_chunk=29))])
 def test_memo_odd_lengths_and_options(strategy):
     stock, ours = stock_and_ours("tiny-qwen2")
     batch = {"input_ids": torch.randint(3, 320, (3, 131), generator=torch.Generator().manual_seed(4))}
@@ -121,9 +121,9 @@ def test_alpha_is_timed_without_the_first_steps_host_allocations(monkeypatch):
 
 
 @pytest.mark.parametrize("strategy,layers", [
-    (lt.Strategy(memo=lt.Memo(host_memory="1GiB"), mst=True), 6),  # α measured in the first step
-    (lt.Strategy(memo=lt.Memo(host_memory="1GiB"), mst=True), 4),  # the first layer at α keeps on the device
-    (lt.Strategy(memo=lt.Memo(alpha=0.4, keep_last=1)), 6),
+    (lt.Strategy(memo=lt.MemoOptions(host_memory="1GiB"), mst=True), 6),  # α measured in the first step
+    (lt.Strategy(memo=lt.MemoOptions(host_memory="1GiB"), mst=True), 4),  # the first layer at α keeps on the device
+    (lt.Strategy(memo=lt.MemoOptions(alpha=0.4, keep_last=1)), 6),
     (lt.Strategy(checkpoint=True, mst=True), 6),  # kept attention
     (lt.Strategy(engine="fpdt", engine_options={"chunk": 64, "offload": True, "keep_output": True}, mst=True), 6),
 ], ids=["memo-auto", "memo-auto-4-layers", "memo-0.4", "checkpoint", "fpdt-offload-keep"])
@@ -169,7 +169,7 @@ def _peak(strategy, fake, layers=4):
 
 def test_memo_memory_measured_equals_simulated_and_moves_activations_to_host():
     backprop = _peak(lt.Strategy(), fake=False)
-    for strategy in (memo(0.0), memo(0.5), lt.Strategy(memo=lt.Memo(alpha=1.0, keep_last=0), mst=True)):
+    for strategy in (memo(0.0), memo(0.5), lt.Strategy(memo=lt.MemoOptions(alpha=1.0, keep_last=0), mst=True)):
         measured, simulated = _peak(strategy, fake=False), _peak(strategy, fake=True)
         assert measured.peak_device_bytes == simulated.peak_device_bytes
         assert measured.peak_host_bytes == simulated.peak_host_bytes > 0
@@ -182,10 +182,10 @@ def test_memo_memory_measured_equals_simulated_and_moves_activations_to_host():
     (lambda: lt.Strategy(memo=True, checkpoint=True), "'memo' does not combine with 'checkpoint'"),
     (lambda: lt.Strategy(engine="fpdt", memo=True), "fpdt engine does not combine with 'memo'"),
     (lambda: lt.Strategy(memo=True, sequence_parallel=2), "memo does not run under sequence parallelism"),
-    (lambda: lt.Memo(alpha=1.5), "alpha must be a number in \\[0, 1\\] or 'auto'"),
-    (lambda: lt.Memo(alpha="half"), "alpha must be a number"),
-    (lambda: lt.Memo(offload="no"), "offload must be true or false"),
-    (lambda: lt.Memo(host_memory="lots"), "cannot read size 'lots'"),
+    (lambda: lt.MemoOptions(alpha=1.5), "alpha must be a number in \\[0, 1\\] or 'auto'"),
+    (lambda: lt.MemoOptions(alpha="half"), "alpha must be a number"),
+    (lambda: lt.MemoOptions(offload="no"), "offload must be true or false"),
+    (lambda: lt.MemoOptions(host_memory="lots"), "cannot read size 'lots'"),
     (lambda: lt.Strategy.parse("memo:alpha=2"), "alpha must be a number"),
 ])
 def test_memo_refusals(make, match):
@@ -215,7 +215,7 @@ def test_memo_with_tiled_mlp_at_any_alpha(alpha, mlp_chunk):
     over and under the default tile of 64 while the whole batch is longer."""
     stock, ours = stock_and_ours("tiny-llama")
     batch = padded_batch(stock.config.vocab_size, lengths=(101, 90))
-    check_step(stock, ours, lt.Strategy(memo=lt.Memo(alpha=alpha, keep_last=0), mst=lt.MsT(mlp_chunk=mlp_chunk)), batch, TOL)
+    check_step(stock, ours, lt.Strategy(memo=lt.MemoOptions(alpha=alpha, keep_last=0), mst=lt.MsTOptions(mlp_chunk=mlp_chunk)), batch, TOL)
 
 
 @pytest.mark.parametrize("split", [36, 37, 38])
@@ -223,7 +223,7 @@ def test_memo_recomputes_tokens_just_over_at_and_under_the_tile(split):
     """One row of 101 tokens: 65, 64 and 63 tokens recomputed against a 64-token MLP tile."""
     stock, ours = stock_and_ours("tiny-llama")
     batch = {"input_ids": torch.randint(3, 320, (1, 101), generator=torch.Generator().manual_seed(6))}
-    check_step(stock, ours, lt.Strategy(memo=lt.Memo(alpha=split / 101, keep_last=0), mst=True), batch, TOL)
+    check_step(stock, ours, lt.Strategy(memo=lt.MemoOptions(alpha=split / 101, keep_last=0), mst=True), batch, TOL)
 
 
 # Gemma-2 at 2 tokens is left out: its q/k gradients are exactly 0 in stock (the one
@@ -232,7 +232,7 @@ def test_memo_recomputes_tokens_just_over_at_and_under_the_tile(split):
 def test_memo_when_the_length_equals_a_head_count(preset, tokens):
     stock, ours = stock_and_ours(preset)
     batch = {"input_ids": torch.randint(3, 320, (3, tokens), generator=torch.Generator().manual_seed(7))}
-    check_step(stock, ours, lt.Strategy(memo=lt.Memo(alpha=0.5, keep_last=0), mst=lt.MsT(mlp_chunk=3)), batch, TOL)
+    check_step(stock, ours, lt.Strategy(memo=lt.MemoOptions(alpha=0.5, keep_last=0), mst=lt.MsTOptions(mlp_chunk=3)), batch, TOL)
 
 
 @pytest.mark.parametrize("mst", [False, True])
@@ -240,13 +240,13 @@ def test_memo_when_the_length_equals_a_head_count(preset, tokens):
 def test_memo_when_batch_times_length_equals_the_hidden_size(preset, mst):
     stock, ours = stock_and_ours(preset)
     batch = {"input_ids": torch.randint(3, 320, (2, 32), generator=torch.Generator().manual_seed(8))}  # 2 × 32 = 64
-    strategy = lt.Strategy(memo=lt.Memo(alpha=0.5, keep_last=0), mst=lt.MsT(mlp_chunk=16) if mst else False)
+    strategy = lt.Strategy(memo=lt.MemoOptions(alpha=0.5, keep_last=0), mst=lt.MsTOptions(mlp_chunk=16) if mst else False)
     check_step(stock, ours, strategy, batch, TOL)
 
 
 def test_memo_with_an_explicit_alpha_keeps_to_its_host_budget():
     _, ours = stock_and_ours("tiny-llama")
-    lt.apply(ours, lt.Strategy(memo=lt.Memo(alpha=0.3, host_memory="1KiB", keep_last=0)))
+    lt.apply(ours, lt.Strategy(memo=lt.MemoOptions(alpha=0.3, host_memory="1KiB", keep_last=0)))
     before = {n: p.detach().clone() for n, p in ours.named_parameters()}
     with pytest.raises(lt.LongtrainError, match="over the host budget of 1.00 KiB") as error:
         lt.step(ours, padded_batch(320, lengths=(101, 90)))
@@ -263,7 +263,7 @@ def test_memo_under_autocast_with_float32_adapters_returns_real_tensors():
     def make(alpha):
         _, model = stock_and_ours("tiny-llama", dtype=torch.bfloat16)
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
-        return lt.apply(model, lt.Strategy(memo=lt.Memo(alpha=alpha, keep_last=0, offload=False)))
+        return lt.apply(model, lt.Strategy(memo=lt.MemoOptions(alpha=alpha, keep_last=0, offload=False)))
 
     ours, whole = make(0.5), make(1.0)
     whole.load_state_dict(ours.state_dict())
@@ -320,11 +320,11 @@ def test_an_explicit_alpha_over_its_budget_is_refused_at_the_first_layer(monkeyp
     config = preset_config("tiny-llama", num_hidden_layers=8)
     batch = padded_batch(320, lengths=(101, 90))
     _, ours = stock_and_ours(config)
-    lt.step(lt.apply(ours, lt.Strategy(memo=lt.Memo(alpha=0.3, keep_last=0))), batch)
+    lt.step(lt.apply(ours, lt.Strategy(memo=lt.MemoOptions(alpha=0.3, keep_last=0))), batch)
     whole_step = seen[-1]  # the last layer's check: every layer parked
     seen.clear()
     _, tight = stock_and_ours(config)
-    lt.apply(tight, lt.Strategy(memo=lt.Memo(alpha=0.3, keep_last=0, host_memory=whole_step - 1)))
+    lt.apply(tight, lt.Strategy(memo=lt.MemoOptions(alpha=0.3, keep_last=0, host_memory=whole_step - 1)))
     with pytest.raises(lt.LongtrainError, match="over the host budget"):
         lt.step(tight, batch)
     assert len(seen) == 1 and 8 * seen[0] == whole_step

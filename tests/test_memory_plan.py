@@ -30,7 +30,7 @@ def _recorded_step(layers: int, seq_len: int, strategy) -> list[P.Block]:
         return tracker.trace()
 
 
-@pytest.mark.parametrize("strategy", [lt.Strategy(), lt.Strategy(memo=lt.Memo(alpha=0.5, keep_last=0))])
+@pytest.mark.parametrize("strategy", [lt.Strategy(), lt.Strategy(memo=lt.MemoOptions(alpha=0.5, keep_last=0))])
 def test_a_llama_layer_step_is_planned_between_the_bounds(strategy):
     blocks = _recorded_step(1, 1024, strategy)
     assert len(blocks) > 100
@@ -44,7 +44,7 @@ def test_a_llama_layer_step_is_planned_between_the_bounds(strategy):
 
 
 def test_a_whole_model_trace_is_planned_in_two_levels():
-    blocks = _recorded_step(4, 1024, lt.Strategy(memo=lt.Memo(alpha=0.3, keep_last=1), mst=True))
+    blocks = _recorded_step(4, 1024, lt.Strategy(memo=lt.MemoOptions(alpha=0.3, keep_last=1), mst=True))
     started = time.perf_counter()
     plan = P.solve_bilevel(blocks, windows=16, time_limit=2)
     assert time.perf_counter() - started < 60

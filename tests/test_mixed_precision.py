@@ -12,8 +12,8 @@ from conftest import grads, padded_batch, stock_and_ours, stock_loss
 
 STRATEGIES = {
     "backprop": lambda: lt.Strategy(),
-    "checkpoint,mst": lambda: lt.Strategy(checkpoint=True, mst=lt.MsT(mlp_chunk=37)),
-    "memo": lambda: lt.Strategy(memo=lt.Memo(alpha=0.5, keep_last=0, offload=False)),
+    "checkpoint,mst": lambda: lt.Strategy(checkpoint=True, mst=lt.MsTOptions(mlp_chunk=37)),
+    "memo": lambda: lt.Strategy(memo=lt.MemoOptions(alpha=0.5, keep_last=0, offload=False)),
     "fpdt,mst": lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40}, mst=True),
     "seco": lambda: lt.Strategy(engine="seco", engine_options={"chunk": 40}),
 }

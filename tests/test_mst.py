@@ -310,14 +310,14 @@ ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2", "tiny-qwen3"
 def test_mst_training_step_equals_stock(preset, lengths):
     stock, ours = stock_and_ours(preset)
     batch = padded_batch(stock.config.vocab_size, lengths=lengths)
-    check_step(stock, ours, lt.Strategy(checkpoint=True, mst=lt.MsT(mlp_chunk=48, loss_chunks=5)), batch, TOL)
+    check_step(stock, ours, lt.Strategy(checkpoint=True, mst=lt.MsTOptions(mlp_chunk=48, loss_chunks=5)), batch, TOL)
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])  # untied and tied heads
 def test_mst_with_lora_equals_stock_lora(preset):
     stock, ours = stock_lora_and_ours(preset)
     batch = padded_batch(stock.config.vocab_size, lengths=(300, 211))
-    check_step(stock, ours, lt.Strategy(mst=lt.MsT(mlp_chunk=64, loss_chunks=3)), batch, TOL)
+    check_step(stock, ours, lt.Strategy(mst=lt.MsTOptions(mlp_chunk=64, loss_chunks=3)), batch, TOL)
 
 
 def _global_rel_error(got: dict, exact: dict) -> float:
@@ -378,8 +378,8 @@ def test_unsupported_architecture_is_named():
 def test_mst_options_are_validated():
     with pytest.raises(LongtrainError, match="mlp_chunk must be a positive integer"):
         lt.Strategy(mst={"mlp_chunk": 0})
-    assert lt.Strategy.parse("checkpoint,mst") == lt.Strategy(checkpoint=True, mst=lt.MsT())
-    assert lt.Strategy.from_yaml(lt.Strategy(mst=lt.MsT(loss_chunks=8)).to_yaml()).techniques["mst"].loss_chunks == 8
+    assert lt.Strategy.parse("checkpoint,mst") == lt.Strategy(checkpoint=True, mst=lt.MsTOptions())
+    assert lt.Strategy.from_yaml(lt.Strategy(mst=lt.MsTOptions(loss_chunks=8)).to_yaml()).techniques["mst"].loss_chunks == 8
 
 
 def test_mst_lowers_the_simulated_peak():
@@ -507,7 +507,7 @@ def test_checkpointed_tiled_mlp_runs_no_third_forward():
     once in the forward, once in its own backward — not three times. Gemma-2's
     post-feed-forward norm saves the MLP's output, which the recomputation must produce:
     three there (documented in docs/speed.md)."""
-    mst = lt.MsT(mlp_chunk=64)
+    mst = lt.MsTOptions(mlp_chunk=64)
     assert _mlp_passes("tiny-llama", lt.Strategy(checkpoint=True, mst=mst)) == [2.0, 2.0]
     assert _mlp_passes("tiny-llama", lt.Strategy(mst=mst)) == [2.0, 2.0]
     assert _mlp_passes("tiny-gemma2", lt.Strategy(checkpoint=True, mst=mst)) == [3.0, 3.0]

@@ -52,7 +52,7 @@ def _train(model, optimizer, strategy, steps=2, accumulate=2, clip=0.05):
 
 @pytest.mark.parametrize("preset,strategy,tie", [
     ("tiny-llama", lambda: lt.Strategy(checkpoint=True), False),
-    ("tiny-qwen2", lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40}, mst=lt.MsT(loss_chunks=3)), True),
+    ("tiny-qwen2", lambda: lt.Strategy(engine="fpdt", engine_options={"chunk": 40}, mst=lt.MsTOptions(loss_chunks=3)), True),
     ("tiny-mistral", lambda: lt.Strategy(engine="seco", engine_options={"chunk": 40}), False),
 ])
 def test_offloaded_adamw_takes_the_same_steps_as_adamw_in_float64(preset, strategy, tie):

@@ -106,7 +106,7 @@ def test_a_refused_registration_falls_back_to_pytorchs_pinned_memory(monkeypatch
 
 
 @pytest.mark.parametrize("strategy", [lt.Strategy(engine="fpdt", engine_options={"chunk": 64, "offload": True}),
-                                      lt.Strategy(checkpoint=True, mst=True), lt.Strategy(memo=lt.Memo(alpha=0.5, keep_last=1))])
+                                      lt.Strategy(checkpoint=True, mst=True), lt.Strategy(memo=lt.MemoOptions(alpha=0.5, keep_last=1))])
 def test_a_simulation_on_a_gpu_machine_locks_nothing(strategy, runtime, monkeypatch):
     """The pools pin on a machine with CUDA; a simulation (fake tensors: ``longtrain plan``,
     ``--strategy auto``) allocates nothing, so it must lock nothing — a real locked buffer

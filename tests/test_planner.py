@@ -8,7 +8,7 @@ import longtrain as lt
 from longtrain.cli import main
 from longtrain.engines.chunked import parked_host_bytes
 from longtrain.models.presets import preset_config
-from longtrain.plan import planner
+from longtrain.plan import planner, steps
 from longtrain.plan.longest import overflow
 from longtrain.plan.planner import plan, simulate_step
 from longtrain.plan.simulate import simulate
@@ -105,7 +105,7 @@ def test_the_plan_parks_checkpointed_inputs_where_the_device_cannot_hold_them():
     parked = simulate_step(config, tokens, lt.Strategy(checkpoint={"host_memory": GIB, "offload_inputs": True}, mst=True),
                            "bfloat16")
     assert parked[0] <= whole[0] - hidden and parked[1] >= whole[1] + 2 * hidden  # (a fetched input is back at the peak)
-    device = planner._reserved(lt.Strategy(checkpoint=True, mst=True), planner.budgets_for(
+    device = planner.reserved_bytes(lt.Strategy(checkpoint=True, mst=True), planner.budgets_for(
         config, device_memory=GIB, host_memory=GIB, optimizer="none", dtype=torch.bfloat16)[1][0], whole[0]) - hidden
     tight = plan(config, tokens, device_memory=device, host_memory=GIB, optimizer="none", optimizer_offload=False)
     assert tight.best.name == "checkpoint:offload_inputs,mst", tight.table()
@@ -169,7 +169,7 @@ def test_the_whole_layer_search_finds_the_largest_count_that_fits(free_layers):
     ``free_layers``, and one simulation refused (a row without figures) is stepped over."""
     config = preset_config("llama3-8b")
     device_memory = 80 * GIB
-    budget = planner._Budget(device_memory, GIB, persistent=0, device_state=0, host_state=0, optimizer="none")
+    budget = planner.Budget(device_memory, GIB, persistent=0, device_state=0, host_state=0, optimizer="none")
     target = planner.WHOLE_LAYERS_FILL * device_memory
 
     def simulated(candidate):
@@ -179,10 +179,10 @@ def test_the_whole_layer_search_finds_the_largest_count_that_fits(free_layers):
         return 40 * GIB + max(0, count - free_layers) * GIB, 0, {}
 
     row = planner.PlanRow("checkpoint,mst", {}, 40 * GIB, 44 * GIB, 0, True, None, 1.0, 1.0, 0.5)
-    found = planner._with_whole_layers(row, lt.Strategy(checkpoint=True, mst=True), config, 4096, budget, planner.H100,
-                                       1, 8 * 10**9, lambda line: None, simulated)
-    best = max(k for k in range(33) if k != 31 and planner._reserved(lt.Strategy(checkpoint=True), budget,
-                                                                   40 * GIB + max(0, k - free_layers) * GIB) <= target)
+    found = planner.most_whole_layers(row, lt.Strategy(checkpoint=True, mst=True), config, 4096, budget, planner.H100,
+                                      1, 8 * 10**9, lambda line: None, simulated)
+    best = max(k for k in range(33) if k != 31 and planner.reserved_bytes(lt.Strategy(checkpoint=True), budget,
+                                                                          40 * GIB + max(0, k - free_layers) * GIB) <= target)
     assert found is not None and found.strategy["techniques"]["checkpoint"]["except_last"] == best
 
 
@@ -274,8 +274,7 @@ def test_a_plan_simulated_in_worker_processes_is_the_plan_simulated_here():
     """`longtrain plan` simulates candidates in a process per core (an 8B candidate takes a
     minute of one); the rows must not depend on where they were simulated."""
     def rows(workers):
-        planner._SIMULATIONS.clear()
-        planner._CURVES.clear()
+        steps.clear_caches()
         result = plan("tiny-llama", 2048, device_memory=2**30, host_memory=2**30, exhaustive=True, workers=workers)
         return [(r.name, r.device_bytes, r.host_bytes, r.fits, r.step_seconds) for r in result.rows]
 
@@ -283,7 +282,7 @@ def test_a_plan_simulated_in_worker_processes_is_the_plan_simulated_here():
     assert len(here) >= 4 and rows(2) == here
     # Once one fits, no more are started: at most the window of two already running (and the
     # fitting checkpoint's row with layers left whole, which derives from it).
-    planner._SIMULATIONS.clear()
+    steps.clear_caches()
     result = plan("tiny-llama", 2048, device_memory=2**30, host_memory=2**30, workers=2)
     assert result.best is not None and sum(r.simulated for r in result.rows if "except_last" not in r.name) <= 2
 
@@ -300,12 +299,12 @@ def test_a_worker_hands_back_the_chunk_curves_it_made(engine):
 
     config = planner.load_config("tiny-llama")
     strategy = lt.Strategy.parse("mst", engine=engine)
-    planner._CURVES.clear()
-    sent = planner._simulate_elsewhere(json.dumps(config.to_dict(), default=str), 2048, strategy.to_json(),
-                                       "bfloat16", 1, "none", None)
+    steps.clear_caches()
+    sent = steps.simulate_elsewhere(json.dumps(config.to_dict(), default=str), 2048, strategy.to_json(),
+                                    "bfloat16", 1, "none", None)
     result, curves = pickle.loads(pickle.dumps(sent))  # what goes back from a worker process
     (key, light), = curves.items()
-    full = planner._CURVES[key]
+    full = steps.cached_curves()[key]
     assert light.fewest == full.fewest and light.notes == full.notes
     assert all(light.peaks(n) == full.peaks(n) for n in range(full.fewest, 64))
     assert result[:2] == full.peaks(2048 // 128)

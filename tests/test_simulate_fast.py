@@ -15,7 +15,7 @@ import longtrain as lt
 from longtrain.cli import main
 from longtrain.models.loading import add_lora, build_from_config, default_dtype
 from longtrain.models.presets import preset_config
-from longtrain.plan.extrapolate import _layer_axis, _scaled_strategy
+from longtrain.plan.extrapolate import layer_axis, scaled_strategy
 from longtrain.plan.simulate import build_fake_model, chunk_curve, run_training_steps, simulate
 from longtrain.techniques.memo import memo_alpha
 
@@ -69,7 +69,7 @@ def test_attention_outputs_kept_by_the_lowest_layers_are_simulated_at_full_scale
     offload = ":offload=true" if where.startswith(("host", "fit")) else ""
     engine = f"fpdt:chunk=16{offload}:keep_output={kept}"
     if where == "fit":
-        settings = lt.FPDT(chunk=16, offload=True, keep_output="fit").settings()
+        settings = lt.FPDTOptions(chunk=16, offload=True, keep_output="fit").settings()
         budget = parked_host_bytes(config, 1, tokens, 4, settings, 3) + 100
         engine, kept = f"fpdt:chunk=16:offload=true:keep_output=fit:host_memory={budget}", 3
     strategy = lt.Strategy.parse("none", engine=engine)
@@ -111,15 +111,15 @@ def test_layer_pattern_and_memo_budget_of_the_small_simulations():
     # Gemma-2 alternates sliding and global attention: layers go in pairs, and the small
     # models keep the pattern.
     gemma = preset_config("gemma2-9b")
-    axis = _layer_axis(gemma, lt.Strategy())
+    axis = layer_axis(gemma, lt.Strategy())
     assert (axis.unit, axis.offset, axis.target) == (2, 0, 21) and axis.value(axis.first) % 2 == 0
     # FPDT's checkpoint segments repeat every `segment` layers; the partial one on top stays.
     llama = preset_config("llama3-8b")
-    axis = _layer_axis(llama, lt.Strategy(engine="fpdt", engine_options={"segment": 3}))
+    axis = layer_axis(llama, lt.Strategy(engine="fpdt", engine_options={"segment": 3}))
     assert (axis.unit, axis.offset) == (3, 32 % 3)
     # Memo's α of the small simulations is the full model's: its host budget is scaled.
-    memo = lt.Memo(host_memory="120GiB")
-    small = _scaled_strategy(lt.Strategy(memo=memo), llama, 6).techniques["memo"]
+    memo = lt.MemoOptions(host_memory="120GiB")
+    small = scaled_strategy(lt.Strategy(memo=memo), llama, 6).techniques["memo"]
     sizes = dict(input_bytes=2**29, attention_bytes=2**30, other_bytes=2**33, bandwidth=2.5e10, layer_seconds=2.0)
     full_alpha = memo_alpha(**sizes, layers=32, host_budget=memo.host_memory, keep_last=memo.keep_last)
     small_alpha = memo_alpha(**sizes, layers=6, host_budget=small.host_memory, keep_last=memo.keep_last)

@@ -39,8 +39,8 @@ def test_unknown_names_and_options_are_clear_errors():
 
 def test_command_line_items_carry_options_and_engines():
     strategy = lt.Strategy.parse("mst:loss_chunks=8", engine="fpdt:chunk=8192:offload=true:host_memory=120GiB")
-    assert strategy.engine_options == lt.FPDT(chunk=8192, offload=True, host_memory="120GiB")
-    assert strategy.techniques["mst"] == lt.MsT(loss_chunks=8) and strategy.name == "fpdt:mst"
+    assert strategy.engine_options == lt.FPDTOptions(chunk=8192, offload=True, host_memory="120GiB")
+    assert strategy.techniques["mst"] == lt.MsTOptions(loss_chunks=8) and strategy.name == "fpdt:mst"
     assert lt.Strategy.from_yaml(strategy.to_yaml()) == strategy
     spaco = lt.Strategy.parse("checkpoint", engine="spaco:budget=4", engine_options={"chunk": 64})
     assert spaco.engine == "spaco" and (spaco.engine_options.budget, spaco.engine_options.chunk) == (4, 64)

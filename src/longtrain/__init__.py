@@ -1,10 +1,10 @@
 """longtrain: long-context training with bounded memory and exact gradients.
 
     import longtrain as lt
-    model = lt.apply(model, lt.Strategy(checkpoint=True, mst=lt.MsT()))
+    model = lt.apply(model, lt.Strategy(checkpoint=True, mst=lt.MsTOptions()))
     loss = lt.step(model, batch)                      # forward + backward
     report = lt.simulate("llama3-8b", 32768, strategy="checkpoint")
-    lt.Strategy(engine="fpdt", engine_options=lt.FPDT(chunk=4096, offload=True), mst=True)
+    lt.Strategy(engine="fpdt", engine_options=lt.FPDTOptions(chunk=4096, offload=True), mst=True)
 """
 
 from __future__ import annotations
@@ -19,17 +19,21 @@ __version__ = "0.2.0"
 # (PEP 562), so `import longtrain` — and every command line start, `--help` included —
 # does not pay for torch and transformers until something needs them.
 _LAZY = {
-    "FPDT": "engines.fpdt",
+    "FPDTOptions": "engines.fpdt",
     "SeCOOptions": "engines.seco",
     "SpaCOOptions": "engines.seco",
-    "Ulysses": "engines.sequence_parallel",
+    "UlyssesOptions": "engines.sequence_parallel",
     "supported_families": "models.adapters",
     "Strategy": "strategy",
     "apply": "strategy",
     "step": "strategy",
-    "Memo": "techniques.memo",
-    "MsT": "techniques.mst",
+    "CheckpointOptions": "techniques.checkpoint",
+    "LigerOptions": "techniques.liger",
+    "MemoOptions": "techniques.memo",
+    "MsTOptions": "techniques.mst",
 }
+# Deprecated names of the options classes: importable, with a FutureWarning once.
+_RENAMED = {"FPDT": "FPDTOptions", "Ulysses": "UlyssesOptions", "Memo": "MemoOptions", "MsT": "MsTOptions"}
 
 
 def simulate(model, seq_len, *args, **kwargs):
@@ -46,13 +50,17 @@ def simulate(model, seq_len, *args, **kwargs):
 
 
 def __getattr__(name: str):
+    if name in _RENAMED:
+        from ._aliases import renamed
+
+        return renamed(__name__, {_RENAMED[name]: __getattr__(_RENAMED[name])}, _RENAMED, name)
     if name in _LAZY:
         value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
         globals()[name] = value  # later lookups skip this function
         return value
-    if name == "ChunkedAttention":  # renamed when chunked attention became an engine
-        raise LongtrainError("longtrain.ChunkedAttention is now longtrain.FPDT, the options of the 'fpdt' engine: "
-                             "Strategy(engine='fpdt', engine_options=FPDT(chunk=8192, offload=True))")
+    if name == "ChunkedAttention":  # a deprecated name: chunked attention is the fpdt engine
+        raise LongtrainError("longtrain.ChunkedAttention is now longtrain.FPDTOptions, the options of the 'fpdt' engine: "
+                             "Strategy(engine='fpdt', engine_options=FPDTOptions(chunk=8192, offload=True))")
     try:  # a submodule not imported yet (lt.registry, lt.plan, ...)
         module = importlib.import_module(f"{__name__}.{name}")
         if name == "registry":  # its tables fill as the built-in engines and techniques are imported
@@ -68,5 +76,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["FPDT", "LongtrainError", "Memo", "MsT", "SeCOOptions", "SpaCOOptions", "Strategy", "Ulysses", "apply", "simulate",
-           "step", "supported_families", "__version__"]
+__all__ = ["LongtrainError", "simulate", "__version__", *_LAZY]

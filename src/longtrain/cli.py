@@ -18,6 +18,8 @@ import warnings
 
 from .errors import LongtrainError
 
+__all__ = ["build_parser", "main"]
+
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every option's default in its help, except where there is none to show: no
@@ -280,7 +282,7 @@ def _add_plan(sub) -> None:
     p.add_argument("--lora", action="store_true", help="plan LoRA training (adapters on every linear layer but the head, as train --lora)")
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank with --lora (default %(default)s)")
     p.add_argument("--longest", action="store_true", help="also find the longest context each simulated strategy "
-                   "reaches (a search: FPDT over one set of small simulations, the others a few whole-length ones)")
+                   "reaches (a search: FPDTOptions over one set of small simulations, the others a few whole-length ones)")
     p.add_argument("--optimizer-offload", action=argparse.BooleanOptionalAction, default=None,
                    help="AdamW's state and fp32 master weights in host memory (--optimizer-offload), on the device "
                    "(--no-optimizer-offload); default: both weighed")

@@ -13,6 +13,8 @@ import errno
 import shutil
 from pathlib import Path
 
+__all__ = ["LongtrainError", "writing"]
+
 
 class LongtrainError(Exception):
     """A user-fixable problem: bad input, an unsupported combination, a corrupt file."""

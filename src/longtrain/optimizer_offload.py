@@ -41,6 +41,8 @@ import torch
 from .memory.pinned import host_empty
 from .memory.tracker import host_allocations
 
+__all__ = ["HostAdamW", "parameter_groups", "streaming"]
+
 # Masters of at most this many bytes are updated and copied back per bucket: large enough
 # for the fused kernel to run at full speed, small enough to overlap with the copies.
 BUCKET_BYTES = 256 * 2**20

@@ -7,6 +7,8 @@ import torch
 
 from .errors import LongtrainError
 
+__all__ = ["make_optimizer"]
+
 OPTIMIZERS = ("adamw", "adamw-offload", "sgd", "none")
 
 

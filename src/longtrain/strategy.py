@@ -26,12 +26,14 @@ from torch._subclasses.fake_tensor import is_fake
 from . import engines as _builtin_engines, registry, techniques as _builtin_techniques  # noqa: F401  (registers the built-ins)
 from . import validate
 from .engines.base import EngineContext
-from .engines.sequence_parallel import Ulysses, distribute
+from .engines.sequence_parallel import UlyssesOptions, distribute
 from .errors import LongtrainError
 from .models.adapters import adapter_for
 from .models.attention import use_longtrain_attention
 from .ops.loss import IGNORE_INDEX
 from .parallel.distributed import collective_failures
+
+__all__ = ["Strategy", "applied_context", "applied_strategy", "apply", "engine_context", "pinned_host_bytes", "step"]
 
 
 def _make_options(kind: str, name: str, options_cls: type, value: Any) -> Any:
@@ -61,10 +63,10 @@ def _make_options(kind: str, name: str, options_cls: type, value: Any) -> Any:
     )
 
 
-# Spellings of earlier versions that now have another home: one line pointing there.
+# Spellings of options that live elsewhere: each refused with one line pointing there.
 _MOVED = {
     "attention": "chunked attention is now the 'fpdt' engine: write --engine fpdt:chunk=8192:offload=true "
-                 "(Python: Strategy(engine='fpdt', engine_options=FPDT(chunk=8192, offload=True)))",
+                 "(Python: Strategy(engine='fpdt', engine_options=FPDTOptions(chunk=8192, offload=True)))",
 }
 
 
@@ -75,7 +77,7 @@ class Strategy:
     ``Strategy()`` is plain autograd. ``engine`` names the gradient engine
     (``"backprop"``, ``"fpdt"``, ``"seco"``, ``"spaco"``, ``"adjoint"``) and
     ``engine_options`` its knobs (a mapping or its options dataclass). Techniques are
-    named as keyword arguments, e.g. ``Strategy(checkpoint=True, mst=MsT())``; each
+    named as keyword arguments, e.g. ``Strategy(checkpoint=True, mst=MsTOptions())``; each
     accepts ``True``, a mapping of its options or its options dataclass. A technique the
     engine does not compose with is refused here, with the reason.
     """
@@ -83,7 +85,7 @@ class Strategy:
     engine: str
     engine_options: Any
     techniques: dict[str, Any]
-    sequence_parallel: Ulysses | None
+    sequence_parallel: UlyssesOptions | None
 
     def __init__(self, engine: str = "backprop", engine_options: Any = None, sequence_parallel: Any = None,
                  **techniques: Any):
@@ -114,7 +116,7 @@ class Strategy:
             sequence_parallel = {"degree": sequence_parallel}
         self.sequence_parallel = None
         if sequence_parallel not in (None, False, 1) and sequence_parallel != {"degree": 1}:
-            self.sequence_parallel = _make_options("option", "sequence_parallel", Ulysses, sequence_parallel)
+            self.sequence_parallel = _make_options("option", "sequence_parallel", UlyssesOptions, sequence_parallel)
             if not spec.sequence_parallel:
                 raise LongtrainError(f"the {engine} engine does not run under sequence parallelism; "
                                      "use backprop, fpdt, seco or spaco, or drop --sp")
@@ -308,7 +310,7 @@ def _degree(sequence_parallel: Any) -> int | None:
         return sequence_parallel
     if isinstance(sequence_parallel, Mapping) and isinstance(sequence_parallel.get("degree"), int):
         return sequence_parallel["degree"]
-    if isinstance(sequence_parallel, Ulysses):
+    if isinstance(sequence_parallel, UlyssesOptions):
         return sequence_parallel.degree
     return None
 

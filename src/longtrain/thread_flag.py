@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import threading
 
+__all__ = ["ThreadFlag"]
+
 
 class ThreadFlag:
     def __init__(self):

@@ -14,6 +14,8 @@ import typing
 
 from .errors import LongtrainError
 
+__all__ = ["byte_size", "coerce", "finite_number", "flag", "positive_int"]
+
 # The spellings a boolean option accepts, in any case; nothing else is read as one.
 _TRUE = ("true", "yes", "1")
 _FALSE = ("false", "no", "0")

@@ -21,9 +21,11 @@ gradient then goes down the stack one layer at a time:
    ``SSMLayer.local``: (A^i h^{i−1} + B^i x^i, C^i h^i). Its VJP with cotangents
    (μ^i, g^i) gives token i's parameter gradient (A and B networks see μ^i ⊗ h^{i−1} and
    μ^i ⊗ x^i, the C network g^i ⊗ h^i, as in Prop. 2) and the gradient of its input.
-   The per-token VJPs are independent; ``torch.func.vmap`` batches them over the
-   tokens of a block and ``torch.func.vjp`` takes them in one call, in blocks sized to
-   ``vjp_memory``. The input gradient plus g is ∂L/∂z_{k−1}, the next layer's g.
+   The per-token VJPs are independent; a block of tokens (sized to ``vjp_memory``)
+   takes them in one backward of the layer's map over the block. The layer is read
+   through its adapter's :class:`~longtrain.ops.recurrence.Recurrence` (SSM-ResNet,
+   Mamba); where a token's map reads the ``window`` tokens before it (Mamba's causal
+   convolution), the block reads them too and adds their input gradient. The input gradient plus g is ∂L/∂z_{k−1}, the next layer's g.
 
 The truncated gradient is the gradient of a model whose state h^t, seen from the
 loss, is rebuilt from the stopped state h^{t−T̄} over the last T̄ steps (truncated
@@ -37,13 +39,13 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from .. import validate
 from ..errors import LongtrainError
 from ..memory.units import parse_bytes
+from ..models.adapters import DecoderAdapter, adapter_for
 from ..models.layers import unwrap
-from ..models.ssm_resnet import SSMLayer, is_ssm_resnet
+from ..ops.recurrence import Recurrence
 from ..ops.chunked_loss import chunked_causal_lm_loss
 from ..ops.linear_scan import adjoint_states
 from ..ops.replay import active_dropout
@@ -51,6 +53,8 @@ from ..parallel.layer_groups import LayerGroup, shard_model
 from ..costs import EngineCosts
 from ..registry import register_engine
 from .batch import prepare_batch
+
+__all__ = ["AdjointOptions", "AdjointStats", "adjoint_step", "truncated_adjoint_states"]
 
 
 @dataclass
@@ -90,30 +94,31 @@ class LayerRecord(NamedTuple):
     ``recompute`` only y_{k−1} (A, c, h are rebuilt from it when the layer's turn comes)."""
 
     z_in: torch.Tensor  # (B, T, P) the layer's input: the residual stream below it
-    a: torch.Tensor | None  # (B, T, N) decays A^t (float32 under half precision, as h)
-    c: torch.Tensor | None  # (B, T, N) input-dependent readout c^t (C^t = W_o diag(c^t))
-    h: torch.Tensor | None  # (B, T, N) states h^t
+    a: torch.Tensor | None  # (B, T, *S) decays A^t (float32 under half precision, as h)
+    c: tuple | None  # what the readout reads besides h (SSM-ResNet: c^t, C^t = W_o diag(c^t))
+    h: torch.Tensor | None  # (B, T, *S) states h^t
 
 
-def check_model(model) -> nn.Module:
-    base = unwrap(model)
-    if not is_ssm_resnet(base):
+def check_model(model) -> DecoderAdapter:
+    """The model's adapter, if its layers are recurrences the engine can take apart
+    (``adapter.recurrence``: SSM-ResNet, Mamba); else one line."""
+    adapter = adapter_for(model) if getattr(getattr(unwrap(model), "config", None), "model_type", None) else None
+    if getattr(adapter, "recurrence", None) is None:
         raise LongtrainError(
-            f"the adjoint engine trains SSM-ResNet models (--model ssm-demo or another ssm-* preset), "
-            f"not {type(base).__name__}; use --engine backprop, seco or spaco for transformers"
+            f"the adjoint engine trains SSM-ResNet models (--model ssm-demo or another ssm-* preset) and Mamba, "
+            f"not {type(unwrap(model)).__name__}; use --engine backprop, seco or spaco for transformers"
         )
-    p = active_dropout(base.model.layers)
+    p = active_dropout(adapter.layers)
     if p > 0:
         raise LongtrainError(
             f"the adjoint engine recomputes each token's map in batched VJPs, which cannot draw the masks of a "
             f"dropout (p={p:g}, e.g. lora_dropout) as the forward drew them; set the dropout to 0, or use --engine backprop")
-    return base
+    return adapter
 
 
 @torch.no_grad()
-def forward_layer(layer: SSMLayer, z: torch.Tensor, mask: torch.Tensor | None, keep_states: bool = True) -> tuple[torch.Tensor, LayerRecord]:
-    a, c, h = layer.states(z, mask)
-    z_out = z + layer.readout(c, h)
+def forward_layer(layer: Recurrence, z: torch.Tensor, mask: torch.Tensor | None, keep_states: bool = True) -> tuple[torch.Tensor, LayerRecord]:
+    z_out, a, c, h = layer.forward(z, mask)
     return z_out, LayerRecord(z, a, c, h) if keep_states else LayerRecord(z, None, None, None)
 
 
@@ -134,25 +139,10 @@ def truncated_adjoint_states(a: torch.Tensor, direct: torch.Tensor, window: int)
 DEFAULT_VJP_MEMORY = 16 * 2**20
 
 
-class _Local(nn.Module):
-    """``layer.local`` as a module's forward, so ``torch.func.functional_call`` can run it."""
-
-    def __init__(self, layer: SSMLayer):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, z, h_prev, h, mask):
-        return self.layer.local(z, h_prev, h, mask)
-
-
-def _block_tokens(layer: SSMLayer, rows: int, length: int, options: AdjointOptions, element_size: int) -> int:
+def _block_tokens(layer: Recurrence, rows: int, length: int, p: int, options: AdjointOptions, element_size: int) -> int:
     if options.block is not None:
         return min(options.block, length)
-    p, n = layer.out_proj.out_features, layer.out_proj.in_features
-    # What one token's map keeps for its VJP (norm, projections, gates) and the VJP's
-    # cotangents: about 4 hidden-sized and 6 state-sized vectors (measured: 5 KiB per
-    # token for P = N = 128 in float32).
-    per_token = (4 * p + 6 * n) * element_size * rows
+    per_token = layer.token_bytes(element_size) * rows
     if options.vjp_memory is None:
         budget = max(DEFAULT_VJP_MEMORY, rows * length * p * element_size)
     else:
@@ -160,20 +150,20 @@ def _block_tokens(layer: SSMLayer, rows: int, length: int, options: AdjointOptio
     return max(1, min(length, budget // per_token))
 
 
-def _direct_gradient(layer: SSMLayer, c, h, grad_out, block: int, dtype) -> torch.Tensor:
+def _direct_gradient(layer: Recurrence, c: tuple, h, grad_out, block: int, dtype) -> torch.Tensor:
     """C^{tT} g^t for every t: the gradient reaching h^t through the layer's own output
     y^t = C^t h^t, by VJPs of the readout (so adapters on it, LoRA, count) block by block."""
     direct = torch.empty(h.shape, dtype=dtype, device=h.device)
     for start in range(0, h.shape[1], block):
         sl = slice(start, start + block)
-        _, vjp_fn = torch.func.vjp(lambda state: layer.readout(c[:, sl], state), h[:, sl])
+        _, vjp_fn = torch.func.vjp(lambda state: layer.readout(tuple(x[:, sl] for x in c), state), h[:, sl])
         direct[:, sl] = vjp_fn(grad_out[:, sl])[0]
     return direct
 
 
-@torch.no_grad()  # torch.func.vjp still differentiates inside; nothing else may build a graph
+@torch.no_grad()  # the blocks' VJPs build their own small graphs; nothing else may
 def backward_layer(
-    layer: SSMLayer,
+    layer: Recurrence,
     record: LayerRecord,
     grad_out: torch.Tensor,
     mask: torch.Tensor | None,
@@ -184,9 +174,9 @@ def backward_layer(
     z, a, c, h = record
     del record  # A and c go as soon as the adjoint states exist
     if a is None:
-        a, c, h = layer.states(z, mask)
+        _, a, c, h = layer.forward(z, mask)
     rows, length = z.shape[:2]
-    block = _block_tokens(layer, rows, length, options, z.element_size())
+    block = _block_tokens(layer, rows, length, z.shape[-1], options, z.element_size())
     direct = _direct_gradient(layer, c, h, grad_out, block, a.dtype)
     del c
     if options.truncate is None:
@@ -195,53 +185,45 @@ def backward_layer(
     else:
         mu, terms = truncated_adjoint_states(a, direct, options.truncate)
     del direct, a
-    local = _Local(layer)
-    params = {name: p for name, p in local.named_parameters() if p.requires_grad}
-
-    def token_map(params, z_t, h_prev_t, h_t, mask_t):
-        return torch.func.functional_call(local, params, (z_t, h_prev_t, h_t, mask_t))
-
-    batched = torch.func.vmap(token_map, in_dims=(None, 0, 0, 0, 0))
-    keep = torch.ones(rows, length, dtype=z.dtype, device=z.device) if mask is None else mask.to(z.dtype)
-    # ∂L/∂z_{k−1} = ∂L/∂z_k + the VJPs' input gradient, built in grad_out's storage:
-    # each block reads its own slice of grad_out before adding to it.
+    # ∂L/∂z_{k−1} is built in grad_out's storage: block [s, e) reads its cotangents
+    # grad_out[s:e] (no earlier block wrote there), then writes its input gradient over
+    # them and adds the part reaching the ``window`` tokens before s (their values are final).
     grad_in = grad_out
     for start in range(0, length, block):
-        sl = slice(start, min(start + block, length))
-
-        def tokens(x):  # (B, block, ...) -> (B·block, ...): the tokens vmap runs over
-            return x[:, sl].reshape(-1, *x.shape[2:])
-
+        stop = min(start + block, length)
+        first = max(start - layer.window, 0)  # the block's maps read tokens first..stop
         # h^{t−1} for the block's tokens (h^0 = 0), sliced per block rather than shifted whole.
-        h_prev = h[:, start - 1: sl.stop - 1] if start else F.pad(h[:, : sl.stop - 1], (0, 0, 1, 0))
-        h_prev = h_prev.reshape(-1, h.shape[-1])
-        _, vjp_fn = torch.func.vjp(lambda p, zz: batched(p, zz, h_prev, tokens(h), tokens(keep)), params, tokens(z))
-        grad_params, grad_z = vjp_fn((tokens(mu), tokens(grad_out)))
-        # Through autograd's accumulation, so post-accumulate hooks, FSDP and LoRA see it.
-        names = list(grad_params)
-        torch.autograd.backward([params[n] for n in names], [grad_params[n] for n in names])
-        grad_in[:, sl] += grad_z.reshape(rows, -1, z.shape[-1])
+        h_prev = h[:, start - 1: stop - 1] if start else F.pad(h[:, : stop - 1], (0,) * 2 * (h.dim() - 2) + (1, 0))
+        z_block = z[:, first:stop].detach().requires_grad_()
+        with torch.enable_grad():
+            state, out = layer.local(z_block, None if mask is None else mask[:, first:stop], start - first, h_prev, h[:, start:stop])
+            # Through autograd's accumulation, so post-accumulate hooks, FSDP and LoRA see it.
+            torch.autograd.backward([state, out], [mu[:, start:stop].to(state.dtype), grad_out[:, start:stop]])
+        grad_z = z_block.grad
+        grad_in[:, start:stop] = grad_z[:, start - first:]
+        grad_in[:, first:start] += grad_z[:, : start - first]
         if stats is not None:
             stats.vjp_calls += 1
-            stats.block_tokens.append(sl.stop - start)
+            stats.block_tokens.append(stop - start)
     if stats is not None:
         stats.adjoint_terms += terms
         stats.token_vjps += length
     return grad_in
 
 
-def head_backward(base: nn.Module, z_top: torch.Tensor, targets: torch.Tensor, num_label_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def head_backward(adapter: DecoderAdapter, z_top: torch.Tensor, targets: torch.Tensor, num_label_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss of the final norm + LM head (mini-sequence, no full logits) and ∂L/∂z_K;
     the norm's and head's gradients are accumulated."""
     z = z_top.detach().requires_grad_()
-    hidden = base.model.norm(z)
-    loss = chunked_causal_lm_loss(hidden, base.lm_head.weight, targets, num_label_tokens=num_label_tokens, shifted=True)
+    hidden = adapter.final_norm(z)
+    head = adapter.head().module
+    loss = chunked_causal_lm_loss(hidden, head.weight, targets, bias=head.bias, num_label_tokens=num_label_tokens, shifted=True)
     loss.backward()
     return loss.detach(), z.grad
 
 
-def embedding_backward(base: nn.Module, input_ids: torch.Tensor, grad: torch.Tensor) -> None:
-    embedding = base.model.embed_tokens
+def embedding_backward(adapter: DecoderAdapter, input_ids: torch.Tensor, grad: torch.Tensor) -> None:
+    embedding = adapter.embeddings()
     if embedding.weight.requires_grad:
         embedding(input_ids).backward(grad)
 
@@ -264,18 +246,18 @@ def adjoint_step(context, batch, num_label_tokens: int | None = None, stats: Adj
     this rank runs its layer group and exchanges the residual stream (forward) and its
     gradient (backward) with its neighbours; unsharded, one process runs every layer."""
     options: AdjointOptions = context.engine_options
-    base = check_model(context.model)
+    adapter = check_model(context.model)
     inputs = prepare_batch(batch, num_label_tokens)
     if inputs.mask.segments is not None:
-        raise LongtrainError("SSM-ResNet does not reset its state at document boundaries; "
+        raise LongtrainError(f"{adapter.config.model_type} does not reset its state at document boundaries; "
                              "pass batches without position resets (no packed documents) to the adjoint engine")
     num_label_tokens = inputs.num_label_tokens
-    layers = base.model.layers
+    layers = [adapter.recurrence(layer) for layer in adapter.layers]
     group = context.parallel if isinstance(context.parallel, LayerGroup) else LayerGroup(len(layers), 0, 1)
     mask = inputs.mask.key_valid
     if group.first:
         with torch.no_grad():
-            z = base.model.embed_tokens(inputs.input_ids)
+            z = adapter.embed(inputs.input_ids)
     else:
         z = group.recv(_stream_like(layers[group.layers[0]], inputs.input_ids), up=False)
     records = []
@@ -283,7 +265,7 @@ def adjoint_step(context, batch, num_label_tokens: int | None = None, stats: Adj
         z, record = forward_layer(layers[index], z, mask, keep_states=not options.recompute)
         records.append(record)
     if group.last:
-        loss, grad = head_backward(base, z, inputs.targets, num_label_tokens)
+        loss, grad = head_backward(adapter, z, inputs.targets, num_label_tokens)
     else:
         group.send(z, up=True)
         grad = group.recv(z, up=True)
@@ -291,7 +273,7 @@ def adjoint_step(context, batch, num_label_tokens: int | None = None, stats: Adj
     for index in reversed(group.layers):
         grad = backward_layer(layers[index], records.pop(), grad, mask, options, stats)
     if group.first:
-        embedding_backward(base, inputs.input_ids, grad)
+        embedding_backward(adapter, inputs.input_ids, grad)
     else:
         group.send(grad, up=False)
     if group.world_size > 1:  # every rank reports the loss the last rank computed
@@ -301,7 +283,7 @@ def adjoint_step(context, batch, num_label_tokens: int | None = None, stats: Adj
     return loss
 
 
-def _stream_like(layer: SSMLayer, input_ids: torch.Tensor) -> torch.Tensor:
-    """An empty residual-stream tensor (B, T, P) in the layer's dtype and device."""
-    weight = layer.out_proj.weight
+def _stream_like(layer: Recurrence, input_ids: torch.Tensor) -> torch.Tensor:
+    """An empty residual-stream tensor (B, T, P) in the layer's dtype and device (SSM-ResNet's)."""
+    weight = layer.layer.out_proj.weight
     return torch.empty(*input_ids.shape, weight.shape[0], dtype=weight.dtype, device=weight.device)

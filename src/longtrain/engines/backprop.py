@@ -18,6 +18,8 @@ from ..registry import register_engine
 from .base import EngineContext
 from .batch import prepare_batch
 
+__all__ = ["backprop_step", "forward_loss"]
+
 
 @dataclass
 class BackpropOptions:

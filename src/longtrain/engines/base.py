@@ -24,6 +24,8 @@ from ..ops.loss import logits_loss
 if TYPE_CHECKING:  # the strategy module sits above the engines; only its type is named here
     from ..strategy import Strategy
 
+__all__ = ["EngineContext", "HeadLoss", "LossHead"]
+
 
 class LossHead(nn.Module):
     """The LM head and the next-token loss as one module.

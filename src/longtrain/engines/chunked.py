@@ -37,11 +37,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import LongtrainError
 from ..memory.chunk_store import ChunkStore
+from ..memory.kept_attention import KeptOutputs, kept_layers_that_fit
 from ..memory.tracker import mark_repeat
 from ..memory.units import format_bytes, pinned_host_budget
 from ..models.attention import AttentionCall, KeysParked
 from ..models.shapes import head_dim, kept_output_bytes, kv_bytes_per_token
-from ..ops.causal_attention import attention_from_output
 from ..ops.chunked_loss import GradientCarry
 from ..ops.chunked_attention import attend_chunk, attend_chunk_backward, attend_chunk_forward, chunk_bounds
 from ..ops.masking import BlockPlanner
@@ -144,6 +144,8 @@ class ChunkedRun:
         self._draws = RegionStates()  # generator states before each region's forward
         # The lowest this-many layers park their attention output (keep_output, resolved for this shard).
         self.kept_outputs = kept_output_layers(context, shard, settings)
+        # Their outputs and LSEs by (layer, chunk), parked with the layer inputs.
+        self.outputs = KeptOutputs(self.store, offload=settings.offload_inputs)
         if settings.keep_output is not False:  # what "fit" (or a count) came to, for the run's summary
             context.notes["kept_attention_outputs"] = self.kept_outputs
 
@@ -247,16 +249,13 @@ class ChunkedRun:
             bounds = self.planner.bounds
             first = next(j for j, (_, end) in enumerate(bounds) if bounds[index][0] - (end - 1) < window)
         history = _LayerHistory(self, layer, index, first)
-        keep = layer < self.kept_outputs
+        keep = layer < self.kept_outputs  # kept and served by the mechanism checkpoint and memo share (self.outputs)
         if keep and mode == "forward":  # (a no-grad pass) keep what the recompute would redo
             out, lse = attend_chunk_forward(q, k, v, history, self.planner, index, window, scale, softcap)
-            self.store.put(("o", layer, index), out, offload=self.settings.offload_inputs)
-            self.store.put(("lse", layer, index), lse, offload=self.settings.offload_inputs)
-            return out
+            return self.outputs.keep((layer, index), out, lse)[0]
         if keep and mode == "recompute":
-            out, lse = self.store.pop(("o", layer, index)), self.store.pop(("lse", layer, index))
             backward = functools.partial(_attend_chunk_backward, history, self.planner, index, window, scale, softcap)
-            return attention_from_output(q, k, v, out, lse, backward)
+            return self.outputs.serve((layer, index), q, k, v, backward, pop=True)
         return attend_chunk(q, k, v, history, planner=self.planner, index=index, window=window, scale=scale, softcap=softcap)
 
     def relay_factor(self, j: int) -> float | None:
@@ -328,8 +327,7 @@ def outputs_that_fit(keep_output: bool | int | str, layers: int, offload_inputs:
     if budget is None:
         return layers
     parked = parked_with(0)
-    per_layer = max(1, parked_with(1) - parked)
-    return max(0, min(layers, (budget - parked) // per_layer))
+    return kept_layers_that_fit(layers, budget, parked, max(1, parked_with(1) - parked))
 
 
 def kept_output_layers(context: EngineContext, shard: Shard, settings: ChunkSettings) -> int:

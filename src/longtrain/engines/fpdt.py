@@ -61,11 +61,11 @@ from .batch import prepare_batch
 from .chunked import ChunkedRun, ChunkSettings, check_chunkable, check_host_budget
 from .fpdt_costs import FPDTCosts, HostTraffic, host_traffic
 
-__all__ = ["FPDT", "fpdt_step", "forward_layer_major", "backward_layer_major", "HostTraffic", "host_traffic"]
+__all__ = ["FPDTOptions", "fpdt_step", "forward_layer_major", "backward_layer_major", "HostTraffic", "host_traffic"]
 
 
 @dataclass
-class FPDT:
+class FPDTOptions:
     """Knobs of the FPDT engine."""
 
     chunk: int = 4096  # tokens per chunk
@@ -220,8 +220,7 @@ def _prefetch_backward(run: ChunkedRun, layer: int, i: int) -> None:
     run.prefetch_inputs(layer, i)
     run.store.prefetch(("dy", i))
     if layer < run.kept_outputs:
-        run.store.prefetch(("o", layer, i))
-        run.store.prefetch(("lse", layer, i))
+        run.outputs.prefetch((layer, i))
 
 
 def _recompute_segment_inputs(run: ChunkedRun, first: int, top: int) -> None:
@@ -241,7 +240,7 @@ def _recompute_segment_inputs(run: ChunkedRun, first: int, top: int) -> None:
 
 
 @register_engine(
-    "fpdt", FPDT, "layer-major chunked attention with host offload and prefetch (FPDT on one device, exact)",
+    "fpdt", FPDTOptions, "layer-major chunked attention with host offload and prefetch (FPDT on one device, exact)",
     accepts=("mst", "liger"),
     conflicts={"checkpoint": "the fpdt engine already recomputes every layer chunk by chunk; drop 'checkpoint'"},
     check=lambda context: check_chunkable(context, "fpdt"), sequence_parallel=True, costs=FPDTCosts(),
@@ -260,3 +259,12 @@ def fpdt_step(context: EngineContext, batch, num_label_tokens: int | None = None
     finally:
         run.store.clear()
     return context.finish(loss)
+
+
+_RENAMED = {"FPDT": "FPDTOptions"}  # earlier names, still importable with a warning
+
+
+def __getattr__(name: str):
+    from .._aliases import renamed
+
+    return renamed(__name__, globals(), _RENAMED, name)

@@ -3,9 +3,9 @@
 A chunked engine backpropagates a layer once per chunk, and autograd adds each call's
 gradient into ``.grad`` in the parameter's dtype. For bf16 parameters every addition
 rounds the running sum to 8 bits of mantissa, so the error grows with the chunk count:
-measured on the CPU against float64 (tiny-llama, 2,048 tokens, FPDT in 64 chunks), the
-LM head's gradient was 2.2× as far off as stock bf16 backprop's (one GEMM over every
-token, rounded once), ``down_proj``'s and ``o_proj``'s 1.6×. Stock training only pays
+against float64 on the CPU (tiny-llama, 2,048 tokens, FPDT in 64 chunks; docs/chunked_attention.md)
+a bf16 sum puts the LM head's gradient 2.2× as far off as stock bf16 backprop's (one GEMM
+over every token, rounded once), ``down_proj``'s and ``o_proj``'s 1.6×. Stock training only pays
 that price across micro-batches; the chunks are one sequence.
 
 :class:`Float32GradientSum` keeps the sum in float32 instead, as Megatron-LM's
@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 
 from ..memory.tracker import mark_gradient
+
+__all__ = ["Float32GradientSum"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 

@@ -42,6 +42,8 @@ from .batch import prepare_batch
 from .chunked import ChunkedRun, ChunkSettings, check_chunkable, check_host_budget
 from .chunked_costs import SeCOCosts, SpaCOCosts
 
+__all__ = ["SeCOOptions", "SpaCOOptions", "seco_step", "select_chunks", "spaco_step"]
+
 
 @dataclass
 class SeCOOptions:

@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism for the engines: ``Strategy(sequence_parallel=Ulysses(degree=P))``.
+"""Ulysses sequence parallelism for the engines: ``Strategy(sequence_parallel=UlyssesOptions(degree=P))``.
 
 Under ``torchrun``, each group of P consecutive ranks shares one sequence (every rank
 of the group reads the same batch; the rest of the world is data parallel). An engine
@@ -35,11 +35,13 @@ from ..models.attention import AttentionCall
 from ..parallel.distributed import sum_over_data_parallel
 from ..parallel.ulysses import Collectives, HeadLayout, SimulatedCollectives, ShardLayout, heads_to_sequence, sequence_to_heads
 
+__all__ = ["SequenceParallel", "UlyssesOptions", "distribute"]
+
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 @dataclass
-class Ulysses:
+class UlyssesOptions:
     """Knobs of Ulysses sequence parallelism."""
 
     degree: int = 2  # ranks sharing one sequence (the world size or a divisor of it; the rest is data parallel)
@@ -72,7 +74,7 @@ class UlyssesAttention(AttentionCall):
 class SequenceParallel:
     """This rank's place in its sequence-parallel group (see the module docstring)."""
 
-    def __init__(self, options: Ulysses, config, comm: Collectives):
+    def __init__(self, options: UlyssesOptions, config, comm: Collectives):
         self.options = options
         self.degree, self.rank, self.comm = options.degree, comm.rank, comm
         heads = config.num_attention_heads
@@ -82,7 +84,7 @@ class SequenceParallel:
         self.fsdp_root = None  # the FSDP2 root over the model's units (parallel/fsdp.py)
 
     @classmethod
-    def create(cls, options: Ulysses, config, simulated: bool = False) -> "SequenceParallel":
+    def create(cls, options: UlyssesOptions, config, simulated: bool = False) -> "SequenceParallel":
         """Join (or, for the simulator, stand in for) the group of this rank."""
         if simulated:
             return cls(options, config, SimulatedCollectives(options.degree))
@@ -152,7 +154,7 @@ def distribute(context) -> None:
     from ..models.loading import parse_dtype
     from ..parallel.fsdp import check_all_sharded, shard_parameters
 
-    options: Ulysses = context.strategy.sequence_parallel
+    options: UlyssesOptions = context.strategy.sequence_parallel
     adapter = context.adapter
     first = next(adapter.base.parameters())
     simulated = is_fake(first)
@@ -167,3 +169,12 @@ def distribute(context) -> None:
     context.sequence_parallel.fsdp_root = shard_parameters(
         [*ends, *adapter.layers], [adapter.model, head], first.device.type, compute)
     check_all_sharded(adapter.model)
+
+
+_RENAMED = {"Ulysses": "UlyssesOptions"}  # earlier names, still importable with a warning
+
+
+def __getattr__(name: str):
+    from .._aliases import renamed
+
+    return renamed(__name__, globals(), _RENAMED, name)

@@ -35,6 +35,8 @@ from .pinned import host_empty
 from .tracker import host_allocations
 from .units import format_bytes
 
+__all__ = ["ChunkStore", "PinnedPool"]
+
 
 class PinnedPool:
     """Reusable host buffers, page-locked when CUDA is present.

@@ -12,6 +12,16 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+__all__ = [
+    "attention_width",
+    "causal_lm_flops",
+    "count_flops",
+    "device_peak_flops",
+    "matmul_parameters",
+    "mfu",
+    "model_flops_per_sample",
+]
+
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s.
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
 

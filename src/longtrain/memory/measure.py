@@ -13,6 +13,8 @@ import torch
 
 from .tracker import MemoryReport, MemoryTracker
 
+__all__ = ["StepMemoryMeter"]
+
 
 @dataclass
 class StepPeak:

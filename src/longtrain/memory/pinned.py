@@ -26,6 +26,8 @@ from torch._guards import detect_fake_mode
 
 from .tracker import mark_host_resident
 
+__all__ = ["host_empty"]
+
 _REGISTER_DEFAULT = 0  # cudaHostRegisterDefault
 
 

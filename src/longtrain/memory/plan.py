@@ -39,6 +39,23 @@ import torch
 
 from ..errors import LongtrainError
 
+__all__ = [
+    "ALIGN",
+    "Arena",
+    "Block",
+    "FragmentationReport",
+    "Plan",
+    "best_fit",
+    "check_plan",
+    "first_fit_online",
+    "fragmentation_report",
+    "live_peak",
+    "plan_memory",
+    "solve",
+    "solve_bilevel",
+    "trace_from_cuda_snapshot",
+]
+
 # Offsets are planned in units of 512 bytes, the CUDA caching allocator's rounding.
 ALIGN = 512
 

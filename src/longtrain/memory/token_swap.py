@@ -46,6 +46,8 @@ import torch
 from ..errors import LongtrainError
 from .chunk_store import ChunkStore
 
+__all__ = ["LayerActivations", "NotTokenWise", "storage_id", "token_axis"]
+
 _KEYS = itertools.count()
 
 

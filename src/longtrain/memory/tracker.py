@@ -26,6 +26,20 @@ from torch.utils._pytree import tree_flatten
 
 from ..thread_flag import ThreadFlag
 
+__all__ = [
+    "CATEGORIES",
+    "DEVICE",
+    "HOST",
+    "MemoryReport",
+    "MemoryTracker",
+    "host_allocations",
+    "in_backward",
+    "mark_gradient",
+    "mark_host_resident",
+    "mark_repeat",
+    "untracked",
+]
+
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 DEVICE, HOST = "device", "host"
 

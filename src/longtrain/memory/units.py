@@ -7,6 +7,8 @@ import re
 
 from ..errors import LongtrainError
 
+__all__ = ["format_bytes", "gib", "parse_bytes", "parse_tokens", "physical_memory", "pinned_host_budget"]
+
 _BYTE_UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+__all__ = ["unwrap"]
+
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The underlying task model (strips a PEFT wrapper)."""

@@ -19,6 +19,16 @@ from . import ssm_resnet  # noqa: F401  (registers model_type "ssm_resnet": loca
 from .attention import attention_backend
 from .presets import preset_config, resolve_preset
 
+__all__ = [
+    "add_lora",
+    "build_from_config",
+    "default_dtype",
+    "is_model_dir",
+    "load_config",
+    "load_pretrained",
+    "parse_dtype",
+]
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

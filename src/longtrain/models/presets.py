@@ -16,6 +16,8 @@ from ..errors import LongtrainError
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+__all__ = ["packaged_checkpoint", "preset_config", "preset_fields", "preset_names", "resolve_preset"]
+
 # name -> (model_type, config fields)
 _PRESETS: dict[str, tuple[str, dict]] = {
     "llama2-7b": ("llama", dict(
@@ -90,6 +92,9 @@ _PRESETS: dict[str, tuple[str, dict]] = {
     "ssm-225m": ("ssm_resnet", dict(vocab_size=32000, hidden_size=1280, state_size=1280, num_hidden_layers=22)),
     "ssm-1.27b": ("ssm_resnet", dict(vocab_size=32000, hidden_size=2560, state_size=2560, num_hidden_layers=42)),
     "tiny-ssm": ("ssm_resnet", dict(vocab_size=320, hidden_size=32, state_size=24, num_hidden_layers=3)),
+    # Hugging Face Mamba (its pure-PyTorch path) at a toy width, for tests; attention-free.
+    "tiny-mamba": ("mamba", dict(vocab_size=320, hidden_size=32, state_size=8, num_hidden_layers=2, conv_kernel=4,
+                                 expand=2, attention_free=True)),
     # The SSM the adjoint engine trains on the pass-key task in `longtrain train --model ssm-demo`.
     "ssm-demo": ("ssm_resnet", dict(vocab_size=260, hidden_size=128, state_size=128, num_hidden_layers=4)),
     # The embedded default of `longtrain train`: small enough to train at 8K tokens on

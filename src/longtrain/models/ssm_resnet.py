@@ -33,6 +33,8 @@ from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 from ..ops.linear_scan import diagonal_recurrence
 from ..ops.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
 
+__all__ = ["SSMLayer", "SSMResNetConfig", "SSMResNetForCausalLM", "is_ssm_resnet"]
+
 MODEL_TYPE = "ssm_resnet"
 
 

@@ -11,7 +11,7 @@ the fastest exact one for the device, dtype and head dimension (:func:`attention
 chosen once and cached):
 
 - **cudnn**: ``aten::_scaled_dot_product_cudnn_attention[_backward]``, cuDNN's fused
-  attention (about 1.9× the FA2 kernels on an H100, measured 2026-11-22).
+  attention (about 1.9× the FA2 kernels on an H100: docs/speed.md).
   Hopper and later (sm90+), fp16/bf16, head dimension a multiple of 8 up to 128.
   Takes grouped K/V heads as they are and returns dK/dV grouped; returns the LSE as
   (B, H, S, 1) float32; its backward accepts an outside output and LSE.
@@ -46,6 +46,19 @@ import warnings
 import torch
 
 from ..errors import LongtrainError
+
+__all__ = [
+    "KERNEL_ENV",
+    "attention_kernel",
+    "block_backward",
+    "block_forward",
+    "block_kernel",
+    "cudnn_lse_is_4d",
+    "kernel_supported",
+    "lse_dtype",
+    "merge_",
+    "set_attention_kernel",
+]
 
 _LSE_DTYPES = {torch.float64: torch.float64}
 _HALF = (torch.float16, torch.bfloat16)
@@ -100,7 +113,7 @@ def attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) ->
 
 
 def _choose(device, dtype, head_dim, request) -> str:
-    available = [k for k in KERNELS if _supports(k, device, dtype, head_dim)]
+    available = [k for k in KERNELS if kernel_supported(k, device, dtype, head_dim)]
     if request is None or request in available:
         return request or available[0]
     warnings.warn(f"attention kernel {request!r} cannot run {str(dtype).replace('torch.', '')} blocks of head "
@@ -109,7 +122,7 @@ def _choose(device, dtype, head_dim, request) -> str:
     return available[0]
 
 
-def _supports(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+def kernel_supported(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     if kernel == "math":
         return True
     if (kernel, device.type, device.index, dtype, head_dim) in _failed:
@@ -147,7 +160,7 @@ def _drop_failed(kernel: str, q: torch.Tensor, error: Exception) -> None:
                   f"{attention_kernel(device, dtype, head_dim)!r} from now on", stacklevel=3)
 
 
-def _fused_kernel(q, k, mask, softcap) -> str:
+def block_kernel(q, k, mask, softcap) -> str:
     """The kernel for a block: "math" wherever a mask or a soft-cap must be applied."""
     if mask is not None or softcap or not q.dtype.is_floating_point:
         return "math"
@@ -156,7 +169,7 @@ def _fused_kernel(q, k, mask, softcap) -> str:
         # cuDNN refuses a single key (PyTorch's own SDPA dispatch never sends it one,
         # pytorch#138529); a one-token document or chunk takes the next kernel for this
         # block only, without marking cuDNN failed for every later block.
-        return "flash" if _supports("flash", q.device, q.dtype, q.shape[-1]) else "math"
+        return "flash" if kernel_supported("flash", q.device, q.dtype, q.shape[-1]) else "math"
     return kernel
 
 
@@ -180,10 +193,12 @@ def _fused(fn, kernel: str, *args):
 # ---- the fused kernels -----------------------------------------------------------------------
 
 def _expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """K or V (B, Hkv, S, D) -> (B, Hkv·G, S, D), each head repeated for its G query heads."""
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
 
 def _reduce_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """dK or dV (B, Hkv·G, S, D) -> (B, Hkv, S, D): the G repeats' gradients summed."""
     if groups == 1:
         return t
     b, h, s, d = t.shape
@@ -191,7 +206,7 @@ def _reduce_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 @functools.cache
-def _cudnn_lse_is_4d() -> bool:
+def cudnn_lse_is_4d() -> bool:
     """Whether this PyTorch's cuDNN forward returns the LSE as (B, H, S, 1) — its backward
     takes the LSE in the forward's shape. Read from the op's meta kernel (no GPU needed)."""
     q = torch.empty(1, 1, 8, 8, device="meta", dtype=torch.bfloat16)
@@ -211,7 +226,7 @@ def _cudnn_forward(q, k, v, causal, scale):
 def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
     b, h, s_q, _ = q.shape
     s_k = k.shape[2]
-    lse = lse.to(torch.float32).reshape((b, h, s_q, 1) if _cudnn_lse_is_4d() else (b, h, s_q)).contiguous()
+    lse = lse.to(torch.float32).reshape((b, h, s_q, 1) if cudnn_lse_is_4d() else (b, h, s_q)).contiguous()
     # Without dropout the philox seed/offset are never read (the kernel's graph has no
     # dropout node); max_q/max_k are the block's lengths (the kernel reads them as s_q/s_kv);
     # no bias and no variable-length packing: undefined tensors (None).
@@ -301,7 +316,7 @@ def block_forward(q, k, v, *, scale: float, causal: bool = False, mask=None, sof
     Returns the block output normalized by the block's own LSE and that LSE (B, H, Cq).
     Rows with nothing to attend get output 0 and LSE -inf.
     """
-    fused = _fused(_fused_forward, _fused_kernel(q, k, mask, softcap), q, k, v, causal, scale)
+    fused = _fused(_fused_forward, block_kernel(q, k, mask, softcap), q, k, v, causal, scale)
     if fused is not None:
         return fused
     b, h, cq, d = q.shape
@@ -322,7 +337,7 @@ def block_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool = Fals
     every block the rows attend to, so the result is this block's exact share of the
     global gradients.
     """
-    fused = _fused(_fused_backward, _fused_kernel(q, k, mask, softcap), dout, q, k, v, out, lse, causal, scale)
+    fused = _fused(_fused_backward, block_kernel(q, k, mask, softcap), dout, q, k, v, out, lse, causal, scale)
     if fused is not None:
         return fused
     groups = q.shape[1] // k.shape[1]

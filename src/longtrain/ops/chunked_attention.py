@@ -32,6 +32,16 @@ from torch._subclasses.fake_tensor import is_fake
 from .attention_blocks import block_backward, block_forward, lse_dtype, merge_
 from .masking import BlockPlanner, SequenceMask
 
+__all__ = [
+    "attend_chunk",
+    "attend_chunk_backward",
+    "attend_chunk_forward",
+    "chunk_bounds",
+    "chunked_attention",
+    "chunked_backward",
+    "chunked_forward",
+]
+
 
 class KVHistory(Protocol):
     """Earlier chunks' keys/values for one layer (what :func:`attend_chunk` reads).
@@ -65,8 +75,8 @@ def _visible_blocks(planner: BlockPlanner, window, device, keys_outer=False, onc
     ``once_per_kind`` (fake tensors: the simulator) yields only the first block of each
     kind (:meth:`BlockPlanner.kind`, and ``first``): blocks of one kind allocate and free the
     same tensors around the same accumulators, so the loop's peaks are those of every block,
-    and its cost no longer grows with the square of the length (a 36K-token Gemma-2 layer
-    has 666 blocks of 1,024 tokens, of a handful of kinds)."""
+    and its cost grows with the number of kinds, not with the square of the length (a
+    36K-token Gemma-2 layer has 666 blocks of 1,024 tokens, of a handful of kinds)."""
     n = len(planner.bounds)
     pairs = [(qi, ki) for qi in range(n) for ki in range(qi + 1)]
     if keys_outer:

@@ -32,6 +32,8 @@ from .gemm import add_product
 from .loss import IGNORE_INDEX, shift_labels
 from .tiles import tile_starts
 
+__all__ = ["GradientCarry", "chunked_causal_lm_loss"]
+
 
 class GradientCarry:
     """The head's weight and bias gradient buffers, carried over a sequence's calls of

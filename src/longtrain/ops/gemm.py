@@ -18,7 +18,15 @@ import warnings
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+__all__ = ["add_product", "addmm_fallback_devices"]
+
 _dtype_addmm_fails: set[torch.device] = set()  # devices whose addmm refused out_dtype
+
+
+def addmm_fallback_devices() -> frozenset[torch.device]:
+    """The devices where :func:`add_product` fell back to a product in the inputs' dtype
+    because ``addmm`` refused ``out_dtype`` (empty where the float32-accumulating GEMM ran)."""
+    return frozenset(_dtype_addmm_fails)
 
 
 def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+__all__ = ["IGNORE_INDEX", "causal_lm_loss", "logits_loss", "shift_labels"]
+
 IGNORE_INDEX = -100
 
 

@@ -38,6 +38,16 @@ from dataclasses import dataclass
 
 import torch
 
+__all__ = [
+    "BlockPlanner",
+    "DocumentSpans",
+    "SequenceMask",
+    "TILE",
+    "TILE_CUTS",
+    "document_spans",
+    "segments_from_positions",
+]
+
 
 # Tokens per side of the tiles a masked block runs as (bounds its explicit scores).
 TILE = 1024

@@ -37,6 +37,21 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..errors import LongtrainError
 
+__all__ = [
+    "RegionStates",
+    "ReplayedRows",
+    "SeededOps",
+    "TileScopes",
+    "active_dropout",
+    "capture",
+    "recording",
+    "replayed_rows",
+    "replaying",
+    "restoring",
+    "same_states",
+    "tile_scopes",
+]
+
 
 @dataclass(frozen=True)
 class GeneratorStates:

@@ -13,10 +13,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+__all__ = ["sdpa_gqa"]
+
 _aten = torch.ops.aten
 
 
 def _repeat_heads(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, Hkv, S, D) -> (B, Hkv·n_rep, S, D): each K/V head repeated for its query heads."""
     if n_rep == 1:
         return x
     b, h, s, d = x.shape
@@ -24,6 +27,7 @@ def _repeat_heads(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def _fold_heads(grad: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """A repeated K/V gradient (B, H, S, D) -> (B, n_kv, S, D): each head's repeats summed."""
     b, h, s, d = grad.shape
     return grad if h == n_kv else grad.view(b, n_kv, h // n_kv, s, d).sum(2)
 

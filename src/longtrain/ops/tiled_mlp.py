@@ -62,6 +62,8 @@ from . import _autocast, replay
 from .gemm import add_product
 from .tiles import tile_starts
 
+__all__ = ["outputs_unread", "tiled_mlp"]
+
 
 _unread = ThreadFlag()  # raised by outputs_unread() on the thread running the forward
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+__all__ = ["tile_starts"]
+
 
 def tile_starts(n_tokens: int, tile: int, reference: torch.Tensor) -> range | list[int]:
     """Start of each tile of ``tile`` tokens over ``n_tokens``; on a fake ``reference``

@@ -18,6 +18,17 @@ import torch.distributed as dist
 
 from ..errors import LongtrainError
 
+__all__ = [
+    "collective_failures",
+    "exit_process",
+    "init_from_env",
+    "is_peer_failure",
+    "joined",
+    "rank_device",
+    "simulated_world",
+    "sum_over_data_parallel",
+]
+
 DEFAULT_TIMEOUT_S = 600.0
 _joined = False  # this process started a process group from torchrun's environment (init_from_env)
 # What gloo and NCCL say when a peer died, hung or the network broke.

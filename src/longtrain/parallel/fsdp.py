@@ -22,6 +22,8 @@ from torch import nn
 
 from ..errors import LongtrainError
 
+__all__ = ["check_all_sharded", "forget_meshes", "gathered", "shard_parameters", "world_mesh"]
+
 
 @functools.lru_cache(maxsize=None)
 def _world_mesh(device_type: str, world_size: int, group_id: int):

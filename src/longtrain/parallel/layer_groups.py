@@ -33,6 +33,8 @@ from ..errors import LongtrainError
 from ..models.layers import unwrap
 from ..models.ssm_resnet import is_ssm_resnet
 
+__all__ = ["LayerGroup", "layer_ranges", "owned_parameters", "shard_model"]
+
 def layer_ranges(n_layers: int, world_size: int) -> list[range]:
     """Contiguous, balanced layer groups, one per rank (earlier ranks take the remainder)."""
     if world_size > n_layers:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+__all__ = ["Collectives", "HeadLayout", "ShardLayout", "SimulatedCollectives", "heads_to_sequence", "sequence_to_heads"]
+
 
 @dataclass(frozen=True)
 class HeadLayout:

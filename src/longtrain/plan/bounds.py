@@ -2,7 +2,7 @@
 per place of the optimizer's state (:func:`budgets_for`), what a strategy parks
 (:func:`parked_split`) and the least a step holds beside the model states
 (:func:`least_bytes`), and the allocator's fragmentation margin on a simulated peak
-(:func:`_reserved`). The planner and the simulator refuse with these, at once, what no
+(:func:`reserved_bytes`). The planner and the simulator refuse with these, at once, what no
 simulation could make fit."""
 
 from __future__ import annotations
@@ -19,23 +19,25 @@ from ..models.loading import build_from_config
 from ..strategy import Strategy
 
 __all__ = [
+    "Budget",
     "FRAGMENTATION",
     "budgets_for",
     "least_bytes",
     "longest_where",
     "parked_bytes",
     "parked_split",
+    "reserved_bytes",
 ]
 
 
 # The allocator's overhead on what a step allocates and frees (everything but the weights
 # and the optimizer state, which are allocated once): (reserved − weights) / (allocated −
-# weights) on an H100 (measured 2026-11-22), the largest seen per kind.
+# weights) on an H100, the largest seen per kind (docs/planner.md).
 FRAGMENTATION = {"offload": 1.8, "chunked": 1.25, "whole": 1.1}
 
 
 @dataclass
-class _Budget:
+class Budget:
     """What a candidate must fit: the machine, and what stays resident whatever the strategy."""
 
     device_memory: int
@@ -48,7 +50,7 @@ class _Budget:
 
 def budgets_for(config, *, device_memory: int, host_memory: int, optimizer: str, dtype: torch.dtype,
                 lora_rank: int | None = None, gpus: int = 1, optimizer_offload: bool | None = None
-                ) -> tuple[int, list[_Budget]]:
+                ) -> tuple[int, list[Budget]]:
     """(parameter count, the places for the optimizer's state that the machine allows:
     the device, host memory, or both) — or a one-line error when the model states alone
     cannot fit."""
@@ -63,10 +65,10 @@ def budgets_for(config, *, device_memory: int, host_memory: int, optimizer: str,
     grads = 0 if lora_rank else weights
     if weights + grads + state <= device_memory and optimizer_offload is not True:
         # LoRA: the adapters' optimizer state is simulated with them (a fraction of a percent of the weights).
-        budgets.append(_Budget(device_memory, host_memory, weights + state, state, 0, optimizer if lora_rank else "none"))
+        budgets.append(Budget(device_memory, host_memory, weights + state, state, 0, optimizer if lora_rank else "none"))
     if optimizer_offload is not False and optimizer == "adamw" and not lora_rank and gpus == 1 and weights <= device_memory:
         masters = params * 4  # fp32 masters, two fp32 moments, a gradient buffer in the parameters' dtype
-        budgets.append(_Budget(device_memory, host_memory, weights, 0, 3 * masters + params * item, "adamw-offload"))
+        budgets.append(Budget(device_memory, host_memory, weights, 0, 3 * masters + params * item, "adamw-offload"))
     if optimizer_offload and not any(b.optimizer == "adamw-offload" for b in budgets):
         raise LongtrainError("--optimizer-offload plans AdamW's state in host memory for full fine-tuning on one GPU; "
                              "it needs --optimizer adamw, no --lora and --gpus 1")
@@ -139,7 +141,7 @@ def longest_where(fits: Callable[[int], bool], below: int) -> int:
     return low
 
 
-def _bound(config, seq_len, strategy, budget: _Budget, item, batch, gpus) -> str | None:
+def _bound(config, seq_len, strategy, budget: Budget, item, batch, gpus) -> str | None:
     """Why ``strategy`` cannot fit whatever the simulation says (the token ids and its parked
     bytes alone, :func:`least_bytes`), or None."""
     on_device, on_host = least_bytes(config, seq_len, strategy, item, batch, gpus)
@@ -166,7 +168,7 @@ def _beyond_reach(config, seq_len, jobs, bounds, item, batch, gpus, device_memor
             f"{bounds[best].replace(' (what it parks; not simulated)', '')}); {longest} — counted, not simulated")
 
 
-def _reserved(strategy: Strategy, budget: _Budget, device: int) -> int:
+def reserved_bytes(strategy: Strategy, budget: Budget, device: int) -> int:
     """What must fit the device: the simulated peak (``device``, without on-device
     optimizer state) with that state, and what a step allocates and frees times the
     allocator's fragmentation margin."""

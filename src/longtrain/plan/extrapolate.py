@@ -40,9 +40,13 @@ from ..strategy import Strategy
 from .bounds import _engine_costs
 
 __all__ = [
+    "Axis",
     "CHECK_TOLERANCE",
     "ChunkCurve",
+    "chunk_axis",
     "chunk_of",
+    "layer_axis",
+    "scaled_strategy",
 ]
 
 
@@ -63,7 +67,7 @@ class _Simulated:
 
 
 @dataclass(frozen=True)
-class _Axis:
+class Axis:
     """Sizes ``value(u) = u * unit + offset`` for ``u`` whole repeats; ``target`` repeats at
     full scale; simulated at ``first``, ``first + 1`` (the fit) and ``first + 2`` (the check)."""
 
@@ -80,7 +84,7 @@ class _Axis:
     def extrapolated(self) -> bool:
         return self.target > self.first + 2
 
-    def shifted(self) -> "_Axis":
+    def shifted(self) -> "Axis":
         return dataclasses.replace(self, first=self.first + 1)
 
 
@@ -119,7 +123,7 @@ def _depth(strategy: Strategy) -> int:
     return max(2, top + 1)
 
 
-def _layer_axis(config, strategy: Strategy) -> _Axis | None:
+def layer_axis(config, strategy: Strategy) -> Axis | None:
     """Layers in whole repeats (:func:`_layer_period`); the partial repeat at the top is kept
     in every size. At least ``2 · depth`` repeats, so that both ends are told apart."""
     n = _layers(config)
@@ -128,7 +132,7 @@ def _layer_axis(config, strategy: Strategy) -> _Axis | None:
     period = _layer_period(config, strategy)
     offset = n % period
     first = 2 * _depth(strategy) - (1 if offset else 0)  # a partial repeat at the top counts as one
-    axis = _Axis("layers", period, offset, n // period, max(1, first))
+    axis = Axis("layers", period, offset, n // period, max(1, first))
     return axis if axis.extrapolated else None
 
 
@@ -145,7 +149,7 @@ def chunk_of(strategy: Strategy) -> int | None:
     return _engine_costs(strategy).chunk(strategy.engine_options)
 
 
-def _chunk_axis(config, seq_len: int, strategy: Strategy) -> _Axis | None:
+def chunk_axis(config, seq_len: int, strategy: Strategy) -> Axis | None:
     """Tokens in whole chunks of a chunked engine; the last (possibly partial) chunk is kept
     in every size. At least ``2 · depth`` chunks past the sliding window, if any (until a
     chunk sees a whole window, each sees more than the one before); SpaCO backpropagates
@@ -159,7 +163,7 @@ def _chunk_axis(config, seq_len: int, strategy: Strategy) -> _Axis | None:
     window = _sliding_window(config)
     first = 2 * _depth(strategy) + (-(-window // chunk) + 1 if window else 0)
     first = max(first, _engine_costs(strategy).fewest_chunks(strategy.engine_options))
-    axis = _Axis("chunks", chunk, last - chunk, count, first)
+    axis = Axis("chunks", chunk, last - chunk, count, first)
     return axis if axis.extrapolated else None
 
 
@@ -223,7 +227,7 @@ def _with_layers(config, layers: int):
     return small
 
 
-def _scaled_strategy(strategy: Strategy, config, layers: int) -> Strategy:
+def scaled_strategy(strategy: Strategy, config, layers: int) -> Strategy:
     """The strategy for a simulation with ``layers`` of the model's layers: an engine's host
     budget, which bounds a whole step, is lifted (checked on the extrapolated host peak
     instead); the engine and each technique then adjust their options to a few layers
@@ -307,8 +311,8 @@ class _Fitted:
     fit: list
     a: int
     b: int
-    layers: _Axis | None
-    chunks: _Axis | None
+    layers: Axis | None
+    chunks: Axis | None
     seq_len: int = 0
     kept: Callable[[int], tuple[int, int, int]] | None = None  # :func:`_kept_outputs_apart`
 
@@ -367,8 +371,8 @@ def _fit(config, seq_len: int, strategy: Strategy, run, say, kept=None, whole_la
     checked (module docstring), or None when there is nothing to extrapolate or the
     pattern never settled. ``kept``: :func:`_kept_outputs_apart`'s correction.
     ``whole_layers``: every layer in every simulation (:func:`_budget_stops_layers`)."""
-    layers = None if whole_layers else _layer_axis(config, strategy)
-    chunks = _chunk_axis(config, seq_len, strategy)
+    layers = None if whole_layers else layer_axis(config, strategy)
+    chunks = chunk_axis(config, seq_len, strategy)
     if layers is None and chunks is None:
         return None
     places = (_layer_period(config, strategy), _depth(strategy))
@@ -385,7 +389,7 @@ def _fit(config, seq_len: int, strategy: Strategy, run, say, kept=None, whole_la
             started = time.perf_counter()
             say(f"[{n}/{len(todo)}] simulating {n_layers} layers at {tokens:,} tokens")
             sims[(u, v)] = run(_with_layers(config, n_layers) if layers is not None else config, tokens,
-                               _scaled_strategy(strategy, config, n_layers), places=places)
+                               scaled_strategy(strategy, config, n_layers), places=places)
             sims[(u, v)].tokens = tokens
             say(f"[{n}/{len(todo)}] {n_layers} layers at {tokens:,} tokens: {time.perf_counter() - started:.1f} s")
 

@@ -16,9 +16,9 @@ that fit is an interval from zero, and its end is found by bracketing and refini
   to within 1/64 of the length (1,024 tokens at least).
 
 The length reported always fits by a whole-length simulation, and one step beyond does
-not. (Extending the line through two short simulations, as an earlier version did,
-overestimated: the peak moves between places as the length grows, e.g. 17 KB per token
-at 16K tokens and 84 KB at 512K for Llama-3-8B under FPDT with segments.)
+not. (A line through two short simulations would overestimate: the peak moves between
+places as the length grows, e.g. 17 KB per token at 16K tokens and 84 KB at 512K for
+Llama-3-8B under FPDT with segments.)
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from .. import registry
 from ..errors import LongtrainError
 from ..models.loading import load_config, parse_dtype
 from ..strategy import Strategy
-from .bounds import _Budget, _reserved, budgets_for, parked_bytes, parked_split
+from .bounds import Budget, budgets_for, parked_bytes, parked_split, reserved_bytes
 from .candidates import CHUNKS, candidates, host_budgets_beside_optimizer
 from .extrapolate import chunk_of
 from .steps import chunk_curve_of, simulate_step
@@ -46,10 +46,10 @@ LIMIT = 2**31  # no search goes beyond this many tokens
 _INFEASIBLE = float("inf")
 
 
-def overflow(strategy: Strategy, budget: _Budget, device: int, host: int) -> tuple[int, str]:
+def overflow(strategy: Strategy, budget: Budget, device: int, host: int) -> tuple[int, str]:
     """(bytes over the tighter of the device and host limits — negative: to spare — and
     which one) of a simulated step (``device`` without on-device optimizer state)."""
-    over_device = _reserved(strategy, budget, device) - budget.device_memory
+    over_device = reserved_bytes(strategy, budget, device) - budget.device_memory
     over_host = host - budget.host_memory
     return (over_device, "device memory") if over_device >= over_host else (over_host, "host memory")
 
@@ -118,7 +118,7 @@ def search(over: Callable[[int], tuple[float, str]], start: int, granule: int, l
     return lo, seen[hi][1]
 
 
-def longest_context(config, strategy: Strategy, budget: _Budget, dtype: str, *, batch: int = 1,
+def longest_context(config, strategy: Strategy, budget: Budget, dtype: str, *, batch: int = 1,
                     lora_rank: int | None = None, start: int | None = None, label: str | None = None,
                     progress: Callable[[str], None] | None = None) -> tuple[int, str]:
     """(the longest context ``strategy`` trains within ``budget``, what binds one step
@@ -151,7 +151,7 @@ def longest_context(config, strategy: Strategy, budget: _Budget, dtype: str, *, 
     return search(over, start, granule, exact=curve is not None)
 
 
-def _parked_bound(config, strategy: Strategy, budget: _Budget, item: int, batch: int) -> int:
+def _parked_bound(config, strategy: Strategy, budget: Budget, item: int, batch: int) -> int:
     """The length at which what ``strategy`` parks alone fills its side (device or host):
     an upper bound of the longest context."""
     per_token = parked_bytes(config, 2**20, strategy, item, batch) / 2**20

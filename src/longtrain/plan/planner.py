@@ -42,19 +42,20 @@ from ..errors import LongtrainError
 from ..memory.units import format_bytes
 from ..models.loading import load_config, parse_dtype
 from ..strategy import Strategy
-from .bounds import (FRAGMENTATION, _beyond_reach, _bound, _Budget, _reserved, budgets_for, least_bytes, longest_where,
-                     parked_bytes, parked_split)
+from .bounds import (FRAGMENTATION, Budget, _beyond_reach, _bound, budgets_for, least_bytes, longest_where,
+                     parked_bytes, parked_split, reserved_bytes)
 from .candidates import (CHUNKS, _leaves_layers_whole, _rebuilt, candidates, host_budgets_beside_optimizer,
                          outputs_kept_within)
 from .longest import longest_context
 from .report import Plan, PlanRow
-from .steps import _CURVES, _SIMULATIONS, _simulate_elsewhere, _Simulations, chunk_curve_of, simulate_step
+from .steps import _Simulations, chunk_curve_of, simulate_step
 from .time_model import H100, MachineRates, step_time
 
 # plan() and its row, and what the planner is made of, re-exported from their modules.
 __all__ = [
     "CHUNKS",
     "FRAGMENTATION",
+    "Budget",
     "Plan",
     "PlanRow",
     "WHOLE_LAYERS_FILL",
@@ -64,15 +65,13 @@ __all__ = [
     "host_budgets_beside_optimizer",
     "least_bytes",
     "longest_where",
+    "most_whole_layers",
     "outputs_kept_within",
     "parked_bytes",
     "parked_split",
     "plan",
+    "reserved_bytes",
     "simulate_step",
-    # private, reached by tests/test_planner.py (their home: longtrain.plan.steps)
-    "_CURVES",
-    "_SIMULATIONS",
-    "_simulate_elsewhere",
 ]
 
 
@@ -174,9 +173,9 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
                     winner = label
             result.rows.append(row)
             if row.fits and _leaves_layers_whole(strategy) and not longest:
-                whole = _with_whole_layers(row, strategy, config, seq_len, budget, rates, batch, params, say,
-                                           lambda candidate: simulate_step(config, seq_len, candidate, dtype, batch,
-                                                                           budget.optimizer, lora_rank))
+                whole = most_whole_layers(row, strategy, config, seq_len, budget, rates, batch, params, say,
+                                          lambda candidate: simulate_step(config, seq_len, candidate, dtype, batch,
+                                                                          budget.optimizer, lora_rank))
                 if whole is not None:
                     result.rows.append(whole)
     result.rows.sort(key=lambda r: (not r.fits, not r.simulated,
@@ -184,8 +183,8 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
     return result
 
 
-def _with_whole_layers(row: PlanRow, strategy: Strategy, config, seq_len, budget: _Budget, rates, batch, params,
-                       say, simulated) -> PlanRow | None:
+def most_whole_layers(row: PlanRow, strategy: Strategy, config, seq_len, budget: Budget, rates, batch, params,
+                      say, simulated) -> PlanRow | None:
     """``row``'s checkpointing with as many top layers left whole (``except_last``: nothing
     recomputed there) as fit in :data:`WHOLE_LAYERS_FILL` of the device, or None if not one does.
 
@@ -238,7 +237,7 @@ def _with_whole_layers(row: PlanRow, strategy: Strategy, config, seq_len, budget
     return tried[good] if good else None
 
 
-def _evaluate(label, strategy, config, seq_len, budget: _Budget, rates, batch, params, simulated) -> PlanRow:
+def _evaluate(label, strategy, config, seq_len, budget: Budget, rates, batch, params, simulated) -> PlanRow:
     """The plan's row of one candidate; ``simulated()`` gives its simulate_step figures."""
     offloaded = budget.optimizer == "adamw-offload"
     try:
@@ -246,7 +245,7 @@ def _evaluate(label, strategy, config, seq_len, budget: _Budget, rates, batch, p
     except LongtrainError as exc:  # e.g. memo: the inputs and attention outputs alone exceed the host budget
         return PlanRow(label, strategy.to_dict(), None, None, None, False, str(exc), None, None, None,
                        optimizer_offload=offloaded)
-    reserved = _reserved(strategy, budget, device)
+    reserved = reserved_bytes(strategy, budget, device)
     device += budget.device_state
     binds = []
     if reserved > budget.device_memory:

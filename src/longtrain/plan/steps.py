@@ -10,17 +10,32 @@ import json
 from typing import Callable
 
 from ..strategy import Strategy
-from .extrapolate import _chunk_axis
+from .extrapolate import chunk_axis
 from .simulate import chunk_curve, simulate
 
 __all__ = [
+    "cached_curves",
     "chunk_curve_of",
+    "clear_caches",
+    "simulate_elsewhere",
     "simulate_step",
 ]
 
 
 _SIMULATIONS: dict[tuple, tuple[int, int, dict]] = {}  # simulate_step's results in this process
 _CURVES: dict[tuple, object] = {}  # chunk_curve's results (a ChunkCurve or None) in this process
+
+
+def clear_caches() -> None:
+    """Test hook: forget every simulation and chunk curve cached in this process, so that
+    the next plan simulates again."""
+    _SIMULATIONS.clear()
+    _CURVES.clear()
+
+
+def cached_curves() -> dict[tuple, object]:
+    """Test hook: a copy of the chunk curves cached in this process, by cache key."""
+    return dict(_CURVES)
 
 
 def _key(config, seq_len, strategy: Strategy, dtype, batch, optimizer, lora_rank) -> tuple:
@@ -55,8 +70,8 @@ def simulate_step(config, seq_len: int, strategy: Strategy, dtype: str, batch: i
     chunks itself (plan/extrapolate.py), so a step of an 8B model costs seconds to half a minute at
     any length; a chunked engine at a length of whole chunks reads its
     :func:`chunk_curve_of`, which shares those small simulations between lengths. (A line
-    through the peaks at two and four FPDT chunks, used here before, underestimated long
-    contexts: the peak moves from one phase to another as the length grows — Llama-3-8B,
+    through the peaks at two and four FPDT chunks would underestimate long contexts: the
+    peak moves from one phase to another as the length grows — Llama-3-8B,
     fpdt:chunk=8192:segment=6 with the gradients on the device, 32.14 / 32.40 / 35.88 /
     42.94 / 63.32 GiB at 16K / 32K / 128K / 256K / 512K tokens, 17 KB per token at first
     and 84 KB at the end.)"""
@@ -67,7 +82,7 @@ def simulate_step(config, seq_len: int, strategy: Strategy, dtype: str, batch: i
 
 
 def _simulate_step(config, seq_len, strategy: Strategy, dtype, batch, optimizer, lora_rank) -> tuple[int, int, dict]:
-    axis = _chunk_axis(config, seq_len, strategy)
+    axis = chunk_axis(config, seq_len, strategy)
     if axis is not None and axis.offset == 0 and axis.target >= axis.first + 3:
         curve = chunk_curve_of(config, strategy, dtype, batch, optimizer, lora_rank)
         if curve is not None and axis.target >= curve.fewest:
@@ -79,7 +94,7 @@ def _simulate_step(config, seq_len, strategy: Strategy, dtype, batch, optimizer,
     return report.device_peak_bytes, report.peak.peak_host_bytes, dict(report.notes)
 
 
-def _simulate_elsewhere(config_json: str, seq_len: int, strategy_json: str, dtype, batch, optimizer, lora_rank):
+def simulate_elsewhere(config_json: str, seq_len: int, strategy_json: str, dtype, batch, optimizer, lora_rank):
     """simulate_step in a worker process (plan's ``jobs``), and the chunk curves it made on
     the way: the parent caches them, so ``--longest`` searches them without simulating again."""
     from transformers import AutoConfig
@@ -125,7 +140,7 @@ class _Simulations:
                     self.workers, mp_context=multiprocessing.get_context("spawn"))
             config, seq_len, strategy, *rest = args
             config_json = json.dumps(config.to_dict(), default=str)
-            self.futures[_key(*args)] = self.executor.submit(_simulate_elsewhere, config_json, seq_len,
+            self.futures[_key(*args)] = self.executor.submit(simulate_elsewhere, config_json, seq_len,
                                                              strategy.to_json(), *rest)
         return True
 

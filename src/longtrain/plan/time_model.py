@@ -14,13 +14,13 @@ A step is counted per kind of work, each at the rate it runs at on the machine:
   its forward once more where a strategy recomputes it (checkpointing with
   ``keep_attention=false`` or in the layers whose outputs pass the host budget, FPDT
   in the layers ``keep_output`` does not keep);
-- known slow spots, as measured on the H100 (docs/gpu_peers.md, 2026-11-23): MsT's tiled
+- known slow spots, from the H100 measurements in docs/gpu_peers.md: MsT's tiled
   MLP backward runs at ``tiled_mlp_efficiency`` of the matmul rate and the chunked head's
   weight gradient at ``head_weight_grad`` FLOP/s; each (chunk, layer) pair of a chunked
   engine costs ``per_chunk_layer`` seconds (host work, or small kernels: a profile will say);
 - host copies a layer's compute cannot hide (Memo), at ``host_bandwidth`` bytes/s; of
   FPDT's, counted from its schedule (:func:`~longtrain.engines.fpdt.host_traffic`), the
-  share ``offload_exposed`` (fitted with ``per_chunk_layer`` on the six FPDT rows measured on an H100 on 2026-11-23);
+  share ``offload_exposed`` (fitted with ``per_chunk_layer`` to the six H100 FPDT rows of docs/gpu_peers.md);
 - with the optimizer in host memory (``--optimizer-offload``), the CPU's AdamW step at
   ``cpu_adam`` parameters/s and the updated weights' copy back to the device (the
   gradients' copies to the host overlap backward);
@@ -30,7 +30,7 @@ A step is counted per kind of work, each at the rate it runs at on the machine:
 FLOPs follow the model-FLOPs convention (forward 2, backward 4 per matmul parameter and
 token; causal attention 2·w·s² forward, 4·w·s² backward per layer), so MFU = model FLOPs /
 predicted time / peak. :data:`H100` holds the rates measured on one H100 80 GB with bf16
-Llama-3-8B; ``longtrain calibrate`` (later) will measure them on the machine at hand.
+Llama-3-8B; ``longtrain calibrate`` (:mod:`.calibrate`) measures them on the machine at hand.
 """
 
 from __future__ import annotations
@@ -45,19 +45,19 @@ __all__ = ["H100", "MachineRates", "StepTime", "step_time"]
 
 @dataclass(frozen=True)
 class MachineRates:
-    # Fitted to one H100 80 GB on 2026-11-23 (docs/gpu_peers.md, Llama-3-8B bf16, 16K-128K:
-    # every measured backprop and FPDT step predicted within -3%..+5%); host and interconnect rates
-    # are from the first run or not yet measured.
+    # Fitted to the H100 80 GB measurements in docs/gpu_peers.md (Llama-3-8B bf16, 16K-128K:
+    # every measured backprop and FPDT step predicted within -3%..+5%); the host and interconnect
+    # rates are not part of that fit (single measurements or estimates).
     matmul: float = 6.5e14  # FLOP/s of bf16 GEMMs at long-context shapes
     fused_attention: float = 4.6e14  # FLOP/s of cuDNN's fused causal attention, whole sequence (forward 6.1e14, backward 3.9e14)
-    block_attention: float = 4.3e14  # FLOP/s of cuDNN's block kernels in FPDT's layer-major schedule (FA2's were 3.0e14)
+    block_attention: float = 4.3e14  # FLOP/s of cuDNN's block kernels in FPDT's layer-major schedule (FA2's: 3.0e14)
     chunkwise_attention: float = 1.9e14  # FLOP/s of SeCO's chunk-major attention (a merge and a K/V gradient per block)
     tiled_mlp_efficiency: float = 0.68  # share of the matmul rate MsT's tiled MLP backward reaches (78.8 ms/layer at 32K)
     head_weight_grad: float = 5.0e14  # FLOP/s of the chunked head's weight gradient (one bf16 GEMM per chunk, fp32 out)
     per_chunk_layer: float = 6.8e-3  # seconds per (chunk, layer) of a chunked engine (fitted at 16K-128K with offload_exposed)
     offload_exposed: float = 0.068  # share of FPDT's host copies (bytes / host_bandwidth) its compute does not hide
     host_bandwidth: float = 2.5e10  # bytes/s, device <-> pinned host
-    cpu_adam: float = 1.5e9  # parameters/s of fused CPU AdamW with fp32 masters (16 cores; not yet measured on the GPU host)
+    cpu_adam: float = 1.5e9  # parameters/s of fused CPU AdamW with fp32 masters (16 cores; an estimate, not measured on the GPU host)
     interconnect: float = 3.0e11  # bytes/s per GPU of all-to-all (NVLink; not yet measured)
     peak: float = 9.89e14  # dense bf16 peak, for MFU
 

@@ -52,10 +52,10 @@ from ..costs import StepWork, TechniqueCosts
 from ..errors import LongtrainError
 from ..memory.chunk_store import ChunkStore
 from ..memory.flops import attention_width
+from ..memory.kept_attention import KeptOutputs, attend_keeping, kept_layers_that_fit
 from ..memory.token_swap import storage_id
 from ..models.attention import AttentionCall
 from ..models.shapes import kept_output_bytes
-from ..ops.causal_attention import attention_from_output
 from ..registry import register_technique
 
 
@@ -99,11 +99,15 @@ class KeptAttention:
     parked input (``offload_inputs``) for one model, in one store.
 
     Entries belong to one step's attention call and stay until the next step's first
-    layer drops them (also when that step's backward never ran)."""
+    layer drops them (also when that step's backward never ran). The outputs are kept and
+    served by :class:`~longtrain.memory.kept_attention.KeptOutputs` (:attr:`outputs`, in
+    :attr:`store`) and budgeted by :func:`~longtrain.memory.kept_attention.kept_layers_that_fit`,
+    as Memo's and FPDT's are; this class decides only which layers keep theirs."""
 
     def __init__(self, options: CheckpointOptions, context, layers: int):
         self.options, self.context, self.pool, self.layers = options, context, context.pool, layers
         self.store: ChunkStore | None = None
+        self.outputs = KeptOutputs(self._store)  # the kept outputs and LSEs, by layer, in ``store``
         self._step: AttentionCall | None = None  # the attention call of the step the entries belong to
         self._last: _KeepingAttention | None = None  # the latest layer of that step that kept its output
         self._last_input: _KeepingAttention | None = None  # ... and that parked its input
@@ -149,7 +153,7 @@ class KeptAttention:
         if not self.options.offload:
             return True
         inputs_above = (self.layers - call.index) * call.input_bytes if self.options.offload_inputs else 0
-        return self._host_used() + q.nbytes + q[..., 0].numel() * 4 + inputs_above <= self.budget
+        return kept_layers_that_fit(1, self.budget, self._host_used() + inputs_above, q.nbytes + q[..., 0].numel() * 4) == 1
 
     def parking_input(self, call: "_KeepingAttention", hidden: torch.Tensor):
         """Saved-tensor hooks for one layer's checkpoint call: its input (what checkpointing
@@ -181,10 +185,8 @@ class KeptAttention:
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
-    def keep(self, call: "_KeepingAttention", out: torch.Tensor, lse: torch.Tensor) -> None:
-        store = self._store(out.device)
-        store.put((call.key, "out"), out)
-        store.put((call.key, "lse"), lse)
+    def kept(self, call: "_KeepingAttention") -> None:
+        """``call`` kept its output (in :attr:`outputs`): its replay fetches the one below's."""
         call.previous, self._last = self._last, call
 
 
@@ -208,23 +210,19 @@ class _KeepingAttention(AttentionCall):
             if not self.kept.has_room(self, q):  # not kept (past the host budget): this layer recomputes attention
                 return self.inner.attend(module, q, k, v, **settings)
             try:
-                out, lse, backward = self.inner.attend_keeping_output(module, q, k, v, **settings)
+                out, self.backward = attend_keeping(self.inner, module, q, k, v, **settings, kept=self.kept.outputs,
+                                                    key=self.key)
             except NotImplementedError:  # a chunked engine's call: recompute as plain checkpointing does
                 return self.inner.attend(module, q, k, v, **settings)
-            self.kept.keep(self, out, lse)
-            self.backward = backward
-            return attention_from_output(q, k, v, out, lse, backward)
+            self.kept.kept(self)
+            return out
         if self.backward is None:
             return self.inner.attend(module, q, k, v, **settings)
         # Read, not popped: a second backward through the graph (retain_graph) replays again.
-        # The entries go when the next step's first layer runs.
-        store = self.kept.store
-        out, lse = store.get((self.key, "out")), store.get((self.key, "lse"))
+        # The entries go when the next step's first layer runs. The layer below's replay
+        # comes after this layer's backward: its copies start now.
         below = self.previous
-        if below is not None:  # its replay comes after this layer's backward: start its copies now
-            store.prefetch((below.key, "out"))
-            store.prefetch((below.key, "lse"))
-        return attention_from_output(q, k, v, out, lse, self.backward)
+        return self.kept.outputs.serve(self.key, q, k, v, self.backward, prefetch=None if below is None else below.key)
 
     def attend_keeping_output(self, module, q, k, v, *, scale, window, softcap):
         raise NotImplementedError
@@ -273,7 +271,7 @@ def kept_output_share(config, tokens: int, checkpoint) -> float:
     item = 2
     output = tokens * (attention_width(config) * item + config.num_attention_heads * 4)  # and its float32 LSE
     inputs = layers * tokens * config.hidden_size * item if checkpoint.offload_inputs else 0
-    return min(layers, max(0, (checkpoint.host_memory - inputs) // output)) / layers
+    return kept_layers_that_fit(layers, checkpoint.host_memory, inputs, output) / layers
 
 
 class CheckpointCosts(TechniqueCosts):

@@ -27,6 +27,8 @@ from ..costs import TechniqueCosts
 from ..errors import LongtrainError
 from ..registry import register_technique
 
+__all__ = ["LigerOptions", "liger_available"]
+
 
 @dataclass
 class LigerOptions:

@@ -44,6 +44,7 @@ from .. import validate
 from ..costs import StepWork, TechniqueCosts
 from ..errors import LongtrainError
 from ..memory.chunk_store import ChunkStore
+from ..memory.kept_attention import KeepOutputAttention, KeptOutputAttention, KeptOutputs, kept_layers_that_fit
 from ..memory.pinned import host_empty
 from ..memory.token_swap import LayerActivations, storage_id
 from ..memory.tracker import untracked
@@ -61,7 +62,7 @@ DEFAULT_HOST_BANDWIDTH = 2.5e10
 
 
 @dataclass
-class Memo:
+class MemoOptions:
     """Knobs of Memo's token-wise swapping."""
 
     alpha: float | str = "auto"  # fraction of tokens of the other saved tensors swapped to host; "auto": Memo's rule
@@ -88,7 +89,8 @@ def memo_alpha(*, input_bytes: float, attention_bytes: float, other_bytes: float
     tokens that can go to host memory without exposing copies or exceeding the budget."""
     swapped_layers = max(1, layers - keep_last)
     always = input_bytes + attention_bytes
-    if swapped_layers * always > host_budget:
+    # The inputs first (a layer needs its input to recompute), then the attention outputs: every one must fit.
+    if kept_layers_that_fit(swapped_layers, host_budget, swapped_layers * input_bytes, attention_bytes) < swapped_layers:
         raise LongtrainError(
             f"memo keeps every layer's input and attention output in host memory: {swapped_layers} layers × "
             f"{format_bytes(always)} = {format_bytes(swapped_layers * always)}, over the host budget of "
@@ -107,40 +109,37 @@ def _is_fake(t: torch.Tensor) -> bool:
     return is_fake(t)
 
 
-class _KeptOutputAttention(AttentionCall):
+class _InRecord:
+    """A layer's record (:class:`LayerActivations`) as the store of its kept attention
+    output and LSE: kept whole, every saved view of them rebuilt from them."""
+
+    _NAMES = {"out": "attention_output", "lse": "attention_lse"}
+
+    def __init__(self, record: LayerActivations):
+        self.record = record
+
+    def put(self, key, tensor, offload=None):
+        self.record.keep(self._NAMES[key[0]], tensor, views=True)
+
+    def get(self, key):
+        return self.record.fetch(self._NAMES[key[0]])
+
+
+def _kept_outputs(record: LayerActivations) -> KeptOutputs:
+    """The layer's attention output, kept in the (B, S, H, D) layout the layer reads next,
+    so that the output projection's saved input is a view of the kept tensor, not a second copy."""
+    return KeptOutputs(_InRecord(record), layout="BSHD")
+
+
+def _KeptOutputAttention(inner: AttentionCall, record: LayerActivations) -> KeepOutputAttention:
     """The forward's attention: computed once, its output and LSE kept whole."""
-
-    def __init__(self, inner: AttentionCall, record: LayerActivations):
-        self.inner, self.record, self.mask = inner, record, inner.mask
-
-    def attend(self, module, q, k, v, *, scale, window, softcap):
-        try:
-            out, lse, backward = self.inner.attend_keeping_output(module, q, k, v, scale=scale, window=window,
-                                                                  softcap=softcap)
-        except NotImplementedError:
-            raise LongtrainError("memo needs attention over the whole sequence (the backprop engine)") from None
-        # Kept in the (B, S, H, D) layout the layer reads next, so that the output
-        # projection's saved input is a view of the kept tensor, not a second copy.
-        out, lse = out.transpose(1, 2).contiguous(), lse.contiguous()  # (kernels may return a strided LSE)
-        self.record.keep("attention_output", out, views=True)
-        self.record.keep("attention_lse", lse, views=True)
-        return attention_from_output(q, k, v, out.transpose(1, 2), lse, functools.partial(_contiguous_backward, backward))
+    return KeepOutputAttention(inner, _kept_outputs(record), "attention",
+                               refusal="memo needs attention over the whole sequence (the backprop engine)")
 
 
-def _contiguous_backward(backward, grad_out, q, k, v, out, lse):
-    return backward(grad_out, q, k, v, out.contiguous(), lse)
-
-
-class _StandInAttention(AttentionCall):
+def _StandInAttention(record: LayerActivations, split: int, mask) -> KeptOutputAttention:
     """The recomputation's attention: the kept output of tokens ``[split, S)``."""
-
-    def __init__(self, record: LayerActivations, split: int, mask):
-        self.record, self.split, self.mask = record, split, mask
-
-    def attend(self, module, q, k, v, *, scale, window, softcap):
-        out = self.record.fetch("attention_output")[:, self.split:]
-        lse = self.record.fetch("attention_lse")[:, :, self.split:]
-        return attention_from_output(q, k, v, out.transpose(1, 2), lse, None)
+    return KeptOutputAttention(_kept_outputs(record), "attention", mask, start=split)
 
 
 class _ShapeOnlyAttention(AttentionCall):
@@ -160,7 +159,7 @@ class _ShapeOnlyAttention(AttentionCall):
 class MemoLayers:
     """Memo's state for one model: the host store, α, and the chain of layer records."""
 
-    def __init__(self, context, options: Memo):
+    def __init__(self, context, options: MemoOptions):
         self.context, self.options = context, options
         self.layers = len(context.adapter.layers)
         self.alpha = None if options.alpha == "auto" else options.alpha
@@ -446,35 +445,35 @@ class MemoCosts(TechniqueCosts):
 
     decides_at_first_step = True  # α is chosen from the first step's sizes
 
-    def layers_apart_at_top(self, options: Memo) -> int:
+    def layers_apart_at_top(self, options: MemoOptions) -> int:
         return options.keep_last
 
-    def small_options(self, options: Memo, layers: int, full: int):
+    def small_options(self, options: MemoOptions, layers: int, full: int):
         """The budget of the layers below ``keep_last`` scaled to those simulated, so α is the full model's."""
         budget, top = options.host_memory, options.keep_last
         share = None if budget is None else max(1, budget * max(1, layers - top) // max(1, full - top))
         return dataclasses.replace(options, host_memory=share)
 
-    def full_notes(self, options: Memo, notes: dict) -> None:
+    def full_notes(self, options: MemoOptions, notes: dict) -> None:
         if "memo_host_budget" in notes:
             notes["memo_host_budget"] = options.host_memory  # the small simulations' is a share of it
 
-    def parked(self, config, seq_len, options: Memo, item, batch, engine_offloads):
+    def parked(self, config, seq_len, options: MemoOptions, item, batch, engine_offloads):
         return 0, config.num_hidden_layers * batch * seq_len * config.hidden_size * item  # inputs, with more
 
-    def fragmentation(self, options: Memo) -> str:
+    def fragmentation(self, options: MemoOptions) -> str:
         return "offload"
 
-    def with_host_budget(self, options: Memo, room: int):
+    def with_host_budget(self, options: MemoOptions, room: int):
         return dataclasses.replace(options, host_memory=max(1, room))
 
     def candidates(self, host_memory):
         return {"memo": {"host_memory": host_memory}}
 
-    def describe(self, work: StepWork, options: Memo) -> None:
+    def describe(self, work: StepWork, options: MemoOptions) -> None:
         work.mlp_forward_charged = True
 
-    def add_work(self, work: StepWork, options: Memo) -> None:
+    def add_work(self, work: StepWork, options: MemoOptions) -> None:
         notes = work.notes
         alpha = notes.get("memo_alpha", options.alpha if options.alpha != "auto" else 0.0)
         work.matmul += (1 - alpha) * (work.layer_fwd - (work.mlp_fwd if work.tiled_mlp else 0))
@@ -490,16 +489,25 @@ class MemoCosts(TechniqueCosts):
             work.exposed = n * max(0.0, moved / work.rates.host_bandwidth - layer_seconds)
 
 
-@register_technique("memo", Memo, "token-wise activation swapping to host + recomputation without attention (exact)",
+@register_technique("memo", MemoOptions, "token-wise activation swapping to host + recomputation without attention (exact)",
                     excludes={
                         "checkpoint": "memo already recomputes what it does not swap; drop 'checkpoint'",
                         "liger": "memo learns what a layer saves from a run on fake tensors, which Liger's Triton kernels "
                                  "cannot take; drop 'liger' or use checkpoint,mst,liger"},
                     costs=MemoCosts(), sequence_parallel=False)
-def install_memo(context, options: Memo) -> None:
+def install_memo(context, options: MemoOptions) -> None:
     adapter = context.adapter
     if not adapter.has_attention:
         raise LongtrainError("memo keeps attention outputs; this model has no attention (use the adjoint engine)")
     memo = MemoLayers(context, options)
     for index, layer in enumerate(adapter.layers):
         layer.forward = functools.partial(_memo_forward, memo, index, layer, layer.forward)
+
+
+_RENAMED = {"Memo": "MemoOptions"}  # earlier names, still importable with a warning
+
+
+def __getattr__(name: str):
+    from .._aliases import renamed
+
+    return renamed(__name__, globals(), _RENAMED, name)

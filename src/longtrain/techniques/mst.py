@@ -33,9 +33,11 @@ from ..ops.tiled_mlp import tiled_mlp
 from ..registry import register_technique
 from .checkpoint import whole_layers
 
+__all__ = ["MsTOptions"]
+
 
 @dataclass
-class MsT:
+class MsTOptions:
     """Knobs of the mini-sequence technique."""
 
     mlp_chunk: int | None = None  # tokens per MLP chunk; default: the hidden size (half a chunked engine's chunk)
@@ -69,16 +71,16 @@ class MsTCosts(TechniqueCosts):
 
     in_every_candidate = True
 
-    def describe(self, work: StepWork, options: MsT) -> None:
+    def describe(self, work: StepWork, options: MsTOptions) -> None:
         work.tiled_mlp, work.chunked_head = options.mlp, options.head
 
-    def add_work(self, work: StepWork, options: MsT) -> None:
+    def add_work(self, work: StepWork, options: MsTOptions) -> None:
         if work.tiled_mlp and not work.mlp_forward_charged:
             work.matmul += work.mlp_fwd
 
 
-@register_technique("mst", MsT, "mini-sequence MLP and LM-head + loss (exact)", costs=MsTCosts())
-def install_mst(context, options: MsT) -> None:
+@register_technique("mst", MsTOptions, "mini-sequence MLP and LM-head + loss (exact)", costs=MsTCosts())
+def install_mst(context, options: MsTOptions) -> None:
     adapter = context.adapter
     if options.head and adapter.head().linear is None:
         found = type(adapter.head().module).__name__
@@ -96,3 +98,12 @@ def install_mst(context, options: MsT) -> None:
         mlp = adapter.mlp(layer)
         if mlp is not None:  # SSM-ResNet layers have no MLP
             mlp.forward = functools.partial(_tiled_forward, mlp.forward, mlp, chunk)
+
+
+_RENAMED = {"MsT": "MsTOptions"}  # earlier names, still importable with a warning
+
+
+def __getattr__(name: str):
+    from .._aliases import renamed
+
+    return renamed(__name__, globals(), _RENAMED, name)

@@ -20,6 +20,18 @@ from typing import Callable
 
 from ..errors import LongtrainError, writing
 
+__all__ = [
+    "LATEST",
+    "MANIFEST",
+    "checkpoint_step",
+    "latest_checkpoint",
+    "remove_leftovers",
+    "resolve_checkpoint",
+    "save_checkpoint",
+    "verify_checkpoint",
+    "write_text_atomic",
+]
+
 MANIFEST = "manifest.json"
 LATEST = "latest"
 PREFIX = "step-"

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from ..errors import LongtrainError
 
+__all__ = ["MAX_SEED", "MAX_SEQ_LEN", "TrainConfig", "check_config", "config_from_dict", "option"]
+
 MAX_SEQ_LEN = 1 << 24  # one sample of 16M tokens; beyond this int32 indexing in kernels overflows
 MAX_SEED = 2**32 - 1  # data order and chunk draws seed generators with seed·10^6 + epoch: keep it far from int64's edge
 

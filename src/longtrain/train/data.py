@@ -28,6 +28,8 @@ from ..errors import LongtrainError
 from .documents import ASSISTANT, Document, tokenize_record
 from .records import data_sources, read_records
 
+__all__ = ["TokenWindows", "best_fit", "collate"]
+
 PACKINGS = ("auto", "concat", "documents", "best-fit")
 
 
@@ -211,13 +213,14 @@ class TokenWindows:
     def sample(self, index: int) -> dict:
         epoch, offset = divmod(index, len(self.train_rows))
         order = torch.randperm(len(self.train_rows), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
-        return self._window(int(self.train_rows[order[offset]]))
+        return self.window(int(self.train_rows[order[offset]]))
 
     def held_out_sample(self, index: int) -> dict:
         """The ``index``-th held-out window (``index < len(self.held_rows)``)."""
-        return self._window(int(self.held_rows[index]))
+        return self.window(int(self.held_rows[index]))
 
-    def _window(self, row: int) -> dict:
+    def window(self, row: int) -> dict:
+        """The window in row ``row`` of :attr:`windows` (storage order, not the epoch's)."""
         input_ids = self.windows[row]
         if self.positions is None:
             return {"input_ids": input_ids, "labels": input_ids}

@@ -24,6 +24,15 @@ from dataclasses import dataclass
 from ..errors import LongtrainError
 from .records import Record
 
+__all__ = [
+    "ASSISTANT",
+    "ChatTemplate",
+    "Document",
+    "assistant_tokens_by_spans",
+    "assistant_tokens_by_template",
+    "tokenize_record",
+]
+
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' test for a template's assistant marks
 ALL, ASSISTANT = "all", "assistant"
 

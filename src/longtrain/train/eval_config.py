@@ -18,6 +18,18 @@ from pathlib import Path
 from ..errors import LongtrainError
 from .config import MAX_SEED, MAX_SEQ_LEN
 
+__all__ = [
+    "DEFAULT_DEPTHS",
+    "EvalConfig",
+    "check_eval_config",
+    "check_out",
+    "check_settings",
+    "default_out",
+    "format_length",
+    "parse_depths",
+    "parse_lengths",
+]
+
 TASKS = ("passkey", "needle", "both")
 DEFAULT_LENGTHS = (2048, 4096, 8192)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)

@@ -56,6 +56,8 @@ from .passkey import PasskeyTask, TooShortForTask
 from .plot import plot_accuracy_map
 from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
+__all__ = ["evaluate_long_context", "flat_metrics", "format_table", "run_eval"]
+
 
 def evaluate_long_context(model, tokenizer, lengths: Sequence[int], depths: Sequence[float] = DEFAULT_DEPTHS, *,
                           samples: int = 16, task: str = "both", seed: int = 0, device: str | torch.device | None = None,

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from ..errors import LongtrainError
 
+__all__ = ["LOCK_FILE", "RunLock", "check_not_in_use"]
+
 LOCK_FILE = ".lock"
 
 try:

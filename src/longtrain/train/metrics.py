@@ -9,6 +9,8 @@ from pathlib import Path
 from ..errors import LongtrainError, writing
 from .checkpoint import write_text_atomic
 
+__all__ = ["MetricsLog", "check_tensorboard", "read_metrics", "strict_json"]
+
 
 def strict_json(obj, **dumps) -> str:
     """``obj`` as strict JSON: a NaN or infinite number (a held-out loss in float16, say)

@@ -30,6 +30,8 @@ import torch
 from ..engines.batch import IGNORE_INDEX
 from ..errors import LongtrainError
 
+__all__ = ["NEEDLE", "PasskeyTask", "QUESTION", "TooShortForTask", "filler_text"]
+
 KEY_DIGITS = 5
 # The key sits between section signs. The filler is reduced to ASCII, so "§" occurs only
 # around keys: an unambiguous anchor for the attention head that has to find them.

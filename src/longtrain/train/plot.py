@@ -9,6 +9,8 @@ from pathlib import Path
 
 from ..errors import writing
 
+__all__ = ["plot_accuracy_map", "plot_available", "plot_metrics"]
+
 PANELS = (  # (record key, axis label, scale)
     ("loss", "loss", 1.0),
     ("tokens_per_s", "tokens/s", 1.0),

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from .. import registry
 from ..errors import LongtrainError
 
+__all__ = ["Ranks", "check_distributed_engine"]
+
 
 class Ranks:
     """This process's place among the training processes (rank 0 of 1 when alone);

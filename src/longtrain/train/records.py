@@ -21,6 +21,8 @@ from typing import Iterator
 
 from ..errors import LongtrainError
 
+__all__ = ["Record", "data_sources", "read_records"]
+
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text"}
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
 DATASETS_BUILDERS = {".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}  # suffix -> datasets builder

@@ -19,7 +19,7 @@ from ..strategy import Strategy
 from .config import TrainConfig
 from .tokenizer import load_tokenizer
 
-__all__ = ["build_model", "choose_strategy", "resolve_device", "trained_weights"]
+__all__ = ["build_model", "choose_strategy", "planned_strategy", "resolve_device", "trained_weights"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -85,7 +85,7 @@ def build_model(config: TrainConfig, dtype: torch.dtype):
     return model, tokenizer
 
 
-def _planned_strategy(config: TrainConfig, device: torch.device, compute_dtype: torch.dtype) -> Strategy:
+def planned_strategy(config: TrainConfig, device: torch.device, compute_dtype: torch.dtype) -> Strategy:
     """``--strategy auto``: the fastest strategy the planner finds fitting this machine."""
     from ..plan.auto import auto_strategy
 
@@ -102,7 +102,7 @@ def _planned_strategy(config: TrainConfig, device: torch.device, compute_dtype: 
 def choose_strategy(config: TrainConfig, compute_dtype: torch.dtype, device: torch.device | None = None) -> Strategy:
     """The strategy a run applies: --strategy (with --engine and --sp) parsed, or planned for ``auto``."""
     if config.strategy == "auto":
-        return _planned_strategy(config, device or torch.device("cpu"), compute_dtype)
+        return planned_strategy(config, device or torch.device("cpu"), compute_dtype)
     sp = None
     if config.sp > 1:
         sp = {"degree": config.sp, "compute_dtype": str(compute_dtype).replace("torch.", "") if config.master_weights else None}

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from ..errors import LongtrainError
 
+__all__ = ["ByteTokenizer", "HFTokenizer", "load_tokenizer"]
+
 
 class ByteTokenizer:
     PAD, BOS, EOS = 256, 257, 258

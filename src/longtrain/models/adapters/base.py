@@ -23,6 +23,8 @@ from ...errors import LongtrainError
 from ..attention import KeysParked
 from ..layers import unwrap
 
+__all__ = ["DecoderAdapter", "Head", "adapter_class", "adapter_for", "register_adapter", "supported_families"]
+
 _ADAPTERS: dict[str, type["DecoderAdapter"]] = {}
 
 # Config fields that hold the dropout probability of attention weights.

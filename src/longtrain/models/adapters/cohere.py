@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from .base import DecoderAdapter, Head, register_adapter
 
+__all__ = ["CohereAdapter"]
+
 
 @register_adapter
 class CohereAdapter(DecoderAdapter):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from .base import DecoderAdapter, Head, register_adapter
 
+__all__ = ["Gemma2Adapter"]
+
 
 @register_adapter
 class Gemma2Adapter(DecoderAdapter):

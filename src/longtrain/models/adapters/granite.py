@@ -8,6 +8,8 @@ import torch
 
 from .base import DecoderAdapter, Head, register_adapter
 
+__all__ = ["GraniteAdapter"]
+
 
 @register_adapter
 class GraniteAdapter(DecoderAdapter):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from .base import DecoderAdapter, register_adapter
 
+__all__ = ["LlamaAdapter"]
+
 
 @register_adapter
 class LlamaAdapter(DecoderAdapter):

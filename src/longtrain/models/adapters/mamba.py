@@ -1,0 +1,60 @@
+"""Hugging Face Mamba (``MambaForCausalLM``): attention-free, the stack under
+``backbone`` (``embeddings``, ``layers`` of ``MambaBlock``, ``norm_f``). Layers read the
+padding mask (the model zeroes padded tokens' inputs); they cannot reset their state at
+document boundaries, so packed documents are refused. Its torch path runs (no CUDA
+kernels are needed); the ``adjoint`` engine sees each block as a recurrence
+(:class:`~longtrain.ops.selective_scan.MambaRecurrence`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...errors import LongtrainError
+from ...ops.selective_scan import MambaRecurrence
+from ..layers import unwrap
+from .base import DecoderAdapter, register_adapter
+
+__all__ = ["MambaAdapter"]
+
+
+@register_adapter
+class MambaAdapter(DecoderAdapter):
+    families = ("mamba",)
+    has_attention = False
+
+    def __init__(self, model: nn.Module):  # the stack is ``backbone``, not ``model``
+        self.model = model
+        self.base = unwrap(model)
+        self.config = self.base.config
+        self.decoder = self.base.backbone
+
+    def embeddings(self) -> nn.Module:
+        return self.decoder.embeddings
+
+    def norm(self) -> nn.Module:
+        return self.decoder.norm_f
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        # As the model does before its head: with residual_in_fp32 the stream (and the
+        # norm's output) is float32 under half precision, the head is not.
+        return self.norm()(hidden).to(self.base.lm_head.weight.dtype)
+
+    def mlp(self, layer: nn.Module) -> nn.Module | None:
+        return None
+
+    def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor):
+        return None
+
+    def run_layer(self, layer: nn.Module, hidden: torch.Tensor, position_embeddings, attention) -> torch.Tensor:
+        mask = attention.mask
+        if mask.segments is not None:
+            raise LongtrainError("Mamba does not reset its state at document boundaries; pass batches without "
+                                 "position resets (no packed documents)")
+        return layer(hidden, attention_mask=mask.key_valid)
+
+    def run_attention(self, layer, hidden, position_embeddings, attention) -> None:
+        raise LongtrainError("Mamba layers have no attention; chunked attention engines do not apply")
+
+    def recurrence(self, layer: nn.Module) -> MambaRecurrence:
+        return MambaRecurrence(layer)

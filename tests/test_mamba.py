@@ -1,0 +1,226 @@
+"""Hugging Face Mamba (``MambaForCausalLM``, its pure-PyTorch path) under longtrain, in float64.
+
+The model's torch path upcasts to float32 in places (its RMSNorm, A, D, B, x, the
+residual with ``residual_in_fp32``, the logits). In a float64 model those casts would
+round to float32 and no two computations could agree to 1e-10, so the exactness tests
+run under :func:`float64_throughout`, which keeps float64 tensors float64 through
+``.float()`` and ``.to(torch.float32)`` for both the stock model and longtrain. One
+test without it checks that longtrain applies the same casts as the stock model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import longtrain as lt
+from longtrain.engines.adjoint import AdjointStats, adjoint_step
+from longtrain.errors import LongtrainError
+from longtrain.models.loading import build_from_config
+from longtrain.models.presets import preset_config
+from longtrain.ops.loss import causal_lm_loss
+from longtrain.strategy import engine_context
+
+from conftest import grads, max_rel_error, third_padded_batch
+
+VOCAB = 64
+
+
+@pytest.fixture
+def float64_throughout(monkeypatch):
+    to_float, to = torch.Tensor.float, torch.Tensor.to
+
+    def keep_float(self, *args, **kwargs):
+        return self if self.dtype == torch.float64 else to_float(self, *args, **kwargs)
+
+    def keep_to(self, *args, **kwargs):
+        if self.dtype == torch.float64:
+            args = tuple(torch.float64 if x is torch.float32 else x for x in args)
+            if kwargs.get("dtype") is torch.float32:
+                kwargs["dtype"] = torch.float64
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "float", keep_float)
+    monkeypatch.setattr(torch.Tensor, "to", keep_to)
+
+
+def mamba(layers: int = 3, dtype=torch.float64, seed: int = 0, **overrides):
+    config = preset_config("tiny-mamba", vocab_size=VOCAB, num_hidden_layers=layers, **overrides)
+    torch.manual_seed(seed)
+    model = build_from_config(config, dtype).train()
+    with torch.no_grad():  # random biases and D, so every parameter's gradient is exercised
+        for name, p in model.named_parameters():
+            if name.endswith(("conv1d.bias", ".D")):
+                p.normal_(std=0.5)
+    return model
+
+
+def padded(length: int, left: bool = False, seed: int = 1):
+    return third_padded_batch(VOCAB, length, left, seed)
+
+
+def stock(model, batch):
+    """Stock forward + autograd: the model's own loss and gradients."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+    out.loss.backward()
+    return out.loss.detach(), grads(model)
+
+
+def rel(x, y) -> float:
+    return float(abs(x - y) / abs(y))
+
+
+@pytest.mark.parametrize("strategy", ["none", "checkpoint", "mst", "checkpoint,mst"])
+@pytest.mark.parametrize("left", [False, True], ids=["right", "left"])
+def test_mamba_through_its_adapter_equals_stock(float64_throughout, strategy, left):
+    reference = mamba()
+    ours = copy.deepcopy(reference)
+    batch = padded(23, left=left)
+    loss_ref, expected = stock(reference, batch)
+    lt.apply(ours, lt.Strategy.parse(strategy))
+    loss = lt.step(ours, batch)
+    assert rel(loss, loss_ref) <= 1e-12
+    assert max_rel_error(grads(ours), expected) <= 1e-10
+
+
+def test_mamba_chunked_head_without_tiled_mlp_equals_stock(float64_throughout):
+    reference = mamba(2)
+    ours = copy.deepcopy(reference)
+    batch = padded(19)
+    loss_ref, expected = stock(reference, batch)
+    lt.apply(ours, lt.Strategy(mst={"mlp": False}))
+    assert rel(lt.step(ours, batch), loss_ref) <= 1e-12
+    assert max_rel_error(grads(ours), expected) <= 1e-10
+
+
+def adjoint_grads(model, batch, **options):
+    stats = AdjointStats()
+    loss = adjoint_step(engine_context(model, lt.Strategy(engine="adjoint", engine_options=options)), batch, stats=stats)
+    return loss, grads(model), stats
+
+
+@pytest.mark.parametrize(
+    "layers,length,left,block,recompute,kernel",
+    [(3, 37, False, 5, True, 4), (2, 30, True, 8, False, 4), (2, 29, True, 3, True, 5), (2, 26, False, None, True, 2)],
+    ids=["L3-T37-right-block5", "L2-T30-left-block8-kept", "L2-T29-left-block3<window4", "L2-T26-K2-budgeted"],
+)
+def test_exact_adjoint_equals_stock_autograd(float64_throughout, layers, length, left, block, recompute, kernel):
+    reference = mamba(layers, conv_kernel=kernel)
+    ours = copy.deepcopy(reference)
+    batch = padded(length, left=left)
+    loss_ref, expected = stock(reference, batch)
+    loss, got, stats = adjoint_grads(ours, batch, block=block, vjp_memory="64KiB", recompute=recompute)
+    assert rel(loss, loss_ref) <= 1e-12
+    assert got.keys() == expected.keys()
+    assert max_rel_error(got, expected) <= 1e-10
+    assert stats.adjoint_terms == layers * length * (length + 1) // 2 and stats.token_vjps == layers * length
+    assert stats.vjp_calls > layers  # several blocks per layer
+    if block:
+        assert stats.block_tokens[: -(-length // block)] == [block] * (length // block) + [length % block] * (length % block > 0)
+
+
+def truncated_reference_loss(model, batch, window: int):
+    """Mamba written out token by token (independently of longtrain's code), each layer's
+    state h^t, for the gradient, rebuilt from the stopped state h^{t−window} over the
+    last ``window`` steps."""
+    base, mask = model.backbone, batch["attention_mask"][..., None].double()
+    z = base.embeddings(batch["input_ids"])
+    length = z.shape[1]
+    for block in base.layers:
+        m = block.mixer
+        u = block.norm(z) * mask
+        x, gate = m.in_proj(u).chunk(2, dim=-1)
+        kernel = m.conv1d.weight.shape[-1]
+        xp = F.pad(x, (0, 0, kernel - 1, 0))
+        x = sum(xp[:, k: k + length] * m.conv1d.weight[:, 0, k] for k in range(kernel)) + m.conv1d.bias
+        x = F.silu(x) * mask
+        step, b_in, c = torch.split(m.x_proj(x), [m.time_step_rank, m.ssm_state_size, m.ssm_state_size], dim=-1)
+        dt = F.softplus(step @ m.dt_proj.weight.T + m.dt_proj.bias)
+        a = torch.exp(-torch.exp(m.A_log) * dt[..., None])
+        b = dt[..., None] * b_in[:, :, None, :] * x[..., None]
+        with torch.no_grad():
+            h, full = torch.zeros_like(b[:, 0]), []
+            for t in range(length):
+                h = a[:, t] * h + b[:, t]
+                full.append(h)
+        ys = []
+        for t in range(length):
+            start = t - window + 1
+            h = full[start - 1] if start >= 1 else torch.zeros_like(b[:, 0])
+            for i in range(max(start, 0), t + 1):
+                h = a[:, i] * h + b[:, i]
+            ys.append((h * c[:, t, None, :]).sum(-1))
+        y = (torch.stack(ys, 1) + x * m.D) * F.silu(gate)
+        z = z + m.out_proj(y)
+    logits = model.lm_head(base.norm_f(z))
+    return causal_lm_loss(logits, batch["labels"], int((batch["labels"][:, 1:] != -100).sum()))
+
+
+@pytest.mark.parametrize("window", [1, 3, 9])
+def test_truncated_adjoint_equals_truncated_window_reference(float64_throughout, window):
+    reference = mamba(2)
+    ours = copy.deepcopy(reference)
+    batch = padded(23, left=True)
+    truncated_reference_loss(reference, batch, window).backward()
+    expected = grads(reference)
+    _, got, stats = adjoint_grads(ours, batch, truncate=window, block=7)
+    assert max_rel_error(got, expected) <= 1e-10
+    assert stats.adjoint_terms == 2 * (window * 23 - window * (window - 1) // 2)
+
+
+def test_truncated_reference_with_a_full_window_is_the_stock_model(float64_throughout):
+    """The reference written out above is Mamba: with a window as long as the sequence it
+    equals the stock model (so the truncated comparison tests the right model)."""
+    reference = mamba(2)
+    ours = copy.deepcopy(reference)
+    batch = padded(17, left=True)
+    _, expected = stock(reference, batch)
+    truncated_reference_loss(ours, batch, 17).backward()
+    assert max_rel_error(grads(ours), expected) <= 1e-10
+
+
+def test_longtrain_applies_the_stock_float32_casts():
+    """Without float64_throughout the stock torch path rounds to float32 in places;
+    longtrain calls the same modules (backprop) and mirrors its casts (adjoint)."""
+    reference = mamba(2)
+    batch = padded(21, left=True)
+    loss_ref, expected = stock(reference, batch)
+    for strategy in (lt.Strategy(), lt.Strategy(engine="adjoint")):
+        ours = copy.deepcopy(reference)
+        ours.zero_grad(set_to_none=True)
+        lt.apply(ours, strategy)
+        loss = lt.step(ours, batch)
+        assert rel(loss, loss_ref) <= 1e-6  # the stock loss is float32 (its logits are)
+        assert max_rel_error(grads(ours), expected) <= 1e-5
+
+
+@pytest.mark.parametrize("engine", ["fpdt", "seco", "spaco"])
+def test_chunked_attention_engines_refuse_mamba(engine):
+    with pytest.raises(LongtrainError, match=f"the {engine} engine chunks attention; mamba models have none"):
+        lt.apply(mamba(2), lt.Strategy(engine=engine))
+
+
+def test_packed_documents_are_refused():
+    packed = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])}
+    for strategy in (lt.Strategy(), lt.Strategy(engine="adjoint")):
+        model = mamba(2)
+        lt.apply(model, strategy)
+        with pytest.raises(LongtrainError, match="does not reset its state at document boundaries"):
+            lt.step(model, packed)
+
+
+def test_bfloat16_runs_close_to_float32():
+    """Half precision: the residual stream turns float32 (residual_in_fp32) and the head
+    stays bfloat16, as in the stock model."""
+    reference = mamba(2, dtype=torch.float32)
+    batch = padded(29)
+    _, expected = stock(reference, batch)
+    for strategy in (lt.Strategy(mst=True), lt.Strategy(engine="adjoint", engine_options={"block": 8})):
+        ours = copy.deepcopy(reference).to(torch.bfloat16)
+        lt.apply(ours, strategy)
+        lt.step(ours, batch)
+        got = grads(ours)
+        assert all(g.dtype == torch.bfloat16 for g in got.values())
+        assert max_rel_error({k: v.float() for k, v in got.items()}, expected) <= 0.05  # measured 0.018 (adjoint)
