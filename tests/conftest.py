@@ -288,13 +288,19 @@ def computes_in_float64():
 gemma2_computes_in_float64 = computes_in_float64  # the name older tests use
 
 
-def check_step(stock, ours, strategy, batch, tol: float = 1e-10, another_thread: bool = False):
-    """Apply ``strategy`` to ``ours``, step once on ``batch`` and require the stock model's
-    loss and every gradient, in float64, within ``tol`` (relative)."""
+def check_step(stock, ours, strategy, batch, tol: float = 1e-10, another_thread: bool = False,
+               seed: int | None = None):
+    """Apply ``strategy`` to ``ours`` (a no-op where it is applied already), step once on
+    ``batch`` and require the stock model's loss and every gradient, in float64, within
+    ``tol`` (relative). ``seed``: both steps start from it (models that draw dropout)."""
     with computes_in_float64():
+        if seed is not None:
+            torch.manual_seed(seed)
         ref = stock_loss(stock, batch)
         ref.backward()
         lt.apply(ours, strategy)
+        if seed is not None:
+            torch.manual_seed(seed)
         with backward_on_another_thread() if another_thread else contextlib.nullcontext():
             loss = lt.step(ours, batch)
     ref = ref.detach()

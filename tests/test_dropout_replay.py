@@ -17,7 +17,7 @@ import longtrain as lt
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
 
-from conftest import computes_in_float64, grads, llama_norm_in_float64, max_rel_error, packed_batch, padded_batch, randomize_lora, stock_and_ours, stock_loss
+from conftest import check_step, computes_in_float64, llama_norm_in_float64, packed_batch, padded_batch, randomize_lora, stock_and_ours
 
 P = 0.1  # lora_dropout of most published recipes is 0.05-0.1
 
@@ -141,15 +141,7 @@ def test_drawn_in_stock_order_equals_stock_autograd_with_the_same_seed(preset, s
     attention_only = "attention adapters" in strategy
     stock, ours = models(preset, ["q_proj", "k_proj", "v_proj", "o_proj"] if attention_only else "all-linear")
     batch = padded_batch(stock.config.vocab_size, lengths=(101, 80))
-    lt.apply(ours, STOCK_ORDER[strategy]())
-    with computes_in_float64():
-        torch.manual_seed(7)
-        ref = stock_loss(stock, batch)
-        ref.backward()
-        torch.manual_seed(7)
-        loss = lt.step(ours, batch)
-    assert abs(float(loss) - float(ref)) <= 1e-10 * abs(float(ref))
-    assert max_rel_error(grads(ours), grads(stock)) <= 1e-10
+    check_step(stock, ours, STOCK_ORDER[strategy](), batch, seed=7)
 
 
 def test_a_recomputation_leaves_the_generators_where_the_step_left_them():

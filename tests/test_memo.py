@@ -280,8 +280,6 @@ def test_memo_after_the_layer_changes_what_it_saves():
     """Steps after the model changed what its layers save (Phi-3's residual dropout on in
     training mode, off in evaluation mode; MLP weights frozen): the shape-only run is made
     again for each, every step exact."""
-    from conftest import computes_in_float64, grads, max_rel_error, stock_loss
-
     config = preset_config("tiny-phi3")
     config.resid_pdrop = 0.1
     stock, ours = stock_and_ours(config)
@@ -294,14 +292,7 @@ def test_memo_after_the_layer_changes_what_it_saves():
             if change == "freeze":
                 for name, p in model.named_parameters():
                     p.requires_grad_("mlp" not in name)
-        with computes_in_float64():
-            torch.manual_seed(5)
-            reference = stock_loss(stock, batch)
-            reference.backward()
-            torch.manual_seed(5)
-            loss = lt.step(ours, batch)
-        assert abs(float(loss) - float(reference)) <= TOL * abs(float(reference)), change
-        assert max_rel_error(grads(ours), grads(stock)) <= TOL, change
+        check_step(stock, ours, memo(0.5), batch, tol=TOL, seed=5)
 
 
 def test_an_explicit_alpha_over_its_budget_is_refused_at_the_first_layer(monkeypatch):
