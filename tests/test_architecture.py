@@ -175,3 +175,17 @@ def test_options_classes_share_one_naming_scheme_and_the_old_names_warn(old, new
         assert getattr(lt, old) is getattr(lt, new)
     assert all(name.endswith("Options") for name in lt.__all__ if name[0].isupper() and name not in
                ("LongtrainError", "Strategy"))
+
+
+def test_the_lowest_floors_import_nothing_above_them():
+    """ops/ and memory/ (tensor ops, the tracker, stores) use nothing of longtrain but its
+    errors and thread flag, so every floor above may use them."""
+    modules = _modules()
+    allowed = {PACKAGE, f"{PACKAGE}.errors", f"{PACKAGE}.thread_flag"}
+    for floor in ("ops", "memory"):
+        prefix = f"{PACKAGE}.{floor}"
+        for name, path in modules.items():
+            if name == prefix or name.startswith(prefix + "."):
+                above = {t for t in _imports(name, path, modules)
+                         if t not in allowed and not t.startswith(prefix)}
+                assert not above, (name, above)

@@ -1,4 +1,4 @@
-"""The one mechanism for kept attention outputs (longtrain.memory.kept_attention): its budget
+"""The one mechanism for kept attention outputs (longtrain.models.kept_attention): its budget
 rule gives the counts checkpointing, Memo and FPDT each counted before, and an output kept
 and served to backward gives what attending again gives, in float64."""
 
@@ -10,7 +10,7 @@ import torch
 import longtrain as lt
 from longtrain.engines import chunked
 from longtrain.memory.chunk_store import ChunkStore
-from longtrain.memory.kept_attention import (KeepOutputAttention, KeptOutputAttention, KeptOutputs, attend_keeping,
+from longtrain.models.kept_attention import (KeepOutputAttention, KeptOutputAttention, KeptOutputs, attend_keeping,
                                              kept_layers_that_fit)
 from longtrain.models.attention import AttentionCall, WholeSequenceAttention
 from longtrain.models.presets import preset_config

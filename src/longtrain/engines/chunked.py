@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import LongtrainError
 from ..memory.chunk_store import ChunkStore
-from ..memory.kept_attention import KeptOutputs, kept_layers_that_fit
+from ..models.kept_attention import KeptOutputs, kept_layers_that_fit
 from ..memory.tracker import mark_repeat
 from ..memory.units import format_bytes, pinned_host_budget
 from ..models.attention import AttentionCall, KeysParked

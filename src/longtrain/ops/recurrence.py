@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+__all__ = ["Recurrence"]
+
 
 class Recurrence:
     """One layer seen as a diagonal linear recurrence (see the module docstring)."""

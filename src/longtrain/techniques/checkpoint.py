@@ -52,7 +52,7 @@ from ..costs import StepWork, TechniqueCosts
 from ..errors import LongtrainError
 from ..memory.chunk_store import ChunkStore
 from ..memory.flops import attention_width
-from ..memory.kept_attention import KeptOutputs, attend_keeping, kept_layers_that_fit
+from ..models.kept_attention import KeptOutputs, attend_keeping, kept_layers_that_fit
 from ..memory.token_swap import storage_id
 from ..models.attention import AttentionCall
 from ..models.shapes import kept_output_bytes
@@ -100,8 +100,8 @@ class KeptAttention:
 
     Entries belong to one step's attention call and stay until the next step's first
     layer drops them (also when that step's backward never ran). The outputs are kept and
-    served by :class:`~longtrain.memory.kept_attention.KeptOutputs` (:attr:`outputs`, in
-    :attr:`store`) and budgeted by :func:`~longtrain.memory.kept_attention.kept_layers_that_fit`,
+    served by :class:`~longtrain.models.kept_attention.KeptOutputs` (:attr:`outputs`, in
+    :attr:`store`) and budgeted by :func:`~longtrain.models.kept_attention.kept_layers_that_fit`,
     as Memo's and FPDT's are; this class decides only which layers keep theirs."""
 
     def __init__(self, options: CheckpointOptions, context, layers: int):

@@ -44,7 +44,7 @@ from .. import validate
 from ..costs import StepWork, TechniqueCosts
 from ..errors import LongtrainError
 from ..memory.chunk_store import ChunkStore
-from ..memory.kept_attention import KeepOutputAttention, KeptOutputAttention, KeptOutputs, kept_layers_that_fit
+from ..models.kept_attention import KeepOutputAttention, KeptOutputAttention, KeptOutputs, kept_layers_that_fit
 from ..memory.pinned import host_empty
 from ..memory.token_swap import LayerActivations, storage_id
 from ..memory.tracker import untracked

@@ -3,7 +3,7 @@
 padding mask (the model zeroes padded tokens' inputs); they cannot reset their state at
 document boundaries, so packed documents are refused. Its torch path runs (no CUDA
 kernels are needed); the ``adjoint`` engine sees each block as a recurrence
-(:class:`~longtrain.ops.selective_scan.MambaRecurrence`)."""
+(:class:`~.mamba_recurrence.MambaRecurrence`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ...errors import LongtrainError
-from ...ops.selective_scan import MambaRecurrence
+from .mamba_recurrence import MambaRecurrence
 from ..layers import unwrap
 from .base import DecoderAdapter, register_adapter
 

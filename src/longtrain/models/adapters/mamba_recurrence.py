@@ -22,8 +22,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .linear_scan import linear_scan
-from .recurrence import Recurrence
+from ...ops.linear_scan import linear_scan
+from ...ops.recurrence import Recurrence
+
+__all__ = ["MambaRecurrence"]
 
 
 class MambaRecurrence(Recurrence):

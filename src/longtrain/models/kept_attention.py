@@ -31,7 +31,7 @@ from typing import Callable, Hashable
 import torch
 
 from ..errors import LongtrainError
-from ..models.attention import AttentionCall
+from .attention import AttentionCall
 from ..ops.causal_attention import attention_from_output
 
 __all__ = ["KeptOutputs", "attend_keeping", "KeepOutputAttention", "KeptOutputAttention", "kept_layers_that_fit"]
