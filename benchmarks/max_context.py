@@ -39,13 +39,17 @@ ANCHORS = {
         "ALST: 500K on 1×H100 (DeepSpeed CPU-offloaded optimizer, host memory beyond 128 GB)",
     ("llama3-8b", "1×H200 141 GB + 128 GB host", "full, AdamW (either place)"): "ALST: 1.2M on 1×H200 (large host memory)",
     ("llama3-8b", "1×H100 80 GB + 128 GB host", "LoRA r16"): "Unsloth: 342K (QLoRA, 4-bit weights) on 80 GB",
+    ("qwen3-30b-a3b", "1×H100 80 GB + 128 GB host", "LoRA r16"):
+        "Unsloth: 500K of gpt-oss-20b (a 21B MoE, 4-bit weights) on 80 GB",
 }
+# Mixtures of experts: their weights alone take most of an 80 GB GPU in bf16, so LoRA only.
+MOE_MODES = ("LoRA r16",)
 
 
-def rows_of(model: str, smoke: bool) -> list[dict]:
+def rows_of(model: str, smoke: bool, machines: dict | None = None, modes: dict | None = None) -> list[dict]:
     """Every machine × mode row of one model (one process: its simulations are shared)."""
-    machines = {"tiny": ("4MiB", "4MiB")} if smoke else MACHINES
-    modes = {"full, AdamW on the device": {"optimizer_offload": False}} if smoke else MODES
+    machines = {"tiny": ("4MiB", "4MiB")} if smoke else machines or MACHINES
+    modes = {"full, AdamW on the device": {"optimizer_offload": False}} if smoke else modes or MODES
     rows = []
     for machine, (device, host) in machines.items():
         for mode, options in modes.items():
@@ -72,7 +76,15 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=None, help="directory for the report (default docs/)")
+    parser.add_argument("--moe", action="store_true",
+                        help="only the mixture-of-experts row (qwen3-30b-a3b, LoRA, 1×H100), merged into the report")
     args = parser.parse_args(argv)
+    if args.moe:
+        machine = "1×H100 80 GB + 128 GB host"
+        rows = rows_of("qwen3-30b-a3b", False, {machine: MACHINES[machine]}, {m: MODES[m] for m in MOE_MODES})
+        write(_merged(rows, args.out), False, args.out,
+              command=f"python benchmarks/max_context.py; python benchmarks/max_context.py --moe ({time.strftime('%Y-%m-%d')})")
+        return
     models = ["tiny-llama"] if args.smoke else ["llama3-8b", "qwen2-7b"]
     if len(models) > 1:  # a process per model, at most one per core
         import multiprocessing
@@ -85,7 +97,17 @@ def main(argv=None) -> None:
     write(rows, args.smoke, args.out)
 
 
-def write(rows: list[dict], smoke: bool = False, out: str | None = None) -> None:
+def _merged(rows: list[dict], out: str | None) -> list[dict]:
+    """``rows`` in place of the report's rows of the same model, machine and mode."""
+    import json
+
+    path = Path(out or Path(__file__).resolve().parent.parent / "docs") / "max_context.json"
+    old = json.loads(path.read_text())["rows"] if path.is_file() else []
+    keys = {(r["model"], r["machine"], r["mode"]) for r in rows}
+    return [r for r in old if (r["model"], r["machine"], r["mode"]) not in keys] + rows
+
+
+def write(rows: list[dict], smoke: bool = False, out: str | None = None, command: str | None = None) -> None:
     """The report of ``rows`` (also to re-render docs/max_context.json after a change that
     moves only the predicted step times, e.g. refitted machine rates)."""
     columns = [("model", "model"), ("machine", "machine"), ("mode", "training"), ("tokens", "longest context"),
@@ -101,7 +123,7 @@ measured on the H100; host memory 128 GB = 119.2 GiB; the H200's usable memory t
 (fitted at 16K-128K on 2026-11-23; not checked on a GPU at these lengths). Confirm a row with `longtrain plan --model M --seq-len N
 --device-memory D --host-memory H [--optimizer-offload | --lora]`."""
     write_report("max_context_smoke" if smoke else "max_context", "Longest context per machine (planner)", columns,
-                 rows, notes, "python benchmarks/max_context.py" + (" --smoke" if smoke else ""), out_dir=out)
+                 rows, notes, command or "python benchmarks/max_context.py" + (" --smoke" if smoke else ""), out_dir=out)
 
 
 if __name__ == "__main__":

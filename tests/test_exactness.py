@@ -106,8 +106,8 @@ def test_lora_on_the_head_is_refused_by_msts_chunked_head():
 
 UNSUPPORTED = {
     "gpt_neox": dict(vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4),
-    "olmo2": dict(vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2),
+    "phi": dict(vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2),
 }
 
 
@@ -130,7 +130,7 @@ def test_a_model_that_is_no_causal_lm_is_refused():
 
 
 def test_add_lora_targets_exclude_the_head():
-    model = add_lora(build_from_config(AutoConfig.for_model("llama", **UNSUPPORTED["olmo2"]), torch.float32), rank=2)
+    model = add_lora(build_from_config(AutoConfig.for_model("llama", **UNSUPPORTED["phi"]), torch.float32), rank=2)
     assert not any("lm_head" in n and "lora" in n for n, _ in model.named_parameters())
 
 

@@ -1,7 +1,9 @@
 import torch
 
 import longtrain as lt
-from longtrain.memory.flops import attention_width, causal_lm_flops, count_flops, matmul_parameters, mfu, model_flops_per_sample
+from longtrain.memory.flops import causal_lm_flops, count_flops, matmul_parameters, mfu
+from longtrain.models.adapters import describe_model
+from longtrain.models.flops import model_flops_per_sample
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
 
@@ -32,7 +34,7 @@ def test_tied_head_counts_once_and_gemma_attention_width():
     gemma = build_from_config(preset_config("tiny-gemma2"))
     matrices = sum(p.numel() for p in gemma.parameters() if p.dim() == 2)
     assert matmul_parameters(gemma) == matrices  # the tied head is the embedding, counted as a matmul
-    assert attention_width(preset_config("gemma2-9b")) == 16 * 256  # not the hidden size 3584
+    assert describe_model(preset_config("gemma2-9b")).attention_width == 16 * 256  # not the hidden size 3584
     assert model_flops_per_sample(gemma, 10) > 0
 
 

@@ -353,7 +353,54 @@ def _run_presets(args) -> int:
 
     for name in preset_names():
         model_type, f = preset_fields(name)  # the table itself: no config objects, no transformers
-        print(f"{name:<14} {model_type:<10} layers {f['num_hidden_layers']:>3}  hidden {f['hidden_size']:>5}  vocab {f['vocab_size']:>6}")
+        print(f"{name:<16} {model_type:<12} layers {f['num_hidden_layers']:>3}  hidden {f['hidden_size']:>5}  vocab {f['vocab_size']:>6}")
+    return 0
+
+
+def _add_families(sub) -> None:
+    p = sub.add_parser("families", help="check which model families train exactly on the installed transformers",
+                       description="Build every decoder-only causal-LM family of the installed transformers tiny (float64) "
+                                   "and compare one step of every engine and technique with stock autograd; write the "
+                                   "table (markdown and JSON).")
+    p.add_argument("families", nargs="*", help="model types to check (default: every decoder-only causal-LM family)")
+    p.add_argument("--out", default="docs/families.md", help="the markdown table (its .json beside it)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds one family's check may take")
+    p.add_argument("--update", action="store_true", help="re-check the named families and keep the table's other rows")
+    p.set_defaults(run=_run_families)
+
+
+def _run_families(args) -> int:
+    from pathlib import Path
+
+    import transformers
+
+    from .families import causal_families, check_in_process, merged, write_table
+
+    if args.timeout <= 0:
+        raise LongtrainError(f"--timeout must be positive, got {args.timeout:g}")
+    known = causal_families()
+    unknown = [f for f in args.families if f not in known]
+    if unknown:
+        raise LongtrainError(f"not a decoder-only causal-LM family of transformers {transformers.__version__}: "
+                             f"{', '.join(unknown)}; omit the names to check every family")
+    results = []
+    for i, family in enumerate(args.families or known, 1):
+        result = check_in_process(family, args.timeout)
+        print(f"[{i}/{len(args.families or known)}] {family}: {result.status} ({result.seconds:.1f} s)",
+              file=sys.stderr, flush=True)
+        results.append(result)
+    if args.update and not args.families:
+        raise LongtrainError("--update re-checks the families named; name them (or drop --update to check all)")
+    out = Path(args.out)
+    command = " ".join(["longtrain families", *args.families] + ([] if args.out == "docs/families.md" else ["--out", args.out])
+                       + ([] if args.timeout == 120.0 else ["--timeout", f"{args.timeout:g}"]))
+    if args.update:
+        results = merged(results, out.with_suffix(".json"))
+        earlier = json.loads(out.with_suffix(".json").read_text())["command"] if out.with_suffix(".json").is_file() else ""
+        command = f"{earlier}; {command} --update" if earlier else f"{command} --update"
+    write_table(results, out, transformers.__version__, command)
+    exact = [r.family for r in results if r.adapter and r.status == "exact"]
+    print(f"{len(exact)} supported families exact; table in {args.out}")
     return 0
 
 
@@ -462,6 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_calibrate(sub)
     _add_presets(sub)
+    _add_families(sub)
     _add_eval(sub)
     return parser
 

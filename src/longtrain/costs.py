@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .memory.flops import attention_width
+from .models.adapters import describe_model
 
 __all__ = ["EngineCosts", "TechniqueCosts", "StepWork", "PARKED_NOTHING"]
 
@@ -67,13 +67,11 @@ class StepWork:
     def of(cls, config, tokens: int, batch: int, rates, notes: dict | None, sequence_parallel: int) -> "StepWork":
         """The plain step's work: forward 2, backward 4 FLOPs per matmul parameter and token;
         causal attention 2·w·s² forward per layer."""
-        n, d = config.num_hidden_layers, config.hidden_size
-        width = attention_width(config)
-        head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
-        kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
-        attn = 2 * d * width + 2 * d * kv  # q, o and k, v projections
-        mlp = 3 * d * config.intermediate_size
-        head = config.vocab_size * d
+        shape = describe_model(config)
+        n, width = shape.layers, shape.attention_width
+        attn = shape.attention_parameters  # q, o and k, v projections
+        mlp = shape.mlp_parameters(active_only=True)  # a mixture of experts: the experts a token runs
+        head = shape.vocab * shape.hidden
         s = tokens * batch
         work = cls(config, tokens, batch, rates, dict(notes or {}), sequence_parallel, n, attn, mlp, head,
                    layer_fwd=2.0 * s * (attn + mlp) * n, mlp_fwd=2.0 * s * mlp * n, head_fwd=2.0 * s * head,

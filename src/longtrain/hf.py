@@ -39,6 +39,7 @@ from transformers import Trainer
 from . import registry
 from .engines.batch import count_label_tokens
 from .errors import LongtrainError
+from .models.adapters import describe_model
 from .models.layers import unwrap
 from .strategy import Strategy, applied_strategy, apply, step
 
@@ -232,7 +233,7 @@ def _auto_strategy(trainer) -> Strategy:
         raise LongtrainError("strategy='auto' plans full fine-tuning, not a PEFT model's; pick a strategy with "
                              "`longtrain plan --lora` and pass it as strategy=")
     config = model.config
-    length = getattr(trainer.args, "max_length", None) or getattr(config, "max_position_embeddings", None)
+    length = getattr(trainer.args, "max_length", None) or describe_model(config).max_positions
     if not length:
         raise LongtrainError("strategy='auto' needs the run's longest sequence: set max_length (TRL's SFTConfig) "
                              "or the model config's max_position_embeddings, or name a strategy")

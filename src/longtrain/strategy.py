@@ -406,6 +406,7 @@ def _check_trainable(context: EngineContext) -> None:
     engine = registry.engine(context.strategy.engine)
     if engine.check is not None:
         engine.check(context)
+    context.adapter.check_trainable()
     if context.adapter.has_attention and context.adapter.attention_dropout() > 0:
         raise LongtrainError(f"longtrain's attention kernels apply no dropout to attention weights, and this model's "
                              f"config sets attention_dropout={context.adapter.attention_dropout():g}; set it to 0 for "
@@ -449,7 +450,7 @@ def _check_vocabulary(context: EngineContext, batch) -> None:
     an id outside it would fail deep in an embedding or loss kernel (an IndexError on
     CPU, a device-side assert on CUDA). One reduction, read once per micro-batch; fake
     tensors (simulation) hold no values to check."""
-    vocab = getattr(context.adapter.config, "vocab_size", None)
+    vocab = context.adapter.description.vocab
     if not isinstance(batch, Mapping) or vocab is None:
         return  # the engine's batch check names what is wrong with the mapping
 

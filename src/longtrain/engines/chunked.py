@@ -41,6 +41,7 @@ from ..models.kept_attention import KeptOutputs, kept_layers_that_fit
 from ..memory.tracker import mark_repeat
 from ..memory.units import format_bytes, pinned_host_budget
 from ..models.attention import AttentionCall, KeysParked
+from ..models.adapters import describe_model
 from ..models.shapes import head_dim, kept_output_bytes, kv_bytes_per_token
 from ..ops.chunked_loss import GradientCarry
 from ..ops.chunked_attention import attend_chunk, attend_chunk_backward, attend_chunk_forward, chunk_bounds
@@ -301,11 +302,11 @@ def parked_host_bytes(config, batch: int, length: int, item: int, settings: Chun
     """:func:`host_bytes_needed` from the model's config and the batch's shape (what the
     planner knows): ``item`` bytes per element, ``kv_heads``/``kv_length`` this rank's
     K/V heads and their sequence length (default: the model's, ``length``)."""
-    n = config.num_hidden_layers
+    n = describe_model(config).layers
     kv = batch * (kv_length or length) * kv_bytes_per_token(config, item, kv_heads)
     # With segments: the parked segment inputs, plus one segment's inner inputs in backward.
     parked_layers = n if settings.segment <= 1 else -(-n // settings.segment) + settings.segment - 1
-    inputs = parked_layers * batch * length * config.hidden_size * item + 2 * position_rows * length * head_dim(config) * item
+    inputs = parked_layers * batch * length * describe_model(config).hidden * item + 2 * position_rows * length * head_dim(config) * item
     # K/V of every layer (one with recompute_kv), and in backward the K/V-gradient sums of the
     # layer running (layer-major) or of every layer (chunk-major: each chunk's backward reaches them all).
     kv_layers = (1 if settings.recompute_kv else n) + (n if chunk_major else 1)
@@ -333,7 +334,7 @@ def outputs_that_fit(keep_output: bool | int | str, layers: int, offload_inputs:
 def kept_output_layers(context: EngineContext, shard: Shard, settings: ChunkSettings) -> int:
     """``settings.keep_output`` resolved for ``shard``, ``"fit"`` against the host budget."""
     dtype = context.adapter.base.get_input_embeddings().weight.dtype
-    return outputs_that_fit(settings.keep_output, context.adapter.config.num_hidden_layers, settings.offload_inputs,
+    return outputs_that_fit(settings.keep_output, describe_model(context.adapter.config).layers, settings.offload_inputs,
                             host_budget(context, shard, settings)[0],
                             lambda kept: host_bytes_needed(context, shard, settings, dtype, kept_outputs=kept))
 
@@ -342,7 +343,7 @@ def planned_kept_outputs(config, length: int, settings: ChunkSettings, item: int
     """:func:`kept_output_layers` from the model's config (the planner's and the time
     model's view of a step of ``batch`` × ``length`` tokens, ``item`` bytes per element): a
     ``"fit"`` without ``host_budget`` keeps every layer, as a simulation does."""
-    return outputs_that_fit(settings.keep_output, config.num_hidden_layers, settings.offload_inputs,
+    return outputs_that_fit(settings.keep_output, describe_model(config).layers, settings.offload_inputs,
                             settings.host_budget, lambda kept: parked_host_bytes(config, batch, length, item, settings, kept))
 
 

@@ -8,8 +8,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..costs import StepWork
-from ..models.adapters import adapter_class
-from ..models.shapes import head_dim, kept_output_bytes, kv_bytes_per_token
+from ..models.adapters import adapter_class, describe_model
+from ..models.shapes import kept_output_bytes, kv_bytes_per_token
 from ..ops.chunked_attention import chunk_bounds
 from .chunked import ChunkSettings, outputs_that_fit, parked_host_bytes, planned_kept_outputs
 from .chunked_costs import ChunkedCosts
@@ -42,7 +42,7 @@ def host_traffic(config, batch: int, length: int, item: int, settings: ChunkSett
     recomputed attention, then its backward; once where the output was kept), and sends P of
     gradients to the earlier chunks' sums, each fetched and parked again per addition (the
     first is only parked; the chunk's own backward fetches the sum last)."""
-    n = config.num_hidden_layers
+    n = describe_model(config).layers
     bounds = chunk_bounds(length, settings.chunk)
     kv_per_token = batch * kv_bytes_per_token(config, item)
     kv = kv_per_token * length
@@ -59,8 +59,8 @@ def host_traffic(config, batch: int, length: int, item: int, settings: ChunkSett
         kv_traffic = parks * kv + history + 2 * n * pairs  # + gradient sums: every addition parked, fetched
     inputs = 0
     if settings.offload_inputs:
-        x = batch * length * config.hidden_size * item
-        rotary_dim = int(head_dim(config) * (getattr(config, "partial_rotary_factor", None) or 1.0))
+        x = batch * length * describe_model(config).hidden * item
+        rotary_dim = describe_model(config).rotary_dim
         rotary = 2 * position_rows * length * rotary_dim * item
         reads = 3 if settings.recompute_kv else 2  # a layer input is read by the forward, the K/V re-park, the recomputation
         inputs = ((n - 1) * x * (1 + reads)  # each layer's input but the first (embeddings): parked, fetched
@@ -112,23 +112,23 @@ class FPDTCosts(ChunkedCosts):
         return max(1, int(options.segment or 1))
 
     def small_options(self, options, config, sequence_parallel):
-        if _keeps_some_outputs(options, config.num_hidden_layers, sequence_parallel):
+        if _keeps_some_outputs(options, describe_model(config).layers, sequence_parallel):
             # Every layer's output or none (kept_outputs_apart corrects the figures).
             return dataclasses.replace(options, keep_output=options.settings().offload_inputs)
         return options
 
     def kept_outputs_apart(self, config, options, batch: int, item: int, sequence_parallel):
-        if not _keeps_some_outputs(options, config.num_hidden_layers, sequence_parallel):
+        if not _keeps_some_outputs(options, describe_model(config).layers, sequence_parallel):
             return None
-        return KeptOutputsCorrection(config, options.settings(), config.num_hidden_layers, batch, item)
+        return KeptOutputsCorrection(config, options.settings(), describe_model(config).layers, batch, item)
 
     def parked(self, config, seq_len: int, options, item: int, batch: int) -> tuple[int, int]:
         """K/V where ``offload`` puts them; layer inputs (segment starts with segments) and
         kept attention outputs where ``offload_inputs`` (by default ``offload``) does."""
         settings = options.settings()
-        n, tokens = config.num_hidden_layers, batch * seq_len
+        n, tokens = describe_model(config).layers, batch * seq_len
         segment = getattr(options, "segment", 1)
-        inputs = (n - 1 if segment <= 1 else -(-n // segment) - 1) * tokens * config.hidden_size * item
+        inputs = (n - 1 if segment <= 1 else -(-n // segment) - 1) * tokens * describe_model(config).hidden * item
         kv = tokens * kv_bytes_per_token(config, item) * (1 if options.recompute_kv else n)
         inputs += planned_kept_outputs(config, seq_len, settings, item, batch) * kept_output_bytes(config, batch, seq_len, item)
         return (kv * (not settings.offload) + inputs * (not settings.offload_inputs),
@@ -169,7 +169,7 @@ class FPDTCosts(ChunkedCosts):
             return None
         fitted = dataclasses.replace(options, host_memory=max(1, room)).settings()
         kept = planned_kept_outputs(config, seq_len, fitted, item, batch)
-        if kept in (0, config.num_hidden_layers):
+        if kept in (0, describe_model(config).layers):
             return None
         return (":keep_output=fit", f":keep_output={kept}"), dataclasses.replace(options, keep_output=kept)
 

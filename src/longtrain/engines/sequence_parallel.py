@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from .. import validate
 from ..errors import LongtrainError
+from ..models.adapters import describe_model
 from ..models.attention import AttentionCall
 from ..parallel.distributed import sum_over_data_parallel
 from ..parallel.ulysses import Collectives, HeadLayout, SimulatedCollectives, ShardLayout, heads_to_sequence, sequence_to_heads
@@ -77,8 +78,8 @@ class SequenceParallel:
     def __init__(self, options: UlyssesOptions, config, comm: Collectives):
         self.options = options
         self.degree, self.rank, self.comm = options.degree, comm.rank, comm
-        heads = config.num_attention_heads
-        self.heads = HeadLayout(heads, getattr(config, "num_key_value_heads", None) or heads, self.degree, self.rank)
+        shape = describe_model(config)
+        self.heads = HeadLayout(shape.heads, shape.kv_heads, self.degree, self.rank)
         self.kv_index = self.heads.local_kv_index()
         self.simulated = isinstance(comm, SimulatedCollectives)
         self.fsdp_root = None  # the FSDP2 root over the model's units (parallel/fsdp.py)

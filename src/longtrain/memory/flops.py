@@ -13,13 +13,11 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 __all__ = [
-    "attention_width",
     "causal_lm_flops",
     "count_flops",
     "device_peak_flops",
     "matmul_parameters",
     "mfu",
-    "model_flops_per_sample",
 ]
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s.
@@ -41,20 +39,6 @@ def matmul_parameters(model: nn.Module) -> int:
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is embed
     return total if tied else total - embed.numel()
-
-
-def attention_width(config) -> int:
-    """Heads × head dimension (differs from the hidden size in e.g. Gemma-2); 0 for
-    attention-free models (SSM-ResNet), whose recurrence is linear in the length."""
-    if getattr(config, "attention_free", False):
-        return 0
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_attention_heads * head_dim
-
-
-def model_flops_per_sample(model: nn.Module, seq_len: int) -> float:
-    config = model.config
-    return causal_lm_flops(seq_len, matmul_parameters(model), config.num_hidden_layers, attention_width(config))
 
 
 def count_flops(fn, *args, **kwargs) -> tuple[int, object]:

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ..errors import LongtrainError
 from . import ssm_resnet  # noqa: F401  (registers model_type "ssm_resnet": local SSM-ResNet directories load too)
+from .adapters import describe_model
 from .attention import attention_backend
 from .presets import preset_config, resolve_preset
 
@@ -98,16 +99,28 @@ def check_causal(config: PretrainedConfig, source: str) -> None:
                              "causal LMs (Llama, Qwen, Mistral, Gemma, Phi, ...): point --model at one of those")
 
 
-def _attention_kwargs(config: PretrainedConfig) -> dict:
-    """Our attention backend for transformers; nothing for attention-free models (SSM-ResNet)."""
+def _attention_kwargs(config: PretrainedConfig, dtype: torch.dtype | None = None) -> dict:
+    """Our attention backend for transformers; nothing for attention-free models
+    (SSM-ResNet). A mixture of experts in float64 runs its experts one by one (the
+    grouped-matmul kernels take no float64)."""
     backend = attention_backend(config)
-    return {} if backend is None else {"attn_implementation": backend}
+    kwargs = {} if backend is None else {"attn_implementation": backend}
+    if dtype == torch.float64 and _has_experts(config):
+        kwargs["experts_implementation"] = "eager"
+    return kwargs
+
+
+def _has_experts(config: PretrainedConfig) -> bool:
+    try:
+        return describe_model(config).is_moe
+    except LongtrainError:  # a family we cannot describe (refused when trained)
+        return False
 
 
 def build_from_config(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
     """A randomly initialized causal LM with longtrain's attention backend."""
     with default_dtype(dtype):
-        model = AutoModelForCausalLM.from_config(config, **_attention_kwargs(config))
+        model = AutoModelForCausalLM.from_config(config, **_attention_kwargs(config, dtype))
     return model
 
 
@@ -136,7 +149,7 @@ def check_safetensors(file: Path) -> None:
 
 
 def load_pretrained(path: str, dtype: torch.dtype) -> nn.Module:
-    attn = _attention_kwargs(load_config(path))
+    attn = _attention_kwargs(load_config(path), dtype)
     for file in sorted(Path(path).glob("*.safetensors")):  # a damaged file named in one line, not a loader's traceback
         check_safetensors(file)
     try:

@@ -46,6 +46,24 @@ _PRESETS: dict[str, tuple[str, dict]] = {
         max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096,
         final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
         hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    "gemma3-12b": ("gemma3_text", dict(  # five sliding layers (1,024 tokens) to one global, two rotary bases
+        vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+        max_position_embeddings=131072, rms_norm_eps=1e-6, sliding_window=1024, sliding_window_pattern=6,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    # Mixtures of experts: every expert's weights are held, a token runs its active ones.
+    "qwen3-30b-a3b": ("qwen3_moe", dict(  # 128 experts, 8 per token: 30.5B parameters, 3.3B active
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)),
+    "mixtral-8x7b": ("mixtral", dict(  # 8 experts, 2 per token: 46.7B parameters, 12.9B active
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None,
+        tie_word_embeddings=False)),
     # Tiny variants for tests: the same architectures at toy widths. Vocabularies hold
     # the byte tokenizer's 259 ids; head counts exercise GQA.
     "tiny-llama": ("llama", dict(
@@ -92,6 +110,19 @@ _PRESETS: dict[str, tuple[str, dict]] = {
     "ssm-225m": ("ssm_resnet", dict(vocab_size=32000, hidden_size=1280, state_size=1280, num_hidden_layers=22)),
     "ssm-1.27b": ("ssm_resnet", dict(vocab_size=32000, hidden_size=2560, state_size=2560, num_hidden_layers=42)),
     "tiny-ssm": ("ssm_resnet", dict(vocab_size=320, hidden_size=32, state_size=24, num_hidden_layers=3)),
+    "tiny-gemma3": ("gemma3_text", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, max_position_embeddings=16384,
+        sliding_window=24, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    "tiny-qwen3-moe": ("qwen3_moe", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=16384, tie_word_embeddings=False)),
+    "tiny-mixtral": ("mixtral", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16384,
+        sliding_window=None, tie_word_embeddings=False)),
     # Hugging Face Mamba (its pure-PyTorch path) at a toy width, for tests; attention-free.
     "tiny-mamba": ("mamba", dict(vocab_size=320, hidden_size=32, state_size=8, num_hidden_layers=2, conv_kernel=4,
                                  expand=2, attention_free=True)),

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import LongtrainError
+from ..models.adapters import describe_model
 from ..models.layers import unwrap
 from ..models.ssm_resnet import is_ssm_resnet
 
@@ -83,7 +84,7 @@ def shard_model(context, rank: int, world_size: int, process_group=None) -> Laye
     base = unwrap(context.model)
     if not is_ssm_resnet(base):
         raise LongtrainError(f"layer groups split SSM-ResNet models over processes, not {type(base).__name__}")
-    if world_size > 1 and base.config.tie_word_embeddings:
+    if world_size > 1 and describe_model(base.config).tied_embeddings:
         raise LongtrainError("layer groups need untied embeddings (the first rank holds the embedding, the last the head); set tie_word_embeddings=False")
     group = LayerGroup(len(base.model.layers), rank, world_size, process_group)
     for index, layer in enumerate(base.model.layers):

@@ -23,7 +23,6 @@ labels their peaks by place, fits and checks them, and extends them to the whole
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import time
@@ -36,6 +35,7 @@ from .. import registry
 from ..errors import LongtrainError
 from ..memory.tracker import CATEGORIES, DEVICE, HOST, MemoryReport, MemoryTracker
 from ..memory.units import format_bytes, parse_bytes
+from ..models.adapters import adapter_class, describe_model
 from ..strategy import Strategy
 from .bounds import _engine_costs
 
@@ -89,13 +89,11 @@ class Axis:
 
 
 def _layers(config) -> int:
-    return getattr(config, "num_hidden_layers", 0)
+    return describe_model(config).layers
 
 
-def _per_layer_lists(config) -> dict[str, list]:
-    n = _layers(config)
-    return {key: value for key, value in vars(config).items()
-            if isinstance(value, (list, tuple)) and len(value) == n and key != "architectures"}
+def _adapter(config):
+    return adapter_class(getattr(config, "model_type", None))
 
 
 def _period(values) -> int:
@@ -105,11 +103,9 @@ def _period(values) -> int:
 
 
 def _layer_period(config, strategy: Strategy) -> int:
-    """Layers per repeat: of the config's per-layer lists (Gemma-2's sliding/global
-    ``layer_types``) and of FPDT's checkpoint segments."""
-    period = 1
-    for values in _per_layer_lists(config).values():
-        period = math.lcm(period, _period(values))
+    """Layers per repeat: of what tells the model's layers apart (Gemma-2's sliding and
+    global attention, a mixture's dense and sparse layers) and of FPDT's checkpoint segments."""
+    period = _period(describe_model(config).per_layer())
     return math.lcm(period, _engine_costs(strategy).layer_period(strategy.engine_options))
 
 
@@ -137,8 +133,7 @@ def layer_axis(config, strategy: Strategy) -> Axis | None:
 
 
 def _repeats_layers(config, strategy: Strategy) -> bool:
-    # SSM-ResNet: small enough to simulate whole.
-    return config.model_type != "ssm_resnet" and _engine_costs(strategy).repeats_layers
+    return not _adapter(config).simulated_whole and _engine_costs(strategy).repeats_layers
 
 
 def chunk_of(strategy: Strategy) -> int | None:
@@ -160,22 +155,11 @@ def chunk_axis(config, seq_len: int, strategy: Strategy) -> Axis | None:
         return None
     count = -(-seq_len // chunk)
     last = seq_len - (count - 1) * chunk
-    window = _sliding_window(config)
+    window = describe_model(config).sliding_window
     first = 2 * _depth(strategy) + (-(-window // chunk) + 1 if window else 0)
     first = max(first, _engine_costs(strategy).fewest_chunks(strategy.engine_options))
     axis = Axis("chunks", chunk, last - chunk, count, first)
     return axis if axis.extrapolated else None
-
-
-def _sliding_window(config) -> int | None:
-    """The attention window in tokens, if any layer has one (Mistral, Gemma-2's sliding layers)."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    types = getattr(config, "layer_types", None)
-    if types and "sliding_attention" not in types:
-        return None
-    return int(window)
 
 
 def _end(i: int, total: int, depth: int):
@@ -220,11 +204,7 @@ def _stable_phases(phases: dict, period: int, depth: int) -> dict:
 
 
 def _with_layers(config, layers: int):
-    small = copy.deepcopy(config)
-    for key, values in _per_layer_lists(config).items():
-        setattr(small, key, type(values)(values[:layers]))
-    small.num_hidden_layers = layers
-    return small
+    return _adapter(config).with_layers(config, layers)
 
 
 def scaled_strategy(strategy: Strategy, config, layers: int) -> Strategy:

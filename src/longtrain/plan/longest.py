@@ -31,6 +31,7 @@ import torch
 
 from .. import registry
 from ..errors import LongtrainError
+from ..models.adapters import adapter_class, describe_model
 from ..models.loading import load_config, parse_dtype
 from ..strategy import Strategy
 from .bounds import Budget, budgets_for, parked_bytes, parked_split, reserved_bytes
@@ -181,11 +182,11 @@ def max_context(model, *, device_memory: int, host_memory: int, optimizer: str =
     (larger chunks have larger working sets: never the longer context)."""
     say = progress or (lambda _: None)
     config = load_config(model)
-    config.max_position_embeddings = max(getattr(config, "max_position_embeddings", 0) or 0, LIMIT)
+    adapter_class(config.model_type).allow_positions(config, LIMIT)
     params, budgets = budgets_for(config, device_memory=device_memory, host_memory=host_memory, optimizer=optimizer,
                                   dtype=parse_dtype(dtype), lora_rank=lora_rank, optimizer_offload=optimizer_offload)
     limits = []
-    for label, strategy in candidates(LIMIT, host_memory, config.num_hidden_layers, every_chunk=True,
+    for label, strategy in candidates(LIMIT, host_memory, describe_model(config).layers, every_chunk=True,
                                       chunks=chunks).items():
         if not registry.engine(strategy.engine).costs.in_longest_search(strategy.engine_options):
             continue  # parks more than another variant at the same chunk: never the longer context

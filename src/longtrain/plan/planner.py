@@ -40,6 +40,7 @@ import torch
 from .. import registry
 from ..errors import LongtrainError
 from ..memory.units import format_bytes
+from ..models.adapters import adapter_class, describe_model
 from ..models.loading import load_config, parse_dtype
 from ..strategy import Strategy
 from .bounds import (FRAGMENTATION, Budget, _beyond_reach, _bound, budgets_for, least_bytes, longest_where,
@@ -96,7 +97,7 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
     if gpus < 1:
         raise LongtrainError(f"--gpus must be a positive count, got {gpus}")
     config = load_config(model)
-    config.max_position_embeddings = max(getattr(config, "max_position_embeddings", 0) or 0, 2 * seq_len)
+    adapter_class(config.model_type).allow_positions(config, 2 * seq_len)
     torch_dtype = parse_dtype(dtype)
     item = torch.tensor([], dtype=torch_dtype).element_size()
     params, budgets = budgets_for(config, device_memory=device_memory, host_memory=host_memory, optimizer=optimizer,
@@ -106,10 +107,10 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
                   gpus, lora_rank, rates_name)
     sp = {"degree": gpus} if gpus > 1 else None
     jobs = []
-    usual = candidates(seq_len, host_memory, config.num_hidden_layers)
+    usual = candidates(seq_len, host_memory, describe_model(config).layers)
     # FPDT with more than 32 chunks costs host time per chunk: tried only when nothing with
     # fewer fits (after every usual candidate), since smaller chunks reach longer contexts.
-    every = candidates(seq_len, host_memory, config.num_hidden_layers, every_chunk=True)
+    every = candidates(seq_len, host_memory, describe_model(config).layers, every_chunk=True)
     fallback = {label for label, strategy in every.items()
                 if label not in usual and strategy.engine_options.chunk < seq_len}
     many = set()  # the candidates' names with over 32 chunks
@@ -195,7 +196,7 @@ def most_whole_layers(row: PlanRow, strategy: Strategy, config, seq_len, budget:
     in the loss head): while the peaks are flat and none is over the fill, every layer is
     tried. A simulation that is refused counts as not fitting; the largest count that fits is
     kept."""
-    n = config.num_hidden_layers
+    n = describe_model(config).layers
     target = int(WHOLE_LAYERS_FILL * budget.device_memory)
     if n < 4 or (row.reserved_bytes or target) >= target:  # below 4 layers: not worth its simulations
         return None

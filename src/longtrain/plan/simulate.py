@@ -40,6 +40,7 @@ from ..errors import LongtrainError
 from ..memory.plan import fragmentation_report
 from ..memory.tracker import CATEGORIES, MemoryReport, MemoryTracker, in_backward
 from ..memory.units import format_bytes, parse_bytes
+from ..models.adapters import adapter_class, describe_model
 from ..models.loading import add_lora, build_from_config, default_dtype, load_config, parse_dtype
 from ..optimizers import make_optimizer
 from ..parallel.distributed import simulated_world
@@ -123,7 +124,7 @@ def run_training_steps(
             applied_context(model).host_memory = host_memory
         model.train()
         n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-        vocab = model.config.vocab_size
+        vocab = describe_model(model.config).vocab
         opt = make_optimizer(optimizer, model.parameters(), lr=1e-4, model=model)
         generator = None if fake else torch.Generator().manual_seed(seed)
         if warm_start and opt is not None and optimizer in WARM_STARTS:
@@ -262,6 +263,9 @@ class SimulationReport:
     lora_rank: int | None = None  # LoRA adapters of this rank on every linear layer but the head
     trainable_parameters: int | None = None  # those with gradients and optimizer state
     method: str = "exact: every layer at the whole length"  # or the sizes the figures were extrapolated from
+    flops_per_token: float | None = None  # forward + backward model FLOPs (a mixture of experts: its active ones)
+    active_parameters: int | None = None  # matmul parameters a token multiplies by
+    matmul_parameters: int | None = None  # all matmul parameters (every expert)
 
     @property
     def device_peak_bytes(self) -> int:
@@ -306,7 +310,13 @@ class SimulationReport:
         largest = "largest tensors at the device peak:"
         if not self.method.startswith("exact"):
             largest = "largest tensors at the device peak of the largest simulation extrapolated from:"
-        lines = [head, format_table(rows), "", largest]
+        lines = [head]
+        if self.flops_per_token:
+            experts = (f" (of {self.matmul_parameters / 1e9:.2f}B: the experts a token runs)"
+                       if self.active_parameters != self.matmul_parameters else "")
+            lines.append(f"model FLOPs per token: {self.flops_per_token / 1e9:.2f} G = 6 × {self.active_parameters / 1e9:.2f}B "
+                         f"matmul parameters{experts} + causal attention")
+        lines += [format_table(rows), "", largest]
         for info in self.peak.largest:
             shape = "x".join(str(d) for d in info.shape)
             lines.append(f"  {format_bytes(info.nbytes):>12}  {info.category:<16} {info.location:<6} {info.dtype}[{shape}]  {info.origin}")
@@ -366,7 +376,7 @@ def simulate(
     device_memory, host_memory = (None if size is None else _machine_bytes(name, size)
                                   for name, size in (("device_memory", device_memory), ("host_memory", host_memory)))
     config = load_config(model)
-    config.max_position_embeddings = max(getattr(config, "max_position_embeddings", 0) or 0, seq_len)
+    adapter_class(config.model_type).allow_positions(config, seq_len)
     config.use_cache = False
     torch_dtype = parse_dtype(dtype)
     strategy = Strategy.parse(strategy)
@@ -398,8 +408,16 @@ def simulate(
         model=name, seq_len=seq_len, batch_size=batch_size, strategy=strategy.to_dict(), optimizer=optimizer,
         dtype=str(torch_dtype).replace("torch.", ""), parameters=result.parameters, peak=result.report, fragmentation=frag,
         notes=result.notes, lora_rank=lora_rank, trainable_parameters=result.trainable if lora_rank else None,
-        method=result.method,
+        method=result.method, **_flop_facts(config, seq_len),
     )
+
+
+def _flop_facts(config, seq_len: int) -> dict:
+    shape = describe_model(config)
+    if not shape.feed_forward:  # SSMs: their recurrence's FLOPs are not counted
+        return {}
+    return {"flops_per_token": shape.flops_per_token(seq_len), "active_parameters": shape.matmul_parameters(True),
+            "matmul_parameters": shape.matmul_parameters(False)}
 
 
 def _machine_bytes(name: str, size: int | str) -> int:
@@ -469,7 +487,7 @@ def chunk_curve(model: str | PretrainedConfig, strategy: Strategy | str, *, batc
     config = load_config(model)
     # Positions for the small simulations (a few chunks); memory does not depend on this
     # setting in the supported families (rotary angles are computed per position).
-    config.max_position_embeddings = max(getattr(config, "max_position_embeddings", 0) or 0, 64 * chunk)
+    adapter_class(config.model_type).allow_positions(config, 64 * chunk)
     config.use_cache = False
     torch_dtype = parse_dtype(dtype)
     run, warm_start = _runner(strategy, batch_size=batch_size, optimizer=optimizer, dtype=torch_dtype,

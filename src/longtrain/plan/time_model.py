@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import registry
+from ..models.adapters import describe_model
 from ..costs import StepWork
 
 __all__ = ["H100", "MachineRates", "StepTime", "step_time"]
@@ -119,7 +120,8 @@ def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: 
         parts = {k: v / sp for k, v in parts.items()}
         model_flops /= sp
         item = 2  # bf16 activations
-        moved = tokens * batch * (work.attention_params // config.hidden_size) * item * n / sp  # q, k, v, o per layer and rank
+        shape = describe_model(config)
+        moved = tokens * batch * 2 * (shape.attention_width + shape.kv_width) * item * n / sp  # q, k, v, o per layer and rank
         parts["all_to_all"] = 2 * moved / rates.interconnect  # forward and backward
     if optimizer_offload and trainable:
         per_rank = trainable / sp

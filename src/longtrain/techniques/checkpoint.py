@@ -51,10 +51,10 @@ from .. import validate
 from ..costs import StepWork, TechniqueCosts
 from ..errors import LongtrainError
 from ..memory.chunk_store import ChunkStore
-from ..memory.flops import attention_width
 from ..models.kept_attention import KeptOutputs, attend_keeping, kept_layers_that_fit
 from ..memory.token_swap import storage_id
 from ..models.attention import AttentionCall
+from ..models.adapters import describe_model
 from ..models.shapes import kept_output_bytes
 from ..registry import register_technique
 
@@ -87,8 +87,8 @@ class CheckpointOptions:
         bytes per element) would put in host memory with no budget — each one's input
         (``offload_inputs``) and attention output + LSE (``keep_attention`` with ``offload``),
         at least what the step parks: where ``host_memory`` is this much or more it stops no layer."""
-        layers = max(0, config.num_hidden_layers - self.except_last)
-        per_layer = batch * tokens * config.hidden_size * item if self.offload_inputs else 0
+        layers = max(0, describe_model(config).layers - self.except_last)
+        per_layer = batch * tokens * describe_model(config).hidden * item if self.offload_inputs else 0
         if self.keep_attention and self.offload:
             per_layer += kept_output_bytes(config, batch, tokens, item)
         return layers * per_layer
@@ -265,12 +265,12 @@ def kept_output_share(config, tokens: int, checkpoint) -> float:
         return 0.0
     if not checkpoint.offload or checkpoint.host_memory is None:
         return 1.0
-    layers = config.num_hidden_layers - min(checkpoint.except_last, config.num_hidden_layers)
+    layers = describe_model(config).layers - min(checkpoint.except_last, describe_model(config).layers)
     if layers <= 0:
         return 1.0
     item = 2
-    output = tokens * (attention_width(config) * item + config.num_attention_heads * 4)  # and its float32 LSE
-    inputs = layers * tokens * config.hidden_size * item if checkpoint.offload_inputs else 0
+    output = tokens * (describe_model(config).attention_width * item + describe_model(config).heads * 4)  # and its float32 LSE
+    inputs = layers * tokens * describe_model(config).hidden * item if checkpoint.offload_inputs else 0
     return kept_layers_that_fit(layers, checkpoint.host_memory, inputs, output) / layers
 
 
@@ -287,7 +287,7 @@ class CheckpointCosts(TechniqueCosts):
         return dataclasses.replace(options, host_memory=None) if layers < full else options
 
     def parked(self, config, seq_len, options: CheckpointOptions, item, batch, engine_offloads):
-        inputs = config.num_hidden_layers * batch * seq_len * config.hidden_size * item
+        inputs = describe_model(config).layers * batch * seq_len * describe_model(config).hidden * item
         if options.offload_inputs:
             on_host = inputs if options.host_memory is None else min(inputs, options.host_memory)
             return inputs - on_host, on_host

@@ -49,6 +49,7 @@ from ..memory.pinned import host_empty
 from ..memory.token_swap import LayerActivations, storage_id
 from ..memory.tracker import untracked
 from ..memory.units import format_bytes
+from ..models.adapters import describe_model
 from ..models.attention import AttentionCall
 from ..ops import replay
 from ..ops.causal_attention import attention_from_output
@@ -425,12 +426,15 @@ def _measure_bandwidth(hidden: torch.Tensor) -> float:
 
 
 def _layer_flops(context, layer, hidden: torch.Tensor) -> float:
-    """Forward FLOPs of one layer over ``hidden``'s tokens: its matmuls and causal attention."""
-    from ..memory.flops import attention_width
-
+    """Forward FLOPs of one layer over ``hidden``'s tokens: its matmuls (a token's experts,
+    not all of a mixture's) and causal attention."""
+    shape = describe_model(context.adapter.config)
     batch, tokens = hidden.shape[:2]
     matmul = sum(p.numel() for p in layer.parameters() if p.dim() >= 2)
-    return batch * (2.0 * tokens * matmul + 2.0 * attention_width(context.adapter.config) * tokens * tokens)
+    if shape.feed_forward:
+        block = shape.feed_forward[context.adapter.layer_index(layer)]
+        matmul -= block.parameters(shape.hidden) - block.parameters(shape.hidden, active_only=True)
+    return batch * (2.0 * tokens * matmul + 2.0 * shape.attention_width * tokens * tokens)
 
 
 def _memo_forward(memo: MemoLayers, index: int, layer, layer_forward, *args, **kwargs):
@@ -459,7 +463,8 @@ class MemoCosts(TechniqueCosts):
             notes["memo_host_budget"] = options.host_memory  # the small simulations' is a share of it
 
     def parked(self, config, seq_len, options: MemoOptions, item, batch, engine_offloads):
-        return 0, config.num_hidden_layers * batch * seq_len * config.hidden_size * item  # inputs, with more
+        shape = describe_model(config)
+        return 0, shape.layers * batch * seq_len * shape.hidden * item  # inputs, with more
 
     def fragmentation(self, options: MemoOptions) -> str:
         return "offload"
@@ -499,6 +504,10 @@ def install_memo(context, options: MemoOptions) -> None:
     adapter = context.adapter
     if not adapter.has_attention:
         raise LongtrainError("memo keeps attention outputs; this model has no attention (use the adjoint engine)")
+    if adapter.description.is_moe and options.alpha != 1:
+        raise LongtrainError("memo recomputes part of each layer's tokens, and a mixture of experts saves its "
+                             "activations in groups of tokens routed to each expert, not token by token; use "
+                             "memo:alpha=1 (every activation swapped, nothing recomputed) or checkpoint")
     memo = MemoLayers(context, options)
     for index, layer in enumerate(adapter.layers):
         layer.forward = functools.partial(_memo_forward, memo, index, layer, layer.forward)

@@ -29,6 +29,7 @@ from torch import nn
 from .. import validate
 from ..costs import StepWork, TechniqueCosts
 from ..errors import LongtrainError
+from ..models.adapters import describe_model
 from ..ops.tiled_mlp import tiled_mlp
 from ..registry import register_technique
 from .checkpoint import whole_layers
@@ -54,14 +55,20 @@ class MsTOptions:
 
 def _tiled_forward(original, module: nn.Module, chunk: int, x: torch.Tensor) -> torch.Tensor:
     params = [p for p in module.parameters() if p.requires_grad]
-    return tiled_mlp(original, x, params, chunk, module=module)
+    return tiled_mlp(functools.partial(_as_one_row, original), x, params, chunk, module=module)
+
+
+def _as_one_row(mlp, tokens: torch.Tensor) -> torch.Tensor:
+    """The MLP on a tile of tokens (T, H) seen as a batch of one row (1, T, H): a mixture
+    of experts reads (batch, sequence, hidden) where a dense MLP takes any leading shape."""
+    return mlp(tokens.unsqueeze(0)).squeeze(0)
 
 
 def default_mlp_chunk(context) -> int:
     """The hidden size; under a chunked engine, half its chunk (FPDT runs the MLP in twice
     as many chunks as attention)."""
     engine_chunk = getattr(context.engine_options, "chunk", None)
-    return max(1, engine_chunk // 2) if engine_chunk else context.adapter.config.hidden_size
+    return max(1, engine_chunk // 2) if engine_chunk else describe_model(context.adapter.config).hidden
 
 
 class MsTCosts(TechniqueCosts):

@@ -13,6 +13,7 @@ import os
 import torch
 
 from ..errors import LongtrainError
+from ..models.adapters import adapter_class, describe_model
 from ..models.loading import add_lora, build_from_config, is_model_dir, load_config, load_pretrained
 from ..models.presets import packaged_checkpoint
 from ..strategy import Strategy
@@ -59,24 +60,26 @@ def build_model(config: TrainConfig, dtype: torch.dtype):
     """The model and tokenizer a config names, with LoRA when asked (strategy not applied)."""
     pretrained = trained_weights(config)
     model_config = load_config(pretrained or config.model)
-    max_pos = getattr(model_config, "max_position_embeddings", None)
+    adapter = adapter_class(model_config.model_type)
+    max_pos = describe_model(model_config).max_positions
     if max_pos is not None and config.seq_len > max_pos:
         if pretrained == config.model and not config.extend_context:  # a user's model; a preset's grows
             raise LongtrainError(
                 f"--seq-len {config.seq_len:,} exceeds the model's max_position_embeddings ({max_pos:,}); "
                 "pass --extend-context to train beyond it (and set rope_scaling in its config.json for a pretrained model)"
             )
-        model_config.max_position_embeddings = config.seq_len
+        adapter.allow_positions(model_config, config.seq_len)
     tokenizer = load_tokenizer(pretrained, config.tokenizer)
-    if model_config.vocab_size < tokenizer.vocab_size:
+    vocab = describe_model(model_config).vocab
+    if vocab < tokenizer.vocab_size:
         raise LongtrainError(
-            f"the model's vocabulary ({model_config.vocab_size}) is smaller than the tokenizer's ({tokenizer.vocab_size}); "
+            f"the model's vocabulary ({vocab}) is smaller than the tokenizer's ({tokenizer.vocab_size}); "
             "use the model's own tokenizer (--tokenizer auto) or a preset"
         )
     torch.manual_seed(config.seed)
     if pretrained:
         model = load_pretrained(pretrained, dtype)
-        model.config.max_position_embeddings = model_config.max_position_embeddings
+        adapter.allow_positions(model.config, describe_model(model_config).max_positions or 0)
     else:
         model = build_from_config(model_config, dtype)
     model.config.use_cache = False

@@ -16,6 +16,7 @@ import torch
 from ..errors import writing
 from ..memory.allocator import allocator_setting
 from ..memory.units import format_bytes
+from ..models.adapters import describe_model
 from ..strategy import Strategy, applied_context, pinned_host_bytes
 from . import checkpoint as ckpt
 from .config import TrainConfig
@@ -73,12 +74,12 @@ def write_summary(out: Path, config: TrainConfig, *, strategy: Strategy, model, 
 
 
 def _attention_kernel(config, device: torch.device, dtype: torch.dtype) -> str | None:
-    heads = getattr(config, "num_attention_heads", None)
-    if not heads:  # no attention (SSM-ResNet)
+    shape = describe_model(config)
+    if not shape.has_attention:  # SSMs
         return None
     from ..ops.attention_blocks import attention_kernel
 
-    return attention_kernel(device, dtype, getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return attention_kernel(device, dtype, shape.head_dim)
 
 
 def _evaluation_row(task: dict | None, before: dict | None = None) -> tuple[str, str]:

@@ -13,6 +13,9 @@ Adapters call the model's own modules; they never reimplement its math.
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -21,9 +24,10 @@ from torch import nn
 
 from ...errors import LongtrainError
 from ..attention import KeysParked
+from ..description import Attention, FeedForward, ModelDescription
 from ..layers import unwrap
 
-__all__ = ["DecoderAdapter", "Head", "adapter_class", "adapter_for", "register_adapter", "supported_families"]
+__all__ = ["DecoderAdapter", "Head", "adapter_class", "adapter_for", "describe_model", "register_adapter", "supported_families"]
 
 _ADAPTERS: dict[str, type["DecoderAdapter"]] = {}
 
@@ -57,12 +61,86 @@ class DecoderAdapter:
     # only joins the residual stream and a recomputation that is only backpropagated
     # through need not compute it (ops.tiled_mlp.outputs_unread).
     mlp_output_saved: ClassVar[bool] = False
+    # Weight matrices of the MLP: 3 when gated (gate, up, down), 2 otherwise (up, down).
+    mlp_matrices: ClassVar[int] = 3
+    # Simulated whole, never extrapolated along its layers (models small enough to).
+    simulated_whole: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.base = unwrap(model)
         self.config = self.base.config
         self.decoder = self.base.model
+
+    # ---- shape and cost facts ------------------------------------------------------------
+    @classmethod
+    def describe(cls, config) -> ModelDescription:
+        """The model's :class:`~longtrain.models.description.ModelDescription`, read from its config."""
+        n, heads = config.num_hidden_layers, config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return ModelDescription(
+            layers=n, hidden=config.hidden_size, vocab=config.vocab_size, heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+            rotary_dim=int(head_dim * _partial_rotary_factor(config)),
+            attention=tuple(cls.layer_attention(config, i) for i in range(n)),
+            feed_forward=tuple(cls.layer_feed_forward(config, i) for i in range(n)),
+            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            max_positions=getattr(config, "max_position_embeddings", None))
+
+    @classmethod
+    def layer_attention(cls, config, index: int) -> Attention:
+        """Layer ``index``'s attention: ``layer_types`` where the config lists them, else a
+        sliding window on every layer where the config sets one."""
+        window = getattr(config, "sliding_window", None)
+        types = getattr(config, "layer_types", None)
+        if types:
+            if types[index] == "sliding_attention" and window:
+                return Attention("sliding", int(window))
+            if types[index] == "chunked_attention":
+                return Attention("chunked", int(config.attention_chunk_size))
+            return Attention()
+        if window and getattr(config, "use_sliding_window", True) is not False:
+            return Attention("sliding", int(window))
+        return Attention()
+
+    @classmethod
+    def layer_feed_forward(cls, config, index: int) -> FeedForward:
+        """Layer ``index``'s feed-forward block: a dense MLP of ``intermediate_size``."""
+        return FeedForward(config.intermediate_size, cls.mlp_matrices)
+
+    @classmethod
+    def with_layers(cls, config, layers: int):
+        """A copy of ``config`` with its first ``layers`` layers (per-layer lists cut to them)."""
+        small = copy.deepcopy(config)
+        n = config.num_hidden_layers
+        for key, values in vars(config).items():
+            if isinstance(values, (list, tuple)) and len(values) == n and key != "architectures":
+                setattr(small, key, type(values)(values[:layers]))
+        small.num_hidden_layers = layers
+        return small
+
+    @classmethod
+    def allow_positions(cls, config, length: int) -> None:
+        """Let ``config``'s rotary tables reach ``length`` positions (simulations and plans
+        of lengths beyond the pretrained context)."""
+        if hasattr(config, "max_position_embeddings"):
+            config.max_position_embeddings = max(config.max_position_embeddings or 0, length)
+
+    def check_trainable(self) -> None:
+        """Refuse, in one line, what no engine trains exactly for this model: a router
+        load-balancing loss (a function of whole-sequence routing statistics, which
+        longtrain's losses do not add)."""
+        if getattr(self.config, "output_router_logits", False) and getattr(self.config, "router_aux_loss_coef", 0):
+            raise LongtrainError(
+                f"this {self.config.model_type} config adds the router's load-balancing loss "
+                f"(output_router_logits=True, router_aux_loss_coef={self.config.router_aux_loss_coef:g}), which "
+                "longtrain's engines do not compute; set output_router_logits=False to train with the language-model "
+                "loss alone")
+
+    @functools.cached_property
+    def description(self) -> ModelDescription:
+        """This model's :class:`~longtrain.models.description.ModelDescription` (read once)."""
+        return type(self).describe(self.config)
 
     # ---- structure -----------------------------------------------------------------
     @property
@@ -93,27 +171,72 @@ class DecoderAdapter:
 
     def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor):
         """Rotary tables for ``position_ids``; computed over the whole sequence at once,
-        since some variants (dynamic NTK, longrope) depend on its length."""
-        return self.decoder.rotary_emb(hidden, position_ids)
+        since some variants (dynamic NTK, longrope) depend on its length. Families with one
+        table per kind of layer (Gemma-3's local and global layers) get a dict by layer type;
+        families without rotary embeddings get None."""
+        rotary = getattr(self.decoder, "rotary_emb", None)
+        if rotary is None:
+            return None
+        types = self._rotary_layer_types()
+        if types:
+            return {kind: rotary(hidden, position_ids, kind) for kind in types}
+        return rotary(hidden, position_ids)
+
+    def _rotary_layer_types(self) -> tuple[str, ...]:
+        rotary = self.decoder.rotary_emb
+        if "layer_type" not in inspect.signature(rotary.forward).parameters:
+            return ()
+        return tuple(sorted(set(self.config.layer_types)))
+
+    def layer_index(self, layer: nn.Module) -> int:
+        """``layer``'s index in the decoder (what its attention module calls ``layer_idx``)."""
+        index = getattr(getattr(layer, "self_attn", None), "layer_idx", None)
+        if index is None:
+            index = next(i for i, candidate in enumerate(self.layers) if candidate is layer)
+        return index
+
+    def layer_tables(self, layer: nn.Module, position_embeddings):
+        """The rotary tables ``layer`` reads out of :meth:`position_embeddings`."""
+        if isinstance(position_embeddings, dict):
+            return position_embeddings[self.config.layer_types[self.layer_index(layer)]]
+        return position_embeddings
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, position_embeddings, attention) -> torch.Tensor:
         """One decoder layer; ``attention`` is what the layer's attention hands q, k, v to
         (an :class:`~longtrain.models.attention.AttentionCall`)."""
-        out = layer(hidden, attention_mask=attention, position_embeddings=position_embeddings, use_cache=False)
+        out = layer(hidden, attention_mask=attention, position_embeddings=self.layer_tables(layer, position_embeddings),
+                    use_cache=False)
         return out[0] if isinstance(out, tuple) else out
 
     def run_attention(self, layer: nn.Module, hidden: torch.Tensor, position_embeddings, attention) -> None:
-        """Only the layer's attention sub-block (its input norm and attention, no MLP):
-        enough for ``attention`` to see the layer's keys and values; a call that raises
-        :class:`~longtrain.models.attention.KeysParked` ends it there."""
+        """The layer up to its attention: enough for ``attention`` to see the layer's keys
+        and values; the call raises :class:`~longtrain.models.attention.KeysParked`, which
+        ends the layer there (before its output projection and MLP)."""
         try:
-            layer.self_attn(hidden_states=layer.input_layernorm(hidden), position_embeddings=position_embeddings,
-                            attention_mask=attention)
+            self.run_layer(layer, hidden, position_embeddings, attention)
         except KeysParked:
             pass
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm()(hidden)
+
+
+def _partial_rotary_factor(config) -> float:
+    """The share of a head that rotary embeddings rotate (rope parameters may be per layer type)."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope and all(isinstance(value, dict) for value in rope.values()):
+        rope = next(iter(rope.values()))
+    return float(rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0)
+
+
+def describe_model(config) -> ModelDescription:
+    """The description of a model with ``config``, from its family's adapter (the
+    Llama-layout reading for a family without one; one line where that cannot read it)."""
+    family = getattr(config, "model_type", None)
+    try:
+        return adapter_class(family).describe(config)
+    except (AttributeError, TypeError, KeyError, IndexError):
+        raise LongtrainError(_unsupported(f"{family} models" if family else "this model")) from None
 
 
 def register_adapter(cls: type[DecoderAdapter]) -> type[DecoderAdapter]:
@@ -138,8 +261,9 @@ def adapter_for(model: nn.Module) -> DecoderAdapter:
     family = getattr(getattr(base, "config", None), "model_type", None)
     cls = _ADAPTERS.get(family)
     if cls is None:
-        what = f"{family} models" if family else f"{type(base).__name__} (not a Hugging Face causal LM)"
-        raise LongtrainError(
-            f"longtrain does not support {what}; supported model families: {', '.join(supported_families())}"
-        )
+        raise LongtrainError(_unsupported(f"{family} models" if family else f"{type(base).__name__} (not a Hugging Face causal LM)"))
     return cls(model)
+
+
+def _unsupported(what: str) -> str:
+    return f"longtrain does not support {what}; supported model families: {', '.join(supported_families())}"

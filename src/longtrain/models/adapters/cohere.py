@@ -1,6 +1,6 @@
-"""Cohere (Command-R): attention and MLP in parallel on one layer norm, interleaved
-rotary tables, optional q/k norms — all inside the modules — and logits multiplied by
-``logit_scale``."""
+"""Cohere (Command-R) and Cohere-2: attention and MLP in parallel on one layer norm,
+interleaved rotary tables, optional q/k norms, Cohere-2's sliding layers — all inside the
+modules — and logits multiplied by ``logit_scale``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ __all__ = ["CohereAdapter"]
 
 @register_adapter
 class CohereAdapter(DecoderAdapter):
-    families = ("cohere",)
+    families = ("cohere", "cohere2")
 
     def head(self) -> Head:
         return Head(self.base.get_output_embeddings(), logit_scale=float(self.base.logit_scale))

@@ -1,6 +1,7 @@
-"""Gemma-2: embeddings scaled by √d inside its embedding module, alternating sliding and
-full attention (each attention module passes its own window), attention logit
-soft-capping (passed by the attention module) and a soft-capped LM head."""
+"""Gemma-2 and Gemma-3: embeddings scaled by √d inside the embedding module, sliding and
+full attention layers (each attention module passes its own window), Gemma-2's attention
+logit soft-capping (passed by the attention module) and soft-capped LM head, Gemma-3's
+q/k norms and two rotary tables (one per kind of layer, served by the base adapter)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ __all__ = ["Gemma2Adapter"]
 
 @register_adapter
 class Gemma2Adapter(DecoderAdapter):
-    families = ("gemma2",)
+    families = ("gemma2", "gemma3_text")
     mlp_output_saved = True  # its post-feed-forward norm saves the MLP output
 
     def head(self) -> Head:

@@ -13,6 +13,7 @@ from torch import nn
 from ...errors import LongtrainError
 from .mamba_recurrence import MambaRecurrence
 from ..layers import unwrap
+from ..description import ModelDescription
 from .base import DecoderAdapter, register_adapter
 
 __all__ = ["MambaAdapter"]
@@ -42,6 +43,12 @@ class MambaAdapter(DecoderAdapter):
 
     def mlp(self, layer: nn.Module) -> nn.Module | None:
         return None
+
+    @classmethod
+    def describe(cls, config) -> ModelDescription:
+        """Attention-free and without a feed-forward block: layers, width and vocabulary."""
+        return ModelDescription(layers=config.num_hidden_layers, hidden=config.hidden_size, vocab=config.vocab_size,
+                                tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
 
     def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor):
         return None
