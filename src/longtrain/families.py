@@ -225,7 +225,8 @@ def check_family(family: str, strategies: tuple[str, ...] = STRATEGIES) -> Famil
     try:
         config = tiny_config(family)
         stock, ours = _build_pair(config)
-        adapters.adapter_for(ours) if registered else None
+        if registered:
+            adapters.adapter_for(ours)  # the family's own checks refuse here, in one line
     except LongtrainError as error:
         return _finish(result, "refused", _one_line(error), started)
     except Exception as error:  # noqa: BLE001 - a family transformers cannot build tiny is reported, not raised

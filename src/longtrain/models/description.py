@@ -10,7 +10,6 @@ shared experts, which every token runs).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 __all__ = ["Attention", "FeedForward", "ModelDescription"]
@@ -131,7 +130,4 @@ class ModelDescription:
         attention = self.attention or (None,) * n
         feed_forward = self.feed_forward or (None,) * n
         return list(zip(attention, feed_forward))
-
-    def replace(self, **changes) -> "ModelDescription":
-        return dataclasses.replace(self, **changes)
 

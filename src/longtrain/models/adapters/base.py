@@ -27,7 +27,7 @@ from ..attention import KeysParked
 from ..description import Attention, FeedForward, ModelDescription
 from ..layers import unwrap
 
-__all__ = ["DecoderAdapter", "Head", "adapter_class", "adapter_for", "describe_model", "register_adapter", "supported_families"]
+__all__ = ["AttentionFreeAdapter", "DecoderAdapter", "Head", "adapter_class", "adapter_for", "describe_model", "register_adapter", "supported_families"]
 
 _ADAPTERS: dict[str, type["DecoderAdapter"]] = {}
 
@@ -219,6 +219,29 @@ class DecoderAdapter:
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm()(hidden)
+
+
+class AttentionFreeAdapter(DecoderAdapter):
+    """A state-space model: no attention, no rotary tables, no feed-forward block for MsT
+    to tile; its layers are recurrences the adjoint engine trains (``recurrence``)."""
+
+    has_attention = False
+    title: ClassVar[str] = "SSM"  # how a refusal names the model's layers
+
+    @classmethod
+    def describe(cls, config) -> ModelDescription:
+        """Attention-free and without a feed-forward block: layers, width and vocabulary."""
+        return ModelDescription(layers=config.num_hidden_layers, hidden=config.hidden_size, vocab=config.vocab_size,
+                                tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+
+    def mlp(self, layer: nn.Module) -> nn.Module | None:
+        return None
+
+    def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor):
+        return None
+
+    def run_attention(self, layer, hidden, position_embeddings, attention) -> None:
+        raise LongtrainError(f"{self.title} layers have no attention; chunked attention engines do not apply")
 
 
 def _partial_rotary_factor(config) -> float:

@@ -13,16 +13,15 @@ from torch import nn
 from ...errors import LongtrainError
 from .mamba_recurrence import MambaRecurrence
 from ..layers import unwrap
-from ..description import ModelDescription
-from .base import DecoderAdapter, register_adapter
+from .base import AttentionFreeAdapter, register_adapter
 
 __all__ = ["MambaAdapter"]
 
 
 @register_adapter
-class MambaAdapter(DecoderAdapter):
+class MambaAdapter(AttentionFreeAdapter):
     families = ("mamba",)
-    has_attention = False
+    title = "Mamba"
 
     def __init__(self, model: nn.Module):  # the stack is ``backbone``, not ``model``
         self.model = model
@@ -41,27 +40,12 @@ class MambaAdapter(DecoderAdapter):
         # norm's output) is float32 under half precision, the head is not.
         return self.norm()(hidden).to(self.base.lm_head.weight.dtype)
 
-    def mlp(self, layer: nn.Module) -> nn.Module | None:
-        return None
-
-    @classmethod
-    def describe(cls, config) -> ModelDescription:
-        """Attention-free and without a feed-forward block: layers, width and vocabulary."""
-        return ModelDescription(layers=config.num_hidden_layers, hidden=config.hidden_size, vocab=config.vocab_size,
-                                tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
-
-    def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor):
-        return None
-
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, position_embeddings, attention) -> torch.Tensor:
         mask = attention.mask
         if mask.segments is not None:
             raise LongtrainError("Mamba does not reset its state at document boundaries; pass batches without "
                                  "position resets (no packed documents)")
         return layer(hidden, attention_mask=mask.key_valid)
-
-    def run_attention(self, layer, hidden, position_embeddings, attention) -> None:
-        raise LongtrainError("Mamba layers have no attention; chunked attention engines do not apply")
 
     def recurrence(self, layer: nn.Module) -> MambaRecurrence:
         return MambaRecurrence(layer)

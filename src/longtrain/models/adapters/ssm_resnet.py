@@ -7,10 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...errors import LongtrainError
 from ...ops.recurrence import Recurrence
-from ..description import ModelDescription
-from .base import DecoderAdapter, register_adapter
+from .base import AttentionFreeAdapter, register_adapter
 
 
 class SSMRecurrence(Recurrence):
@@ -41,28 +39,13 @@ __all__ = ["SSMResNetAdapter"]
 
 
 @register_adapter
-class SSMResNetAdapter(DecoderAdapter):
+class SSMResNetAdapter(AttentionFreeAdapter):
     families = ("ssm_resnet",)
-    has_attention = False
+    title = "SSM-ResNet"
     simulated_whole = True
-
-    def mlp(self, layer: nn.Module) -> nn.Module | None:
-        return None
-
-    @classmethod
-    def describe(cls, config) -> ModelDescription:
-        """Attention-free and without a feed-forward block: layers, width and vocabulary."""
-        return ModelDescription(layers=config.num_hidden_layers, hidden=config.hidden_size, vocab=config.vocab_size,
-                                tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
-
-    def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor):
-        return None
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, position_embeddings, attention) -> torch.Tensor:
         return layer(hidden, attention.mask.key_valid)
-
-    def run_attention(self, layer, hidden, position_embeddings, attention) -> None:
-        raise LongtrainError("SSM-ResNet layers have no attention; chunked attention engines do not apply")
 
     def recurrence(self, layer: nn.Module) -> SSMRecurrence:
         return SSMRecurrence(layer)
