@@ -117,6 +117,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="no GPU needed: toy sizes on the CPU, results in a temporary folder")
     parser.add_argument("--skip", default="", help="comma list of parts to leave out: cuda-tier, peers, adjoint")
+    parser.add_argument("--lengths", default="16K", help="the peers' sequence lengths (default %(default)s)")
+    parser.add_argument("--cases", default=SUITE_PEER_CASES, help="the peers' cases, most telling first (default: %(default)s)")
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("gpu_suite: no CUDA device here. On a GPU machine run `python benchmarks/gpu_suite.py`; "
@@ -137,7 +139,7 @@ def main(argv=None) -> int:
 
     peers = [sys.executable, "benchmarks/gpu_peers.py", "--budget-s", "180"] + (
         ["--smoke", "--out", str(scratch)] if args.smoke  # --append: the full sweep's other lengths in docs/ stay
-        else ["--lengths", "16K", "--cases", SUITE_PEER_CASES, "--append"])
+        else ["--lengths", args.lengths, "--cases", args.cases, "--append"])
     adjoint = [sys.executable, "benchmarks/adjoint.py", "--only", "gpu"]
     for name, cmd, timeout in (("peers", peers, 260), ("adjoint", adjoint, 80)):
         if name in skip:

@@ -88,7 +88,7 @@ def reference(preset: str):
     batch = _batch()
     loss = _stock_loss(stock, batch)
     loss.backward()
-    return stock.state_dict(), float(loss), grads(stock)
+    return stock.state_dict(), float(loss.detach()), grads(stock)
 
 
 def _stock_loss(model, batch):
@@ -264,9 +264,12 @@ def test_the_host_waits_for_the_device_a_fixed_few_times_per_step(strategy):
     """A synchronization in the chunk or layer loop serializes host and device work (the
     fitted per-chunk-and-layer overhead of the chunked engines is 6.8 ms). On the CPU,
     tests/test_fpdt.py counts the ops that would synchronize; here the device says. The
-    count may not grow with the layers or, for the chunked engines, with the chunks."""
+    count may not grow with the layers or, for the chunked engines, with the chunks (a
+    wait in the layer loop adds one per layer: 4 layers at least two more than 2). Fewer
+    with more layers is allowed: checkpoint+mst waited 5 times with 2 layers and 4 with 4
+    on an H200 (2026-11-26), twice in a row."""
     two, four = (_synchronizing_calls(CUDA_STRATEGIES[strategy](), layers) for layers in (2, 4))
-    assert two == four, (two, four)
+    assert four <= two, (two, four)
     chunked = CUDA_STRATEGIES[strategy]()
     if chunked.engine != "backprop":
         halved = lt.Strategy.parse(chunked, engine_options={"chunk": chunked.engine_options.chunk // 2})
@@ -541,3 +544,74 @@ def test_bfloat16_strategies_on_each_kernel(kernel, strategy, forced_kernel):
     for loss, got in _two_steps(model, _batch("cuda")):
         assert abs(loss - ref_loss) <= 2e-2 * abs(ref_loss)
         assert _global_error(got, ref_grads) <= bound
+
+
+# ---- the families added with the model description: Gemma-3, mixtures of experts, Mamba ----
+
+FAMILY_STRATEGIES = ["backprop", "checkpoint+mst", "checkpoint(inputs parked)+mst", "fpdt+offload(prefetch 2)+mst",
+                     "fpdt+offload,output-kept", "seco+offload+checkpoint+mst", "spaco(every chunk)", "memo(α=1)"]
+FAMILY_PRESETS = ["tiny-gemma3", "tiny-qwen3-moe", "tiny-mixtral"]
+
+
+def family_cuda_config(preset: str):
+    """The preset at head dimension 64; Gemma-3's window (64) longer than the padding (50)."""
+    config = cuda_config(preset)
+    if getattr(config, "sliding_window", None):
+        config.sliding_window = 64
+    return config
+
+
+@functools.lru_cache(maxsize=None)
+def family_reference(preset: str):
+    """Stock Hugging Face in float64 on the CPU, experts run one by one."""
+    from longtrain.families import _build_pair
+
+    stock, _ = _build_pair(family_cuda_config(preset))
+    batch = _batch()
+    loss = _stock_loss(stock, batch)
+    loss.backward()
+    return stock.state_dict(), float(loss.detach()), grads(stock)
+
+
+@pytest.mark.parametrize("strategy", FAMILY_STRATEGIES)
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+def test_new_families_in_float32_on_cuda_equal_float64(preset, strategy):
+    """On the device the experts run in their default (grouped) kernels, the CPU reference one by one."""
+    weights, ref_loss, ref_grads = family_reference(preset)
+    model = build_from_config(family_cuda_config(preset), torch.float32)
+    model.load_state_dict({k: v.float() for k, v in weights.items()})
+    model = lt.apply(model.cuda().train(), CUDA_STRATEGIES[strategy]())
+    for loss, got in _two_steps(model, _batch("cuda")):
+        assert abs(loss - ref_loss) <= FP32_TOL * abs(ref_loss)
+        assert got.keys() == ref_grads.keys()
+        worst = max(float((got[k].double().cpu() - ref_grads[k]).norm() / ref_grads[k].norm()) for k in ref_grads)
+        assert worst <= FP32_TOL, worst
+
+
+MAMBA_STRATEGIES = {"backprop": lambda: lt.Strategy(), "checkpoint,mst": lambda: lt.Strategy(checkpoint=True, mst=True),
+                    "adjoint": lambda: lt.Strategy(engine="adjoint", engine_options={"block": 64}),
+                    "adjoint(kept)": lambda: lt.Strategy(engine="adjoint", engine_options={"block": 100, "recompute": False})}
+
+
+@functools.lru_cache(maxsize=None)
+def mamba_reference():
+    config = preset_config("tiny-mamba", num_hidden_layers=3)
+    torch.manual_seed(0)
+    model = build_from_config(config, torch.float64).train()
+    batch = padded_batch(320, lengths=(300, 270))
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+    out.loss.backward()
+    return config, model.state_dict(), float(out.loss), grads(model), batch
+
+
+@pytest.mark.parametrize("strategy", list(MAMBA_STRATEGIES))
+def test_mamba_in_float32_on_cuda_equals_float64(strategy):
+    """Hugging Face Mamba's PyTorch path on the device, backward on autograd's device thread."""
+    config, weights, ref_loss, ref_grads, batch = mamba_reference()
+    model = build_from_config(copy.deepcopy(config), torch.float32)
+    model.load_state_dict({k: v.float() for k, v in weights.items()})
+    model = lt.apply(model.cuda().train(), MAMBA_STRATEGIES[strategy]())
+    for loss, got in _two_steps(model, {k: v.cuda() for k, v in batch.items()}):
+        assert abs(loss - ref_loss) <= FP32_TOL * abs(ref_loss)
+        worst = max(float((got[k].double().cpu() - ref_grads[k]).norm() / ref_grads[k].norm()) for k in ref_grads)
+        assert worst <= FP32_TOL, worst
