@@ -16,8 +16,14 @@
 6. ``plot``: docs/adjoint.png from the JSON files.
 7. ``gpu`` (not run by default; needs CUDA): allocator peak and step time of backprop,
    checkpoint + MsT and adjoint for ssm-127m at 16K and 64K tokens (not yet measured).
+8. ``mamba``: Hugging Face Mamba. Exact CPU peak (tracked storages) and step time of a
+   small Mamba under backprop, checkpoint + MsT and the adjoint engine at equal lengths;
+   the simulated peak of mamba-130m and mamba-1.4b at 256 and 512 tokens, fitted linearly
+   (no attention: every engine's peak is linear in T) to the longest context on 80 GiB
+   and drawn to 1M tokens in docs/adjoint_mamba.png.
 
-Writes docs/adjoint_{cpu,count,presets,ranks,training}.{json,md} and docs/adjoint.png.
+Writes docs/adjoint_{cpu,count,presets,ranks,training,mamba}.{json,md}, docs/adjoint.png
+and docs/adjoint_mamba.png.
 """
 
 from __future__ import annotations
@@ -138,6 +144,89 @@ def presets(lengths=(8192, 16384), device_bytes=80 * GiB) -> list[dict]:
                          "max_tokens_80gib": int((device_bytes - fixed) // per_token) if per_token > 0 else None,
                          "peak_16k_vs_backprop": peaks[name, n1] / peaks["backprop", n1]})
     return rows
+
+
+MAMBA_SMALL = dict(vocab_size=4096, hidden_size=64, state_size=16, num_hidden_layers=4)
+MAMBA_PRESETS = ["mamba-130m", "mamba-1.4b"]
+MAMBA_STRATEGIES = {"backprop": "none", "checkpoint+mst": "checkpoint,mst", "adjoint": None}
+
+
+def mamba_cpu(lengths=(256, 512, 1024)) -> list[dict]:
+    """A small Mamba (float32, batch 1, no optimizer): exact peak and step time per engine."""
+    rows = []
+    for n in lengths:
+        batch = {"input_ids": torch.randint(0, 4096, (1, n), generator=torch.Generator().manual_seed(0))}
+        base = {}
+        for name, spec in MAMBA_STRATEGIES.items():
+            strategy = lt.Strategy.parse(spec or "none", engine="adjoint" if spec is None else None)
+            make = lambda: build_from_config(preset_config("tiny-mamba", **MAMBA_SMALL), torch.float32)  # noqa: E731
+            report, _ = run_training_steps(make, seq_len=n, batch_size=1, strategy=strategy, optimizer="none",
+                                           iterations=1, fake=False)
+            model = lt.apply(make(), strategy)
+            lt.step(model, batch)  # warm-up
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            lt.step(model, batch)
+            seconds = time.perf_counter() - t0
+            base = base or {"peak": report.peak_device_bytes, "seconds": seconds}
+            rows.append({"engine": name, "tokens": n, "peak_mib": report.peak_device_bytes / MiB,
+                         "peak_vs_backprop": report.peak_device_bytes / base["peak"], "seconds": seconds,
+                         "time_vs_backprop": seconds / base["seconds"]})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def mamba_presets(lengths=(256, 512), device_bytes=80 * GiB) -> list[dict]:
+    """Simulated peak (bf16, AdamW, batch 1) of the Mamba presets, linear fit in T."""
+    rows = []
+    for preset in MAMBA_PRESETS:
+        peaks = {}
+        for name, spec in MAMBA_STRATEGIES.items():
+            strategy = lt.Strategy.parse(spec or "none", engine="adjoint" if spec is None else None)
+            for n in lengths:
+                started = time.perf_counter()
+                report = simulate(preset, n, batch_size=1, strategy=strategy)
+                peaks[name, n] = report.device_peak_bytes
+                print(preset, name, n, f"{report.device_peak_bytes / GiB:.2f} GiB in {time.perf_counter() - started:.0f} s", flush=True)
+        for name in MAMBA_STRATEGIES:
+            (n0, n1) = lengths
+            per_token = (peaks[name, n1] - peaks[name, n0]) / (n1 - n0)
+            fixed = peaks[name, n0] - per_token * n0
+            rows.append({"model": preset, "engine": name, "peak_short_gib": peaks[name, n0] / GiB,
+                         "peak_long_gib": peaks[name, n1] / GiB, "bytes_per_token": per_token, "fixed_gib": fixed / GiB,
+                         "max_tokens_80gib": int((device_bytes - fixed) // per_token) if per_token > 0 else None,
+                         "predicted_1m_gib": (fixed + per_token * 2**20) / GiB,
+                         "per_token_vs_backprop": per_token / ((peaks["backprop", n1] - peaks["backprop", n0]) / (n1 - n0))})
+    return rows
+
+
+def mamba_plot() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cpu_rows = json.loads((DOCS / "adjoint_mamba_cpu.json").read_text())["rows"]
+    preset_rows = json.loads((DOCS / "adjoint_mamba.json").read_text())["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    plot_series(axes[0], cpu_rows, "engine", "tokens", "peak_mib")
+    axes[0].set(title="measured CPU peak, small Mamba (4 layers, d=64), float32", xlabel="context tokens", ylabel="MiB")
+    tokens = [2**k for k in range(10, 21)]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for color, preset in zip(colors, MAMBA_PRESETS):
+        for engine, style in (("backprop", "--"), ("checkpoint+mst", ":"), ("adjoint", "-")):
+            row = next(r for r in preset_rows if r["model"] == preset and r["engine"] == engine)
+            axes[1].plot(tokens, [(row["fixed_gib"] * GiB + row["bytes_per_token"] * n) / GiB for n in tokens], style,
+                         color=color, label=f"{preset} {engine}")
+    axes[1].axhline(80, color="gray", lw=0.8)
+    axes[1].set(title="simulated peak, bf16 + AdamW, batch 1 (linear fit of 256 and 512 tokens)", xlabel="context tokens", ylabel="GiB",
+                xscale="log", yscale="log")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(DOCS / "adjoint_mamba.png", dpi=110)
+    print(f"wrote {DOCS / 'adjoint_mamba.png'}")
 
 
 def gpu(preset: str = "ssm-127m", lengths=(16384, 65536), repeats=3) -> list[dict]:
@@ -309,12 +398,43 @@ def plot() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["cpu", "count", "presets", "ranks", "training", "plot", "gpu", "ranks-worker"], help="run one part (default: all)")
+    parser.add_argument("--only", choices=["cpu", "count", "presets", "ranks", "training", "plot", "gpu", "ranks-worker", "mamba"],
+                        help="run one part (default: all but gpu and mamba)")
     args = parser.parse_args()
     if args.only == "ranks-worker":
         ranks_worker()
         return
     todo = [args.only] if args.only else ["cpu", "count", "presets", "ranks", "training", "plot"]
+    if "mamba" in todo:
+        write_report(
+            "adjoint_mamba_cpu", "Hugging Face Mamba: exact CPU peak and step time per engine", [
+                ("engine", "engine"), ("tokens", "tokens"), ("peak_mib", "peak MiB"), ("peak_vs_backprop", "peak / backprop"),
+                ("seconds", "step s"), ("time_vs_backprop", "time / backprop")],
+            mamba_cpu(), """
+Exact CPU measurement (tracked storages, float32, batch 1, no optimizer) of one forward +
+backward of a small Hugging Face Mamba (4 layers, hidden 64, state 16, vocabulary 4,096,
+its PyTorch path). Backprop is the model's own autograd graph (its scan runs token by token);
+`checkpoint+mst` recomputes each layer in backward and runs the head in mini-sequences;
+`adjoint` keeps each layer's input and runs token-wise VJPs in blocks. One timed step after
+a warm-up, on two shared CPU cores: times are indicative.""",
+            "python benchmarks/adjoint.py --only mamba")
+        write_report(
+            "adjoint_mamba", "Hugging Face Mamba presets: simulated peak vs context", [
+                ("model", "model"), ("engine", "engine"), ("peak_short_gib", "peak 256 GiB"), ("peak_long_gib", "peak 512 GiB"),
+                ("bytes_per_token", "bytes/token"), ("per_token_vs_backprop", "bytes/token / backprop"),
+                ("fixed_gib", "fixed GiB"), ("max_tokens_80gib", "longest on 80 GiB"), ("predicted_1m_gib", "1M tokens GiB")],
+            mamba_presets(), """
+Simulated (fake tensors, the training step's code path; bf16, AdamW on the device, batch 1)
+at 256 and 512 tokens (the stock scan runs a Python step per token, so longer simulations of
+backprop take hours), extrapolated along the layers from 4–6; every engine's peak is linear in
+T (no attention), so two lengths give bytes/token, the longest context on 80 GiB and the
+peak at 1M tokens (predicted, not simulated there). Mamba's state is I × N = 2·hidden × 16
+numbers per token and layer: backprop keeps it (and the scan's inputs) for every layer; the
+adjoint engine keeps each layer's input and materializes the state of one layer at a time
+(its decays, states and adjoint states over the whole sequence), which is what its
+bytes/token are made of.""",
+            "python benchmarks/adjoint.py --only mamba")
+        mamba_plot()
     if "cpu" in todo:
         write_report(
             "adjoint_cpu", "Adjoint sharding vs backprop: exact CPU peak and step time", [

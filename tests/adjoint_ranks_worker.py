@@ -1,6 +1,6 @@
 """Run under ``torchrun --nproc-per-node R``: one adjoint step of a 4-layer float64
-SSM-ResNet with its layers split over R ranks (gloo); each rank saves the gradients of
-the parameters it owns and the loss it reports. Used by test_adjoint_distributed.py."""
+SSM-ResNet or Mamba with its layers split over R ranks (gloo); each rank saves the
+gradients of the parameters it owns and the loss it reports. Used by test_adjoint_distributed.py."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from longtrain.parallel.layer_groups import owned_parameters, shard_model
 from longtrain.strategy import applied_context
 
 
-def build_model_and_batch(truncate: int | None):
+def build_model_and_batch(truncate: int | None, preset: str = "tiny-ssm"):
     torch.manual_seed(0)
-    model = build_from_config(preset_config("tiny-ssm", num_hidden_layers=4), torch.float64)
+    model = build_from_config(preset_config(preset, num_hidden_layers=4, tie_word_embeddings=False), torch.float64)
     ids = torch.randint(0, 320, (2, 45), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, 30:] = 0
@@ -28,9 +28,9 @@ def build_model_and_batch(truncate: int | None):
     return model, batch, AdjointOptions(truncate=truncate, block=8)
 
 
-def main(out_dir: str, truncate: int | None) -> None:
+def main(out_dir: str, truncate: int | None, preset: str) -> None:
     rank, world_size = init_from_env()
-    model, batch, options = build_model_and_batch(truncate)
+    model, batch, options = build_model_and_batch(truncate, preset)
     lt.apply(model, lt.Strategy(engine="adjoint", engine_options=options))
     shard_model(applied_context(model), rank, world_size)
     loss = lt.step(model, batch)
@@ -41,4 +41,4 @@ def main(out_dir: str, truncate: int | None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None)
+    main(sys.argv[1], int(sys.argv[2]) or None, sys.argv[3])

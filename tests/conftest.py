@@ -335,3 +335,14 @@ def cli(*argv) -> tuple[int, str, str]:
         except SystemExit as exc:  # argparse's usage errors
             code = exc.code
     return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def float64_throughout():
+    """The torch paths' float32 casts (norms, softmaxes, routers, Mamba's scan) keep float64
+    tensors float64, for the stock model and longtrain alike: otherwise no two computations
+    could agree to 1e-10."""
+    from longtrain import families
+
+    with families.float64_throughout():
+        yield

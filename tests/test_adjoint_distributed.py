@@ -1,4 +1,4 @@
-"""Layer groups over 2 and 4 gloo ranks launched with torchrun equal one process."""
+"""Layer groups over 2 and 4 gloo ranks launched with torchrun equal one process (SSM-ResNet and Mamba)."""
 
 from __future__ import annotations
 
@@ -21,21 +21,23 @@ from adjoint_ranks_worker import build_model_and_batch
 WORKER = Path(__file__).with_name("adjoint_ranks_worker.py")
 
 
-def torchrun(ranks: int, out_dir: Path, truncate: int | None) -> list[dict]:
+def torchrun(ranks: int, out_dir: Path, truncate: int | None, preset: str) -> list[dict]:
     launcher = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent)}
     args = [launcher, "--standalone", f"--nproc-per-node={ranks}", str(WORKER), str(out_dir)]
-    result = subprocess.run(args + ([str(truncate)] if truncate else []), env=env, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(args + [str(truncate or 0), preset], env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(ranks)]
 
 
-@pytest.mark.parametrize("ranks,truncate", [(2, None), (4, None), (2, 5)], ids=["2-ranks", "4-ranks", "2-ranks-truncated"])
-def test_layer_groups_equal_one_process(tmp_path, ranks, truncate):
-    model, batch, options = build_model_and_batch(truncate)
+@pytest.mark.parametrize("preset,ranks,truncate", [("tiny-ssm", 2, None), ("tiny-ssm", 4, None), ("tiny-ssm", 2, 5),
+                                                   ("tiny-mamba", 2, None), ("tiny-mamba", 2, 5)],
+                         ids=["2-ranks", "4-ranks", "2-ranks-truncated", "mamba-2-ranks", "mamba-2-ranks-truncated"])
+def test_layer_groups_equal_one_process(tmp_path, preset, ranks, truncate):
+    model, batch, options = build_model_and_batch(truncate, preset)
     loss = lt.step(lt.apply(model, lt.Strategy(engine="adjoint", engine_options=options)), batch)
     single = {name: p.grad for name, p in model.named_parameters()}
-    results = torchrun(ranks, tmp_path, truncate)
+    results = torchrun(ranks, tmp_path, truncate, preset)
     merged = {}
     for result in results:
         assert not merged.keys() & result["grads"].keys(), "a parameter is held by two ranks"

@@ -14,13 +14,13 @@ import torch
 import longtrain as lt
 from longtrain.errors import LongtrainError
 from longtrain.families import STRATEGIES, check_family, tiny_config
-from longtrain.models.adapters import describe_model, supported_families
+from longtrain.models.adapters import adapter_class, describe_model, supported_families
 from longtrain.models.flops import active_matmul_parameters
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
 
 ROOT = Path(__file__).resolve().parent.parent
-SSMS = {"mamba", "ssm_resnet"}
+SSMS = {f for f in supported_families() if not adapter_class(f).has_attention}
 TRANSFORMER_FAMILIES = [f for f in supported_families() if f not in SSMS]
 # What may be refused, and why: nothing else.
 ALLOWED_REFUSALS = {"memo": "a mixture of experts saves its activations in groups of tokens"}

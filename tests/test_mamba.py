@@ -3,102 +3,40 @@
 The model's torch path upcasts to float32 in places (its RMSNorm, A, D, B, x, the
 residual with ``residual_in_fp32``, the logits). In a float64 model those casts would
 round to float32 and no two computations could agree to 1e-10, so the exactness tests
-run under :func:`float64_throughout`, which keeps float64 tensors float64 through
+run under conftest's :func:`float64_throughout`, which keeps float64 tensors float64 through
 ``.float()`` and ``.to(torch.float32)`` for both the stock model and longtrain. One
 test without it checks that longtrain applies the same casts as the stock model."""
 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import longtrain as lt
-from longtrain.engines.adjoint import AdjointStats, adjoint_step
 from longtrain.errors import LongtrainError
-from longtrain.models.loading import build_from_config
-from longtrain.models.presets import preset_config
 from longtrain.ops.loss import causal_lm_loss
-from longtrain.strategy import engine_context
 
-from conftest import grads, max_rel_error, third_padded_batch
-
-VOCAB = 64
-
-
-@pytest.fixture
-def float64_throughout(monkeypatch):
-    to_float, to = torch.Tensor.float, torch.Tensor.to
-
-    def keep_float(self, *args, **kwargs):
-        return self if self.dtype == torch.float64 else to_float(self, *args, **kwargs)
-
-    def keep_to(self, *args, **kwargs):
-        if self.dtype == torch.float64:
-            args = tuple(torch.float64 if x is torch.float32 else x for x in args)
-            if kwargs.get("dtype") is torch.float32:
-                kwargs["dtype"] = torch.float64
-        return to(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "float", keep_float)
-    monkeypatch.setattr(torch.Tensor, "to", keep_to)
+from conftest import grads, max_rel_error
+from ssm_helpers import adjoint_grads, check_equals_stock, check_lora_equals_stock, padded, rel, ssm, stock
 
 
 def mamba(layers: int = 3, dtype=torch.float64, seed: int = 0, **overrides):
-    config = preset_config("tiny-mamba", vocab_size=VOCAB, num_hidden_layers=layers, **overrides)
-    torch.manual_seed(seed)
-    model = build_from_config(config, dtype).train()
-    with torch.no_grad():  # random biases and D, so every parameter's gradient is exercised
-        for name, p in model.named_parameters():
-            if name.endswith(("conv1d.bias", ".D")):
-                p.normal_(std=0.5)
-    return model
-
-
-def padded(length: int, left: bool = False, seed: int = 1):
-    return third_padded_batch(VOCAB, length, left, seed)
-
-
-def stock(model, batch):
-    """Stock forward + autograd: the model's own loss and gradients."""
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
-    out.loss.backward()
-    return out.loss.detach(), grads(model)
-
-
-def rel(x, y) -> float:
-    return float(abs(x - y) / abs(y))
+    return ssm("tiny-mamba", layers, dtype, seed, ("conv1d.bias", ".D"), **overrides)
 
 
 @pytest.mark.parametrize("strategy", ["none", "checkpoint", "mst", "checkpoint,mst"])
 @pytest.mark.parametrize("left", [False, True], ids=["right", "left"])
 def test_mamba_through_its_adapter_equals_stock(float64_throughout, strategy, left):
     reference = mamba()
-    ours = copy.deepcopy(reference)
-    batch = padded(23, left=left)
-    loss_ref, expected = stock(reference, batch)
-    lt.apply(ours, lt.Strategy.parse(strategy))
-    loss = lt.step(ours, batch)
-    assert rel(loss, loss_ref) <= 1e-12
-    assert max_rel_error(grads(ours), expected) <= 1e-10
+    check_equals_stock(reference, padded(23, left=left), lt.Strategy.parse(strategy))
 
 
 def test_mamba_chunked_head_without_tiled_mlp_equals_stock(float64_throughout):
-    reference = mamba(2)
-    ours = copy.deepcopy(reference)
-    batch = padded(19)
-    loss_ref, expected = stock(reference, batch)
-    lt.apply(ours, lt.Strategy(mst={"mlp": False}))
-    assert rel(lt.step(ours, batch), loss_ref) <= 1e-12
-    assert max_rel_error(grads(ours), expected) <= 1e-10
-
-
-def adjoint_grads(model, batch, **options):
-    stats = AdjointStats()
-    loss = adjoint_step(engine_context(model, lt.Strategy(engine="adjoint", engine_options=options)), batch, stats=stats)
-    return loss, grads(model), stats
+    check_equals_stock(mamba(2), padded(19), lt.Strategy(mst={"mlp": False}))
 
 
 @pytest.mark.parametrize(
@@ -224,3 +162,33 @@ def test_bfloat16_runs_close_to_float32():
         got = grads(ours)
         assert all(g.dtype == torch.bfloat16 for g in got.values())
         assert max_rel_error({k: v.float() for k, v in got.items()}, expected) <= 0.05  # measured 0.018 (adjoint)
+
+
+@pytest.mark.parametrize("strategy", ["none", "checkpoint,mst", "adjoint"])
+def test_lora_on_mamba_equals_stock(float64_throughout, strategy):
+    """LoRA on the linear layers the mixer calls in every path (in_proj, x_proj); dt_proj and
+    out_proj are read as weights by the model or its CUDA kernel, so they get none."""
+    check_lora_equals_stock(mamba(2), padded(27, left=True), strategy, unadapted=("dt_proj", "out_proj"))
+
+
+def test_train_a_saved_mamba_with_the_adjoint_engine_and_reload_it(tmp_path):
+    """``longtrain train --model MAMBA_DIR --engine adjoint``: a saved Hugging Face Mamba
+    trains, and its final/ folder loads back with from_pretrained holding the trained weights."""
+    from transformers import AutoModelForCausalLM
+
+    from longtrain.cli import main
+
+    initial = mamba(2, dtype=torch.float32, vocab_size=320)  # holds the byte tokenizer's ids
+    initial.save_pretrained(tmp_path / "mamba")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(["state space models scan long sequences"] * 120))
+    code = main(["train", "--model", str(tmp_path / "mamba"), "--engine", "adjoint", "--seq-len", "512", "--steps", "2",
+                 "--data", str(text), "--tokenizer", "bytes", "--no-progress", "--out", str(tmp_path / "run")])
+    assert code == 0
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
+    assert type(trained).__name__ == "MambaForCausalLM"
+    before, after = initial.state_dict(), trained.state_dict()
+    assert after.keys() == before.keys()
+    assert any(not torch.equal(after[k], before[k].to(after[k].dtype)) for k in before)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["simulated_stock_peak_bytes"] is None and "token by token" in summary["simulated_stock_setup"]

@@ -220,8 +220,8 @@ def check_family(family: str, strategies: tuple[str, ...] = STRATEGIES) -> Famil
     registered = family in adapters.supported_families()
     result = FamilyResult(family, "exact", adapters.adapter_class(family).__name__ if registered else None)
     if registered and not adapters.adapter_class(family).has_attention:
-        return _finish(result, "attention-free", "an SSM: its engines are proven in tests/test_mamba.py and "
-                                                 "tests/test_adjoint.py", started)
+        return _finish(result, "attention-free", "an SSM: its engines are proven in tests/test_mamba.py, "
+                                                 "tests/test_mamba2.py and tests/test_adjoint.py", started)
     try:
         config = tiny_config(family)
         stock, ours = _build_pair(config)

@@ -1,4 +1,4 @@
-"""The ``adjoint`` engine: adjoint sharding for SSM-ResNet models (exact or truncated).
+"""The ``adjoint`` engine: adjoint sharding for state-space models (exact or truncated).
 
 Paper: the adjoint sharding paper (Prop. 2–3, §4.3, Alg. 1–4). No
 backpropagation-through-time graph is built. The forward runs without autograd and
@@ -229,15 +229,14 @@ def embedding_backward(adapter: DecoderAdapter, input_ids: torch.Tensor, grad: t
 
 
 class AdjointCosts(EngineCosts):
-    """Layer groups over ranks, each layer's VJPs token-wise: simulated whole (its models are small)."""
-
-    repeats_layers = False
+    """Layer by layer, each layer's VJPs token-wise: simulations extrapolate along the layers
+    where the model's adapter allows (Mamba), whole where it says so (SSM-ResNet)."""
 
 
 _OWN_MEMORY = "the adjoint engine keeps only each layer's input and runs its head in mini-sequences already"
 
 
-@register_engine("adjoint", AdjointOptions, "adjoint sharding for SSM-ResNet: token-wise VJPs, no BPTT graph; exact or truncated",
+@register_engine("adjoint", AdjointOptions, "adjoint sharding for state-space models (SSM-ResNet, Mamba): token-wise VJPs, no BPTT graph; exact or truncated",
                  conflicts={"checkpoint": _OWN_MEMORY + "; drop 'checkpoint'", "mst": _OWN_MEMORY + "; drop 'mst'"},
                  check=lambda context: check_model(context.model), costs=AdjointCosts(),
                  layer_groups=shard_model)
@@ -259,7 +258,7 @@ def adjoint_step(context, batch, num_label_tokens: int | None = None, stats: Adj
         with torch.no_grad():
             z = adapter.embed(inputs.input_ids)
     else:
-        z = group.recv(_stream_like(layers[group.layers[0]], inputs.input_ids), up=False)
+        z = group.recv(_stream_like(adapter, layers[group.layers[0]], inputs.input_ids), up=False)
     records = []
     for index in group.layers:
         z, record = forward_layer(layers[index], z, mask, keep_states=not options.recompute)
@@ -283,7 +282,7 @@ def adjoint_step(context, batch, num_label_tokens: int | None = None, stats: Adj
     return loss
 
 
-def _stream_like(layer: Recurrence, input_ids: torch.Tensor) -> torch.Tensor:
-    """An empty residual-stream tensor (B, T, P) in the layer's dtype and device (SSM-ResNet's)."""
-    weight = layer.layer.out_proj.weight
-    return torch.empty(*input_ids.shape, weight.shape[0], dtype=weight.dtype, device=weight.device)
+def _stream_like(adapter: DecoderAdapter, layer: Recurrence, input_ids: torch.Tensor) -> torch.Tensor:
+    """An empty residual-stream tensor (B, T, hidden) as it enters ``layer``, whose rank receives it."""
+    weight = next(layer.layer.parameters())
+    return torch.empty(*input_ids.shape, adapter.description.hidden, dtype=layer.stream_dtype(), device=weight.device)

@@ -153,9 +153,4 @@ def use_longtrain_attention(model) -> None:
     model.config._attn_implementation = NAME
 
 
-def attention_backend(config) -> str | None:
-    """The backend longtrain builds a model with: ours, or none for attention-free models."""
-    return None if getattr(config, "attention_free", False) else NAME
-
-
 _register()

@@ -16,8 +16,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ..errors import LongtrainError
 from . import ssm_resnet  # noqa: F401  (registers model_type "ssm_resnet": local SSM-ResNet directories load too)
-from .adapters import describe_model
-from .attention import attention_backend
+from .adapters import adapter_class, describe_model
+from .attention import NAME as ATTENTION_BACKEND
 from .presets import preset_config, resolve_preset
 
 __all__ = [
@@ -103,8 +103,8 @@ def _attention_kwargs(config: PretrainedConfig, dtype: torch.dtype | None = None
     """Our attention backend for transformers; nothing for attention-free models
     (SSM-ResNet). A mixture of experts in float64 runs its experts one by one (the
     grouped-matmul kernels take no float64)."""
-    backend = attention_backend(config)
-    kwargs = {} if backend is None else {"attn_implementation": backend}
+    has_attention = adapter_class(getattr(config, "model_type", None)).has_attention
+    kwargs = {"attn_implementation": ATTENTION_BACKEND} if has_attention else {}
     if dtype == torch.float64 and _has_experts(config):
         kwargs["experts_implementation"] = "eager"
     return kwargs
@@ -174,5 +174,7 @@ def add_lora(model: nn.Module, rank: int = 8, alpha: float | None = None, dropou
         raise LongtrainError("LoRA needs peft: pip install 'longtrain[lora]'") from None
     if rank <= 0:
         raise LongtrainError(f"--lora-rank must be positive, got {rank}")
-    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules="all-linear", lora_dropout=dropout, task_type="CAUSAL_LM")
+    exclude = adapter_class(getattr(getattr(model, "config", None), "model_type", None)).lora_exclude
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules="all-linear", lora_dropout=dropout,
+                        task_type="CAUSAL_LM", exclude_modules=list(exclude) or None)
     return get_peft_model(model, config)

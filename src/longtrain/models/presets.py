@@ -64,6 +64,16 @@ _PRESETS: dict[str, tuple[str, dict]] = {
         num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
         max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None,
         tie_word_embeddings=False)),
+    # State-space models (Hugging Face Mamba, state-spaces/mamba-*-hf): attention-free.
+    "mamba-130m": ("mamba", dict(
+        vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=24, conv_kernel=4, expand=2,
+        time_step_rank=48, residual_in_fp32=True, tie_word_embeddings=True)),
+    "mamba-1.4b": ("mamba", dict(
+        vocab_size=50280, hidden_size=2048, state_size=16, num_hidden_layers=48, conv_kernel=4, expand=2,
+        time_step_rank=128, residual_in_fp32=True, tie_word_embeddings=True)),
+    "mamba-2.8b": ("mamba", dict(
+        vocab_size=50280, hidden_size=2560, state_size=16, num_hidden_layers=64, conv_kernel=4, expand=2,
+        time_step_rank=160, residual_in_fp32=True, tie_word_embeddings=True)),
     # Tiny variants for tests: the same architectures at toy widths. Vocabularies hold
     # the byte tokenizer's 259 ids; head counts exercise GQA.
     "tiny-llama": ("llama", dict(
@@ -125,7 +135,17 @@ _PRESETS: dict[str, tuple[str, dict]] = {
         sliding_window=None, tie_word_embeddings=False)),
     # Hugging Face Mamba (its pure-PyTorch path) at a toy width, for tests; attention-free.
     "tiny-mamba": ("mamba", dict(vocab_size=320, hidden_size=32, state_size=8, num_hidden_layers=2, conv_kernel=4,
-                                 expand=2, attention_free=True)),
+                                 expand=2)),
+    # Hugging Face Mamba-2 at a toy width: 8 heads of 8 channels in 2 groups; chunks of 8
+    # tokens, so the torch path's chunked scan (SSD) spans several chunks at test lengths.
+    "tiny-mamba2": ("mamba2", dict(
+        vocab_size=320, hidden_size=32, num_heads=8, head_dim=8, state_size=8, n_groups=2, num_hidden_layers=2,
+        conv_kernel=4, expand=2, chunk_size=8, tie_word_embeddings=True)),
+    # state-spaces/mamba2-2.7b (its vocabulary of 50277 padded to a multiple of 16).
+    "mamba2-2.7b": ("mamba2", dict(
+        vocab_size=50288, hidden_size=2560, num_heads=80, head_dim=64, state_size=128, n_groups=1,
+        num_hidden_layers=64, conv_kernel=4, expand=2, chunk_size=256, residual_in_fp32=True,
+        tie_word_embeddings=True)),
     # The SSM the adjoint engine trains on the pass-key task in `longtrain train --model ssm-demo`.
     "ssm-demo": ("ssm_resnet", dict(vocab_size=260, hidden_size=128, state_size=128, num_hidden_layers=4)),
     # The embedded default of `longtrain train`: small enough to train at 8K tokens on

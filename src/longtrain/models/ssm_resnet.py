@@ -33,14 +33,13 @@ from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 from ..ops.linear_scan import diagonal_recurrence
 from ..ops.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
 
-__all__ = ["SSMLayer", "SSMResNetConfig", "SSMResNetForCausalLM", "is_ssm_resnet"]
+__all__ = ["SSMLayer", "SSMResNetConfig", "SSMResNetForCausalLM"]
 
 MODEL_TYPE = "ssm_resnet"
 
 
 class SSMResNetConfig(PretrainedConfig):
     model_type = MODEL_TYPE
-    attention_free = True  # longtrain builds it without an attention backend
 
     def __init__(
         self,
@@ -227,10 +226,6 @@ class SSMResNetForCausalLM(SSMResNetPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = causal_lm_loss(logits, labels, (shift_labels(labels) != IGNORE_INDEX).sum().clamp(min=1))
         return CausalLMOutput(loss=loss, logits=logits)
-
-
-def is_ssm_resnet(model) -> bool:
-    return getattr(getattr(model, "config", None), "model_type", None) == MODEL_TYPE
 
 
 AutoConfig.register(MODEL_TYPE, SSMResNetConfig, exist_ok=True)

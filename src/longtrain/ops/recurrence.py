@@ -52,3 +52,7 @@ class Recurrence:
     def token_bytes(self, element_size: int) -> int:
         """Working memory of one token's VJP (sets the tokens per block)."""
         raise NotImplementedError
+
+    def stream_dtype(self) -> torch.dtype:
+        """The dtype of the residual stream between layers (the layer's parameters')."""
+        return next(self.layer.parameters()).dtype

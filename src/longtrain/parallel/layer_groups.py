@@ -1,4 +1,5 @@
-"""Adjoint sharding over ranks: each rank owns a contiguous group of SSM layers.
+"""Adjoint sharding over ranks: each rank owns a contiguous group of SSM layers
+(SSM-ResNet, Mamba, or any model whose adapter sees its layers as recurrences).
 
 Paper: the adjoint sharding paper, §4.4, Alg. 1 and 4, Tables 2–6. Rank r
 holds the parameters, gradients, optimizer state and the forward records (y, A, c, h)
@@ -30,9 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import LongtrainError
-from ..models.adapters import describe_model
+from ..models.adapters import adapter_for
 from ..models.layers import unwrap
-from ..models.ssm_resnet import is_ssm_resnet
 
 __all__ = ["LayerGroup", "layer_ranges", "owned_parameters", "shard_model"]
 
@@ -82,19 +82,21 @@ def shard_model(context, rank: int, world_size: int, process_group=None) -> Laye
     (``longtrain.strategy.applied_context(model)``).
     """
     base = unwrap(context.model)
-    if not is_ssm_resnet(base):
-        raise LongtrainError(f"layer groups split SSM-ResNet models over processes, not {type(base).__name__}")
-    if world_size > 1 and describe_model(base.config).tied_embeddings:
-        raise LongtrainError("layer groups need untied embeddings (the first rank holds the embedding, the last the head); set tie_word_embeddings=False")
-    group = LayerGroup(len(base.model.layers), rank, world_size, process_group)
-    for index, layer in enumerate(base.model.layers):
+    adapter = adapter_for(base)
+    if getattr(adapter, "recurrence", None) is None:
+        raise LongtrainError(f"layer groups split state-space models (SSM-ResNet, Mamba) over processes, not {type(base).__name__}")
+    if world_size > 1 and adapter.description.tied_embeddings:
+        raise LongtrainError("layer groups need untied embeddings (the first rank holds the embedding, the last the head); "
+                             "set tie_word_embeddings=False")
+    group = LayerGroup(len(adapter.layers), rank, world_size, process_group)
+    for index, layer in enumerate(adapter.layers):
         if index not in group.layers:
             layer.to("meta")
     if not group.first:
-        base.model.embed_tokens.to("meta")
+        adapter.embeddings().to("meta")
     if not group.last:
-        base.model.norm.to("meta")
-        base.lm_head.to("meta")
+        adapter.norm().to("meta")
+        adapter.head().module.to("meta")
     context.parallel = group
     return group
 

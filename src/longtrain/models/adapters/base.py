@@ -65,6 +65,10 @@ class DecoderAdapter:
     mlp_matrices: ClassVar[int] = 3
     # Simulated whole, never extrapolated along its layers (models small enough to).
     simulated_whole: ClassVar[bool] = False
+    # Linear layers LoRA leaves alone: those the model's forward reads as weights, not calls.
+    lora_exclude: ClassVar[tuple[str, ...]] = ()
+    # Why a run's summary does not simulate the stock model (None: it does).
+    stock_not_simulated: ClassVar[str | None] = None
 
     def __init__(self, model: nn.Module):
         self.model = model

@@ -22,6 +22,10 @@ __all__ = ["MambaAdapter"]
 class MambaAdapter(AttentionFreeAdapter):
     families = ("mamba",)
     title = "Mamba"
+    # The mixer multiplies by dt_proj.weight itself, and its CUDA kernel by out_proj.weight:
+    # adapters there would go unused (peft refuses out_proj on Mamba).
+    lora_exclude = ("dt_proj", "out_proj")
+    stock_not_simulated = "the stock model's PyTorch scan runs token by token, a Python step per token and layer"
 
     def __init__(self, model: nn.Module):  # the stack is ``backbone``, not ``model``
         self.model = model
@@ -43,7 +47,7 @@ class MambaAdapter(AttentionFreeAdapter):
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, position_embeddings, attention) -> torch.Tensor:
         mask = attention.mask
         if mask.segments is not None:
-            raise LongtrainError("Mamba does not reset its state at document boundaries; pass batches without "
+            raise LongtrainError(f"{self.title} does not reset its state at document boundaries; pass batches without "
                                  "position resets (no packed documents)")
         return layer(hidden, attention_mask=mask.key_valid)
 

@@ -84,6 +84,14 @@ class MambaRecurrence(Recurrence):
         residual, a, b, inputs = self.maps(z, mask, context)
         return a * h_prev + b, residual + self.readout(inputs, h)
 
+    def stream_dtype(self) -> torch.dtype:
+        # residual_in_fp32: the block adds its output to a float32 copy of the stream (a
+        # float64 model's stream stays float64, as the sum promotes).
+        weight = self.mixer.out_proj.weight.dtype
+        probe = torch.empty(0, dtype=weight)
+        residual = probe.to(torch.float32) if self.layer.residual_in_fp32 else probe
+        return torch.promote_types(residual.dtype, weight)
+
     def token_bytes(self, element_size: int) -> int:
         # Per token: the norm, projections, convolution and gates (about 8 hidden- and
         # 8 channel-sized vectors) and a, b, the cotangents of the state (6 (I, N) arrays).
