@@ -1,5 +1,5 @@
 """Run under ``torchrun --nproc-per-node R``: one adjoint step of a 4-layer float64
-SSM-ResNet or Mamba with its layers split over R ranks (gloo); each rank saves the
+SSM-ResNet, Mamba or Mamba-2 with its layers split over R ranks (gloo); each rank saves the
 gradients of the parameters it owns and the loss it reports. Used by test_adjoint_distributed.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Layer groups over 2 and 4 gloo ranks launched with torchrun equal one process (SSM-ResNet and Mamba)."""
+"""Layer groups over 2 and 4 gloo ranks launched with torchrun equal one process (SSM-ResNet, Mamba, Mamba-2)."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ def torchrun(ranks: int, out_dir: Path, truncate: int | None, preset: str) -> li
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(ranks)]
 
 
-@pytest.mark.parametrize("preset,ranks,truncate", [("tiny-ssm", 2, None), ("tiny-ssm", 4, None), ("tiny-ssm", 2, 5),
-                                                   ("tiny-mamba", 2, None), ("tiny-mamba", 2, 5)],
-                         ids=["2-ranks", "4-ranks", "2-ranks-truncated", "mamba-2-ranks", "mamba-2-ranks-truncated"])
+@pytest.mark.parametrize("preset,ranks,truncate", [("tiny-ssm", 4, None), ("tiny-ssm", 2, 5), ("tiny-mamba", 2, None),
+                                                   ("tiny-mamba2", 2, 5)],
+                         ids=["4-ranks", "2-ranks-truncated", "mamba-2-ranks", "mamba2-2-ranks-truncated"])
 def test_layer_groups_equal_one_process(tmp_path, preset, ranks, truncate):
     model, batch, options = build_model_and_batch(truncate, preset)
     loss = lt.step(lt.apply(model, lt.Strategy(engine="adjoint", engine_options=options)), batch)

@@ -343,7 +343,7 @@ def test_adjoint_on_cuda_equals_float64_autograd():
         assert worst <= FP32_TOL, worst
 
 
-# ---- issue 13: every attention kernel the device has, and the head's float32 accumulation ----
+# ---- every attention kernel the device has, and the head's float32 accumulation ----
 
 def _kernel_available(kernel: str, head_dim: int = 128) -> bool:
     from longtrain.ops.attention_blocks import kernel_supported

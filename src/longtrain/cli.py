@@ -80,7 +80,7 @@ def _add_train(sub) -> None:
                    ".yaml/.json, or auto (the planner picks the fastest that fits this machine)")
     p.add_argument("--engine", default=d.engine, help="gradient engine with options: backprop; fpdt:chunk=8192:offload=true "
                    "(chunked attention, host offload); seco:chunk=4096; spaco:chunk=128:budget=8:cap=2; "
-                   "adjoint:truncate=64 (SSM-ResNet models); booleans take true/false/yes/no/1/0")
+                   "adjoint:truncate=64 (Mamba, Mamba-2, SSM-ResNet); booleans take true/false/yes/no/1/0")
     p.add_argument("--sp", type=int, default=d.sp, help="Ulysses sequence parallelism: processes that share each sequence "
                    "(under torchrun; a divisor of the process count, the rest is data parallel; parameters are sharded over all)")
     p.add_argument("--master-weights", default=d.master_weights, help="with --sp: keep parameters and optimizer state in this "

@@ -101,11 +101,11 @@ class LayerRecord(NamedTuple):
 
 def check_model(model) -> DecoderAdapter:
     """The model's adapter, if its layers are recurrences the engine can take apart
-    (``adapter.recurrence``: SSM-ResNet, Mamba); else one line."""
+    (``adapter.recurrence``: SSM-ResNet, Mamba, Mamba-2); else one line."""
     adapter = adapter_for(model) if getattr(getattr(unwrap(model), "config", None), "model_type", None) else None
     if getattr(adapter, "recurrence", None) is None:
         raise LongtrainError(
-            f"the adjoint engine trains SSM-ResNet models (--model ssm-demo or another ssm-* preset) and Mamba, "
+            f"the adjoint engine trains state-space models (Mamba, Mamba-2, or an ssm-* preset such as ssm-demo), "
             f"not {type(unwrap(model)).__name__}; use --engine backprop, seco or spaco for transformers"
         )
     p = active_dropout(adapter.layers)

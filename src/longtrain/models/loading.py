@@ -176,5 +176,5 @@ def add_lora(model: nn.Module, rank: int = 8, alpha: float | None = None, dropou
         raise LongtrainError(f"--lora-rank must be positive, got {rank}")
     exclude = adapter_class(getattr(getattr(model, "config", None), "model_type", None)).lora_exclude
     config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules="all-linear", lora_dropout=dropout,
-                        task_type="CAUSAL_LM", exclude_modules=list(exclude) or None)
+                        task_type="CAUSAL_LM", **({"exclude_modules": list(exclude)} if exclude else {}))
     return get_peft_model(model, config)

@@ -84,10 +84,11 @@ def shard_model(context, rank: int, world_size: int, process_group=None) -> Laye
     base = unwrap(context.model)
     adapter = adapter_for(base)
     if getattr(adapter, "recurrence", None) is None:
-        raise LongtrainError(f"layer groups split state-space models (SSM-ResNet, Mamba) over processes, not {type(base).__name__}")
+        raise LongtrainError(f"layer groups split state-space models (SSM-ResNet, Mamba, Mamba-2) over processes, "
+                             f"not {type(base).__name__}")
     if world_size > 1 and adapter.description.tied_embeddings:
         raise LongtrainError("layer groups need untied embeddings (the first rank holds the embedding, the last the head); "
-                             "set tie_word_embeddings=False")
+                             "set tie_word_embeddings=False, giving the head a copy of the embedding in a tied checkpoint")
     group = LayerGroup(len(adapter.layers), rank, world_size, process_group)
     for index, layer in enumerate(adapter.layers):
         if index not in group.layers:

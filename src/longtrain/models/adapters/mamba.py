@@ -22,9 +22,10 @@ __all__ = ["MambaAdapter"]
 class MambaAdapter(AttentionFreeAdapter):
     families = ("mamba",)
     title = "Mamba"
-    # The mixer multiplies by dt_proj.weight itself, and its CUDA kernel by out_proj.weight:
-    # adapters there would go unused (peft refuses out_proj on Mamba).
-    lora_exclude = ("dt_proj", "out_proj")
+    # The mixer multiplies by dt_proj.weight itself, and its fused CUDA kernel (mamba_ssm,
+    # where installed) by x_proj.weight and out_proj.weight: adapters there would go unused
+    # (peft refuses out_proj on Mamba). LoRA adapts in_proj.
+    lora_exclude = ("dt_proj", "x_proj", "out_proj")
     stock_not_simulated = "the stock model's PyTorch scan runs token by token, a Python step per token and layer"
 
     def __init__(self, model: nn.Module):  # the stack is ``backbone``, not ``model``

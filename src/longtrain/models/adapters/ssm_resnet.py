@@ -27,6 +27,9 @@ class SSMRecurrence(Recurrence):
         state, out = self.layer.local(z, h_prev, h, mask)
         return state, z + out
 
+    def stream_dtype(self) -> torch.dtype:
+        return self.layer.out_proj.weight.dtype
+
     def token_bytes(self, element_size: int) -> int:
         # What one token's map keeps for its VJP (norm, projections, gates) and the VJP's
         # cotangents: about 4 hidden-sized and 6 state-sized vectors (measured: 5 KiB per
