@@ -211,13 +211,13 @@ def test_gradients_accumulate_through_autograd_hooks():
 
 def test_adjoint_refuses_transformers_packing_and_bad_options():
     model = build_from_config(preset_config("tiny-llama"))
-    with pytest.raises(LongtrainError, match="SSM-ResNet"):
+    with pytest.raises(LongtrainError, match="trains state-space models"):
         adjoint_context(model)
     _, ssm = ssm_pair(2)
     packed = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])}
     with pytest.raises(LongtrainError, match="does not reset its state at document boundaries"):
         adjoint_step(adjoint_context(ssm), packed)
-    with pytest.raises(LongtrainError, match="SSM-ResNet"):
+    with pytest.raises(LongtrainError, match="trains state-space models"):
         lt.apply(build_from_config(preset_config("tiny-llama")), lt.Strategy(engine="adjoint"))
     with pytest.raises(LongtrainError, match="truncate"):
         AdjointOptions(truncate=0)
