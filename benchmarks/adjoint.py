@@ -18,7 +18,7 @@
    checkpoint + MsT and adjoint for ssm-127m at 16K and 64K tokens (not yet measured).
 8. ``mamba``: Hugging Face Mamba. Exact CPU peak (tracked storages) and step time of a
    small Mamba under backprop, checkpoint + MsT and the adjoint engine at equal lengths;
-   the simulated peak of mamba-130m and mamba-1.4b at 256 and 512 tokens, fitted linearly
+   the simulated peak of mamba-130m and mamba-1.4b at two lengths per engine, fitted linearly
    (no attention: every engine's peak is linear in T) to the longest context on 80 GiB
    and drawn to 1M tokens in docs/adjoint_mamba.png.
 
@@ -176,27 +176,37 @@ def mamba_cpu(lengths=(256, 512, 1024)) -> list[dict]:
     return rows
 
 
-def mamba_presets(lengths=(256, 512), device_bytes=80 * GiB) -> list[dict]:
-    """Simulated peak (bf16, AdamW, batch 1) of the Mamba presets, linear fit in T."""
+# Backprop and checkpointing run the stock scan, a Python step per token (simulated at short
+# lengths only). The adjoint engine sizes its VJP blocks to one layer's input once that
+# passes 16 MiB (about 11K tokens of mamba-130m): its peak is linear in T from there, with a
+# steeper slope than below, so it is fitted at long lengths.
+MAMBA_LENGTHS = {"backprop": (256, 512), "checkpoint+mst": (256, 512), "adjoint": (131072, 262144)}
+
+
+def mamba_presets(device_bytes=80 * GiB) -> list[dict]:
+    """Simulated peak (bf16, AdamW, batch 1) of the Mamba presets at two lengths per engine,
+    fitted linearly in T."""
     rows = []
     for preset in MAMBA_PRESETS:
-        peaks = {}
+        fits = {}
         for name, spec in MAMBA_STRATEGIES.items():
             strategy = lt.Strategy.parse(spec or "none", engine="adjoint" if spec is None else None)
-            for n in lengths:
+            peaks = []
+            for n in MAMBA_LENGTHS[name]:
                 started = time.perf_counter()
                 report = simulate(preset, n, batch_size=1, strategy=strategy)
-                peaks[name, n] = report.device_peak_bytes
+                peaks.append(report.device_peak_bytes)
                 print(preset, name, n, f"{report.device_peak_bytes / GiB:.2f} GiB in {time.perf_counter() - started:.0f} s", flush=True)
-        for name in MAMBA_STRATEGIES:
-            (n0, n1) = lengths
-            per_token = (peaks[name, n1] - peaks[name, n0]) / (n1 - n0)
-            fixed = peaks[name, n0] - per_token * n0
-            rows.append({"model": preset, "engine": name, "peak_short_gib": peaks[name, n0] / GiB,
-                         "peak_long_gib": peaks[name, n1] / GiB, "bytes_per_token": per_token, "fixed_gib": fixed / GiB,
+            (n0, n1), (p0, p1) = MAMBA_LENGTHS[name], peaks
+            per_token = (p1 - p0) / (n1 - n0)
+            fits[name] = per_token
+            fixed = p0 - per_token * n0
+            rows.append({"model": preset, "engine": name, "lengths": f"{n0:,}, {n1:,}", "peak_short_gib": p0 / GiB,
+                         "peak_long_gib": p1 / GiB, "bytes_per_token": per_token, "fixed_gib": fixed / GiB,
                          "max_tokens_80gib": int((device_bytes - fixed) // per_token) if per_token > 0 else None,
-                         "predicted_1m_gib": (fixed + per_token * 2**20) / GiB,
-                         "per_token_vs_backprop": per_token / ((peaks["backprop", n1] - peaks["backprop", n0]) / (n1 - n0))})
+                         "predicted_1m_gib": (fixed + per_token * 2**20) / GiB})
+        for row in rows[-len(MAMBA_STRATEGIES):]:
+            row["per_token_vs_backprop"] = row["bytes_per_token"] / fits["backprop"]
     return rows
 
 
@@ -219,7 +229,7 @@ def mamba_plot() -> None:
             axes[1].plot(tokens, [(row["fixed_gib"] * GiB + row["bytes_per_token"] * n) / GiB for n in tokens], style,
                          color=color, label=f"{preset} {engine}")
     axes[1].axhline(80, color="gray", lw=0.8)
-    axes[1].set(title="simulated peak, bf16 + AdamW, batch 1 (linear fit of 256 and 512 tokens)", xlabel="context tokens", ylabel="GiB",
+    axes[1].set(title="simulated peak, bf16 + AdamW, batch 1 (linear fits)", xlabel="context tokens", ylabel="GiB",
                 xscale="log", yscale="log")
     for ax in axes:
         ax.grid(alpha=0.3)
@@ -420,13 +430,17 @@ a warm-up, on two shared CPU cores: times are indicative.""",
             "python benchmarks/adjoint.py --only mamba")
         write_report(
             "adjoint_mamba", "Hugging Face Mamba presets: simulated peak vs context", [
-                ("model", "model"), ("engine", "engine"), ("peak_short_gib", "peak 256 GiB"), ("peak_long_gib", "peak 512 GiB"),
+                ("model", "model"), ("engine", "engine"), ("lengths", "simulated at"), ("peak_short_gib", "peak GiB (shorter)"),
+                ("peak_long_gib", "peak GiB (longer)"),
                 ("bytes_per_token", "bytes/token"), ("per_token_vs_backprop", "bytes/token / backprop"),
                 ("fixed_gib", "fixed GiB"), ("max_tokens_80gib", "longest on 80 GiB"), ("predicted_1m_gib", "1M tokens GiB")],
             mamba_presets(), """
 Simulated (fake tensors, the training step's code path; bf16, AdamW on the device, batch 1)
-at 256 and 512 tokens (the stock scan runs a Python step per token, so longer simulations of
-backprop take hours), extrapolated along the layers from 4–6; every engine's peak is linear in
+at two lengths per engine, extrapolated along the layers from 4–6: backprop and checkpointing
+at 256 and 512 tokens (the stock scan runs a Python step per token, so longer simulations take
+hours), the adjoint engine at 128K and 256K (its VJP blocks are sized to one layer's input
+past 16 MiB, so its short-length slope would understate long contexts);
+every engine's peak is linear in
 T (no attention), so two lengths give bytes/token, the longest context on 80 GiB and the
 peak at 1M tokens (predicted, not simulated there). Mamba's state is I × N = 2·hidden × 16
 numbers per token and layer: backprop keeps it (and the scan's inputs) for every layer; the
