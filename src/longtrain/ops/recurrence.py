@@ -54,5 +54,6 @@ class Recurrence:
         raise NotImplementedError
 
     def stream_dtype(self) -> torch.dtype:
-        """The dtype of the residual stream between layers (the layer's parameters')."""
-        return next(self.layer.parameters()).dtype
+        """The dtype of the residual stream the layer receives (what a rank of a layer group
+        allocates to receive it)."""
+        raise NotImplementedError

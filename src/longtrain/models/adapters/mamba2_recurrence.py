@@ -51,11 +51,7 @@ class Mamba2Recurrence(MambaRecurrence):
         u = block.norm(z.to(dtype=block.norm.weight.dtype))
         if block.residual_in_fp32:
             residual = residual.to(torch.float32)
-        projected = mixer.in_proj(self._mask(u, mask))
-        # As older transformers' torch path: projected channels beyond (gate, xBC, dt), if
-        # any, come first as two halves of d_mlp and go unread (none in models built now).
-        d_mlp = (projected.shape[-1] - 2 * inner - 2 * groups * n - heads) // 2
-        _, _, gate, xbc, dt = projected.split([d_mlp, d_mlp, inner, mixer.conv_dim, heads], dim=-1)
+        gate, xbc, dt = mixer.in_proj(self._mask(u, mask)).split([inner, mixer.conv_dim, heads], dim=-1)
         gate, dt = gate[:, context:], dt[:, context:]
         # The model pads the convolution's input with K − 1 zeros at the sequence's start;
         # a block further in reads the tokens before it instead.
