@@ -594,8 +594,8 @@ MAMBA_STRATEGIES = {"backprop": lambda: lt.Strategy(), "checkpoint,mst": lambda:
 
 
 @functools.lru_cache(maxsize=None)
-def mamba_reference():
-    config = preset_config("tiny-mamba", num_hidden_layers=3)
+def mamba_reference(preset: str):
+    config = preset_config(preset, num_hidden_layers=3)
     torch.manual_seed(0)
     model = build_from_config(config, torch.float64).train()
     batch = padded_batch(320, lengths=(300, 270))
@@ -605,9 +605,10 @@ def mamba_reference():
 
 
 @pytest.mark.parametrize("strategy", list(MAMBA_STRATEGIES))
-def test_mamba_in_float32_on_cuda_equals_float64(strategy):
-    """Hugging Face Mamba's PyTorch path on the device, backward on autograd's device thread."""
-    config, weights, ref_loss, ref_grads, batch = mamba_reference()
+@pytest.mark.parametrize("preset", ["tiny-mamba", "tiny-mamba2"])
+def test_mamba_in_float32_on_cuda_equals_float64(preset, strategy):
+    """Hugging Face Mamba's and Mamba-2's PyTorch paths on the device, backward on autograd's device thread."""
+    config, weights, ref_loss, ref_grads, batch = mamba_reference(preset)
     model = build_from_config(copy.deepcopy(config), torch.float32)
     model.load_state_dict({k: v.float() for k, v in weights.items()})
     model = lt.apply(model.cuda().train(), MAMBA_STRATEGIES[strategy]())

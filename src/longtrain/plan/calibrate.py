@@ -2,11 +2,13 @@
 
 The planner predicts step time from a few rates (:class:`~longtrain.plan.time_model.MachineRates`);
 by default those measured on one H100. ``calibrate`` times each on this machine in
-seconds — a GEMM at long-context shapes, causal attention whole and in blocks, pinned
-host copies, the CPU's fused AdamW — and stores them per device name, where ``plan
---rates`` and ``--strategy auto`` read them. Rates it cannot measure here (attention
-block kernels without a GPU, copies without pinned memory) keep the H100 defaults and
-are listed as such.
+seconds — a linear layer's GEMMs and causal attention (whole and in blocks), each
+forward and backward as a step runs them, pinned host copies, the CPU's fused AdamW —
+and stores them per device name, where ``plan --rates`` and ``--strategy auto`` read
+them. Rates it cannot measure here (attention block kernels without a GPU, copies
+without pinned memory) keep the H100 defaults and are listed as such. The defaults were
+fitted to whole H100 steps and so absorb the elementwise work the model does not count;
+rates measured kernel by kernel do not, and predict somewhat faster steps.
 """
 
 from __future__ import annotations
@@ -55,6 +57,14 @@ def _timed(fn: Callable[[], None], device: torch.device, repeat: int) -> float:
     return (time.perf_counter() - t0) / repeat
 
 
+def _forward_backward(forward: Callable[[], torch.Tensor], inputs: tuple) -> Callable[[], None]:
+    """One forward and the backward to ``inputs`` (gradients returned, not accumulated)."""
+    def run() -> None:
+        out = forward()
+        torch.autograd.grad(out, inputs, torch.ones_like(out))
+    return run
+
+
 def measure(device: torch.device, *, quick: bool = False, say: Callable[[str], None] = lambda _: None) -> tuple[MachineRates, list[str]]:
     """The rates measured on ``device`` (and this host), and the names of those left at the H100 defaults."""
     cuda = device.type == "cuda"
@@ -62,23 +72,30 @@ def measure(device: torch.device, *, quick: bool = False, say: Callable[[str], N
     repeat = 3 if quick or not cuda else 10
     measured = {}
 
+    # A linear layer at training shapes (tokens × hidden → MLP width), forward and both
+    # backward GEMMs: the work the matmul rate is charged for.
     n = (8192 if cuda else 1024) // (4 if quick else 1)
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    say(f"matmul {n}×{n} ({dtype})")
-    measured["matmul"] = 2 * n**3 / _timed(lambda: torch.mm(a, b), device, repeat)
+    hidden, width = n // 2, n * 7 // 4
+    x = torch.randn(n, hidden, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(width, hidden, device=device, dtype=dtype, requires_grad=True)
+    say(f"linear layer {n}×{hidden} → {width}, forward + backward ({dtype})")
+    measured["matmul"] = 3 * 2 * n * hidden * width / _timed(_forward_backward(lambda: x @ w.T, (x, w)), device, repeat)
 
+    # Attention forward + backward, counted as the time model counts it (causal: 2·w·s²
+    # forward, 4·w·s² backward, w = heads × head dimension; a full block twice that).
     heads, head_dim = 32, 128
     s = (16384 if cuda else 1024) // (4 if quick else 1)
-    q = torch.randn(1, heads, s, head_dim, device=device, dtype=dtype)
-    say(f"causal attention over {s:,} tokens")
+    q = torch.randn(1, heads, s, head_dim, device=device, dtype=dtype, requires_grad=True)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    measured["fused_attention"] = 2 * heads * head_dim * s * s / _timed(lambda: sdpa(q, q, q, is_causal=True), device, repeat)
+    say(f"causal attention over {s:,} tokens, forward + backward")
+    causal = _timed(_forward_backward(lambda: sdpa(q, q, q, is_causal=True), (q,)), device, repeat)
+    measured["fused_attention"] = 6 * heads * head_dim * s * s / causal
 
     chunk = s // 4
-    qc = q[:, :, :chunk]
-    say(f"attention blocks of {chunk:,} × {chunk:,} tokens")
-    block = _timed(lambda: sdpa(qc, qc, qc), device, repeat)
-    measured["block_attention"] = 4 * heads * head_dim * chunk * chunk / block
+    qc = q.detach()[:, :, :chunk].clone().requires_grad_()
+    say(f"attention blocks of {chunk:,} × {chunk:,} tokens, forward + backward")
+    block = _timed(_forward_backward(lambda: sdpa(qc, qc, qc), (qc,)), device, repeat)
+    measured["block_attention"] = 12 * heads * head_dim * chunk * chunk / block
     # SeCO's blocks also merge partial results and accumulate a K/V gradient: the H100's ratio.
     measured["chunkwise_attention"] = measured["block_attention"] * H100.chunkwise_attention / H100.block_attention
 
