@@ -176,11 +176,11 @@ def mamba_cpu(lengths=(256, 512, 1024)) -> list[dict]:
     return rows
 
 
-# Backprop and checkpointing run the stock scan, a Python step per token (simulated at short
-# lengths only). The adjoint engine sizes its VJP blocks to one layer's input once that
-# passes 16 MiB (about 11K tokens of mamba-130m): its peak is linear in T from there, with a
-# steeper slope than below, so it is fitted at long lengths.
-MAMBA_LENGTHS = {"backprop": (256, 512), "checkpoint+mst": (256, 512), "adjoint": (131072, 262144)}
+# Every engine at long lengths: backprop and checkpointing run the stock scan, a Python step
+# per token, simulated along blocks of tokens (DecoderAdapter.token_block); the adjoint engine
+# sizes its VJP blocks to one layer's input once that passes 16 MiB (about 11K tokens of
+# mamba-130m), so its peak is linear in T from there, with a steeper slope than below.
+MAMBA_LENGTHS = {"backprop": (131072, 262144), "checkpoint+mst": (131072, 262144), "adjoint": (131072, 262144)}
 
 
 def mamba_presets(device_bytes=80 * GiB) -> list[dict]:
@@ -436,11 +436,10 @@ a warm-up, on two shared CPU cores: times are indicative.""",
                 ("fixed_gib", "fixed GiB"), ("max_tokens_80gib", "longest on 80 GiB"), ("predicted_1m_gib", "1M tokens GiB")],
             mamba_presets(), """
 Simulated (fake tensors, the training step's code path; bf16, AdamW on the device, batch 1)
-at two lengths per engine, extrapolated along the layers from 4–6: backprop and checkpointing
-at 256 and 512 tokens (the stock scan runs a Python step per token, so longer simulations take
-hours), the adjoint engine at 128K and 256K (its VJP blocks are sized to one layer's input
-past 16 MiB, so its short-length slope would understate long contexts);
-every engine's peak is linear in
+at 128K and 256K tokens, extrapolated along the layers from 4–6 (backprop and checkpointing,
+whose stock scan runs a Python step per token, also along blocks of 64 tokens; the adjoint
+engine's VJP blocks are sized to one layer's input past 16 MiB, so its short-length slope
+would understate long contexts, and so would the stock scan's); every engine's peak is linear in
 T (no attention), so two lengths give bytes/token, the longest context on 80 GiB and the
 peak at 1M tokens (predicted, not simulated there). Mamba's state is I × N = 2·hidden × 16
 numbers per token and layer: backprop keeps it (and the scan's inputs) for every layer; the

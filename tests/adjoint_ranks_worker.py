@@ -1,6 +1,7 @@
 """Run under ``torchrun --nproc-per-node R``: one adjoint step of a 4-layer float64
-SSM-ResNet, Mamba or Mamba-2 with its layers split over R ranks (gloo); each rank saves the
-gradients of the parameters it owns and the loss it reports. Used by test_adjoint_distributed.py."""
+SSM-ResNet, Mamba or Mamba-2 (embeddings tied or not) with its layers split over R ranks
+(gloo), two micro-batches accumulated; each rank saves the gradients of the parameters it
+owns and the loss it reports. Used by test_adjoint_distributed.py."""
 
 from __future__ import annotations
 
@@ -18,22 +19,25 @@ from longtrain.parallel.layer_groups import owned_parameters, shard_model
 from longtrain.strategy import applied_context
 
 
-def build_model_and_batch(truncate: int | None, preset: str = "tiny-ssm"):
+def build_model_and_batch(truncate: int | None, preset: str = "tiny-ssm", tied: bool = False):
+    """The model, two micro-batches (the second right-padded) and the engine's options."""
     torch.manual_seed(0)
-    model = build_from_config(preset_config(preset, num_hidden_layers=4, tie_word_embeddings=False), torch.float64)
-    ids = torch.randint(0, 320, (2, 45), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, 30:] = 0
-    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-    return model, batch, AdjointOptions(truncate=truncate, block=8)
+    model = build_from_config(preset_config(preset, num_hidden_layers=4, tie_word_embeddings=tied), torch.float64)
+    batches = []
+    for seed in (1, 2):
+        ids = torch.randint(0, 320, (2, 45), generator=torch.Generator().manual_seed(seed))
+        mask = torch.ones_like(ids)
+        mask[1, 30:] = 0 if seed == 2 else 1
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return model, batches, AdjointOptions(truncate=truncate, block=8)
 
 
-def main(out_dir: str, truncate: int | None, preset: str) -> None:
+def main(out_dir: str, truncate: int | None, preset: str, tied: bool) -> None:
     rank, world_size = init_from_env()
-    model, batch, options = build_model_and_batch(truncate, preset)
+    model, batches, options = build_model_and_batch(truncate, preset, tied)
     lt.apply(model, lt.Strategy(engine="adjoint", engine_options=options))
     shard_model(applied_context(model), rank, world_size)
-    loss = lt.step(model, batch)
+    loss = torch.stack([lt.step(model, batch) for batch in batches])
     owned = {name: p.grad for name, p in owned_parameters(model).items()}
     kept = sum(p.numel() for p in owned_parameters(model).values())
     torch.save({"loss": loss, "grads": owned, "parameters": kept}, f"{out_dir}/rank{rank}.pt")
@@ -41,4 +45,4 @@ def main(out_dir: str, truncate: int | None, preset: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) or None, sys.argv[3])
+    main(sys.argv[1], int(sys.argv[2]) or None, sys.argv[3], sys.argv[4] == "tied")

@@ -1,4 +1,5 @@
-"""Layer groups over 2 and 4 gloo ranks launched with torchrun equal one process (SSM-ResNet, Mamba, Mamba-2)."""
+"""Layer groups over 2, 3 and 4 gloo ranks launched with torchrun equal one process (SSM-ResNet, Mamba, Mamba-2;
+embeddings tied and untied)."""
 
 from __future__ import annotations
 
@@ -21,35 +22,44 @@ from adjoint_ranks_worker import build_model_and_batch
 WORKER = Path(__file__).with_name("adjoint_ranks_worker.py")
 
 
-def torchrun(ranks: int, out_dir: Path, truncate: int | None, preset: str) -> list[dict]:
+def torchrun(ranks: int, out_dir: Path, truncate: int | None, preset: str, tied: bool = False) -> list[dict]:
     launcher = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent)}
     args = [launcher, "--standalone", f"--nproc-per-node={ranks}", str(WORKER), str(out_dir)]
-    result = subprocess.run(args + [str(truncate or 0), preset], env=env, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(args + [str(truncate or 0), preset, "tied" if tied else "untied"], env=env,
+                            capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(ranks)]
 
 
-@pytest.mark.parametrize("preset,ranks,truncate", [("tiny-ssm", 4, None), ("tiny-ssm", 2, 5), ("tiny-mamba", 2, None),
-                                                   ("tiny-mamba2", 2, 5)],
-                         ids=["4-ranks", "2-ranks-truncated", "mamba-2-ranks", "mamba2-2-ranks-truncated"])
-def test_layer_groups_equal_one_process(tmp_path, preset, ranks, truncate):
-    model, batch, options = build_model_and_batch(truncate, preset)
-    loss = lt.step(lt.apply(model, lt.Strategy(engine="adjoint", engine_options=options)), batch)
+@pytest.mark.parametrize("preset,ranks,truncate,tied", [
+    ("tiny-ssm", 4, None, False), ("tiny-ssm", 2, 5, False), ("tiny-mamba", 2, None, False), ("tiny-mamba2", 2, 5, False),
+    ("tiny-mamba", 2, None, True), ("tiny-mamba2", 3, None, True)],
+    ids=["4-ranks", "2-ranks-truncated", "mamba-2-ranks", "mamba2-2-ranks-truncated", "mamba-tied-2-ranks",
+         "mamba2-tied-3-ranks"])
+def test_layer_groups_equal_one_process(tmp_path, preset, ranks, truncate, tied):
+    """Two micro-batches accumulated; a tied embedding's two copies (rank 0's, the last
+    rank's) carry the one-process gradient bit for bit."""
+    model, batches, options = build_model_and_batch(truncate, preset, tied)
+    applied = lt.apply(model, lt.Strategy(engine="adjoint", engine_options=options))
+    loss = torch.stack([lt.step(applied, batch) for batch in batches])
     single = {name: p.grad for name, p in model.named_parameters()}
-    results = torchrun(ranks, tmp_path, truncate, preset)
+    results = torchrun(ranks, tmp_path, truncate, preset, tied)
     merged = {}
     for result in results:
         assert not merged.keys() & result["grads"].keys(), "a parameter is held by two ranks"
         merged.update(result["grads"])
         assert torch.equal(result["loss"].to(loss.dtype), loss)
+    embedding = model.get_input_embeddings().weight.numel()
+    if tied:  # the head's copy on the last rank: the same gradient as the embedding's on rank 0
+        assert torch.equal(merged.pop("lm_head.weight"), merged[next(k for k in single if "embed" in k)])
     assert merged.keys() == single.keys()
     for name, grad in single.items():
         assert torch.equal(merged[name], grad), name
     # Each rank holds a share of the parameters, not all of them.
     total = sum(p.numel() for p in model.parameters())
     assert max(r["parameters"] for r in results) < total
-    assert sum(r["parameters"] for r in results) == total
+    assert sum(r["parameters"] for r in results) == total + tied * embedding
 
 
 def test_layer_ranges_are_balanced_and_refuse_too_many_ranks():
@@ -85,3 +95,41 @@ def test_torchrun_training_equals_one_process_and_resumes_bit_for_bit(tmp_path):
     assert "weights-rank1.safetensors" in manifest
     losses = [json.loads(line)["loss"] for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert losses[-1] < losses[0] - 0.5  # the adjoint engine trains: the loss falls
+
+
+def test_torchrun_trains_a_tied_mamba_as_one_process(tmp_path):
+    """A saved Mamba whose head is its embedding (as published) trains under 2 layer groups
+    to the weights one process reaches, reports the same gradient norms (the head's copy
+    counted once), and its final/ reloads tied."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from longtrain.models.loading import build_from_config
+    from longtrain.models.presets import preset_config
+
+    torch.manual_seed(0)
+    build_from_config(preset_config("tiny-mamba", num_hidden_layers=2, vocab_size=320), torch.float32).save_pretrained(
+        tmp_path / "mamba")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(["state space models scan long sequences"] * 120))
+    launcher = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["train", "--model", str(tmp_path / "mamba"), "--engine", "adjoint", "--seq-len", "256", "--steps", "3",
+            "--grad-accum", "2", "--data", str(text), "--tokenizer", "bytes", "--no-progress", "--lr", "1e-2"]
+
+    def run(out, ranks):
+        prefix = [sys.executable, "-m"] if ranks == 1 else [launcher, "--standalone", f"--nproc-per-node={ranks}", "-m"]
+        result = subprocess.run(prefix + ["longtrain.cli", *args, "--out", str(tmp_path / out)], env=env,
+                                capture_output=True, text=True, timeout=240)
+        assert result.returncode == 0, result.stderr[-3000:]
+        norms = [json.loads(line)["grad_norm"] for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()
+                 if '"grad_norm"' in line]
+        return load_file(str(tmp_path / out / "final" / "model.safetensors")), norms
+
+    (one, one_norms), (two, two_norms) = run("one", 1), run("two", 2)
+    assert one.keys() == two.keys()
+    assert [k for k in one if not torch.equal(one[k], two[k])] == []
+    # (the squares summed per rank first: equal to float64 rounding; clipping ran, the norms are over 1)
+    assert len(one_norms) == 3 and min(one_norms) > 1 and two_norms == pytest.approx(one_norms, rel=1e-12)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "final")
+    assert reloaded.lm_head.weight is reloaded.get_input_embeddings().weight

@@ -406,3 +406,38 @@ def test_fpdt_keeps_as_many_attention_outputs_as_the_host_holds():
     assert planner.outputs_kept_within(config, tokens, fit, 2, 1, 2 * room) is None  # every layer's: that candidate
     assert planner.outputs_kept_within(config, tokens, fit, 2, 1, parked[0]) is None  # none: the plain one
     assert planner.outputs_kept_within(config, tokens, none, 2, 1, room) == (("", ""), none)
+
+
+def test_plans_weigh_the_engines_and_techniques_that_serve_the_model():
+    """A state-space model is offered the adjoint engine (states recomputed and kept), never
+    chunked attention, Memo or parked attention inputs; a transformer never the adjoint engine."""
+    from longtrain.models.adapters import adapter_class
+    from longtrain.plan.candidates import candidates
+
+    ssm = candidates(256 * K, 64 * GIB, 24, adapter=adapter_class("mamba"))
+    assert {"adjoint", "adjoint:recompute=false", "checkpoint,mst"} <= ssm.keys()
+    assert not [label for label in ssm if label.startswith(("fpdt", "seco", "spaco", "memo", "checkpoint:offload"))]
+    llama = candidates(256 * K, 64 * GIB, 32, adapter=adapter_class("llama"))
+    assert not [label for label in llama if "adjoint" in label]
+    assert any(label.startswith("fpdt") for label in llama) and "memo,mst" in llama
+
+
+def test_a_plan_for_mamba_ranks_the_adjoint_engine(capsys):
+    """`longtrain plan` on a Mamba: the adjoint engine weighed and, keeping its states (no
+    layer recomputed), predicted fastest; checkpointing after it (recomputes every layer)."""
+    assert main(["plan", "--model", "tiny-mamba", "--seq-len", "2K", "--device-memory", "1GiB",
+                 "--host-memory", "4GiB", "--no-optimizer-offload", "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "fastest that fits: adjoint:recompute=false" in out and "a Python step per token" in out
+    rows = [line.split()[0] for line in out.splitlines() if line.startswith(("adjoint", "checkpoint"))]
+    assert rows == ["adjoint:recompute=false", "adjoint", "checkpoint,mst"]
+
+
+def test_plan_weighs_one_engine_when_asked(capsys):
+    assert main(["plan", "--model", "tiny-mamba", "--seq-len", "2K", "--device-memory", "1GiB", "--host-memory", "4GiB",
+                 "--no-optimizer-offload", "--jobs", "1", "--engine", "adjoint"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint" not in out and "fastest that fits: adjoint" in out
+    assert main(["plan", "--model", "tiny-llama", "--seq-len", "2K", "--device-memory", "1GiB", "--host-memory", "4GiB",
+                 "--engine", "adjoint"]) == 2
+    assert "--engine adjoint does not train llama models; engines a plan weighs for them: backprop, fpdt" in capsys.readouterr().err

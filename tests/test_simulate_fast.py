@@ -246,3 +246,23 @@ def test_blocked_attention_runs_each_kind_of_block_once_on_fake_tensors(strategy
     assert len(calls) > counts[4096 + 300]
     assert (report.peak_device_bytes, report.peak_host_bytes) == (every.peak_device_bytes, every.peak_host_bytes)
     assert report.by_category == every.by_category
+
+
+def test_a_state_space_models_own_step_extends_along_its_tokens(monkeypatch):
+    """Mamba's stock step (a Python step per token) takes memory affine in whole blocks of
+    tokens: simulated at a few blocks (here of 8 tokens) it equals the full
+    simulation to the byte. Mamba-2's stock chunked scan forms a chunks × chunks matrix, so
+    it is simulated whole; the adjoint engine's VJP blocks grow with the length, so it is too."""
+    from longtrain.models.adapters.mamba import MambaAdapter
+    from longtrain.plan.extrapolate import token_axis
+
+    monkeypatch.setattr(MambaAdapter, "token_block", classmethod(lambda cls, config: 8))
+    config = preset_config("tiny-mamba", num_hidden_layers=2)
+    strategy = lt.Strategy.parse("checkpoint,mst")
+    fast = simulate(config, 123, strategy=strategy, dtype="float32")
+    full = simulate(config, 123, strategy=strategy, dtype="float32", exact=True)
+    assert "tokens (checked at" in fast.method and "blocks of 8" in fast.method and full.method.startswith("exact")
+    assert (fast.device_peak_bytes, fast.peak.peak_host_bytes) == (full.device_peak_bytes, full.peak.peak_host_bytes)
+    assert token_axis(preset_config("tiny-mamba2"), 4096, strategy) is None
+    assert token_axis(config, 4096, lt.Strategy(engine="adjoint")) is None
+    assert token_axis(preset_config("tiny-llama"), 4096, strategy) is None

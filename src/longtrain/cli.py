@@ -268,9 +268,10 @@ def _bytes(text: str) -> int:
 
 def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="which exact strategy trains a model at a length on a machine, fastest (no GPU needed)",
-                       description="Simulate each candidate strategy (checkpointing + MsT, Memo, FPDT with offload at a few "
-                                   "chunk sizes) on fake tensors, add the allocator's measured fragmentation margin, "
-                                   "predict step time from the H100 time model, and rank what fits.")
+                       description="Simulate each candidate strategy that serves the model (checkpointing + MsT, Memo, FPDT "
+                                   "with offload at a few chunk sizes; for state-space models the adjoint engine) on fake "
+                                   "tensors, add the allocator's measured fragmentation margin, predict step time from the "
+                                   "H100 time model, and rank what fits.")
     p.add_argument("--model", required=True, help="preset name or local model directory (only its config is read)")
     p.add_argument("--seq-len", type=_tokens, required=True, help="tokens per sample: 300000, 512K, 1M")
     p.add_argument("--device-memory", type=_bytes, required=True, help="memory of one GPU: 80GiB, 141GB")
@@ -288,6 +289,7 @@ def _add_plan(sub) -> None:
                    "(--no-optimizer-offload); default: both weighed")
     p.add_argument("--exhaustive", action="store_true", help="simulate every candidate, not only those predicted faster "
                    "than the fastest that fits")
+    p.add_argument("--engine", default=None, help="weigh only this engine's variants (e.g. adjoint, fpdt); default: every engine's")
     p.add_argument("--rates", default="h100", help="the time model's rates: h100 (built in, default), or a device name "
                    "or JSON file written by `longtrain calibrate`")
     p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
@@ -311,7 +313,8 @@ def _run_plan(args) -> int:
     result = plan(args.model, args.seq_len, device_memory=args.device_memory, host_memory=args.host_memory,
                   optimizer=args.optimizer, dtype=args.dtype, longest=args.longest, progress=progress, gpus=args.gpus,
                   lora_rank=args.lora_rank if args.lora else None, exhaustive=args.exhaustive,
-                  optimizer_offload=args.optimizer_offload, rates=rates, rates_name=args.rates, workers=args.jobs)
+                  optimizer_offload=args.optimizer_offload, rates=rates, rates_name=args.rates, workers=args.jobs,
+                  engine=args.engine)
     print(result.to_json() if args.json else result.table())
     return 0 if result.best is not None else 1
 

@@ -69,7 +69,7 @@ class StepWork:
         causal attention 2·w·s² forward per layer."""
         shape = describe_model(config)
         n, width = shape.layers, shape.attention_width
-        attn = shape.attention_parameters  # q, o and k, v projections
+        attn = shape.attention_parameters + shape.mixer_parameters  # q, o and k, v projections (an SSM's instead)
         mlp = shape.mlp_parameters(active_only=True)  # a mixture of experts: the experts a token runs
         head = shape.vocab * shape.hidden
         s = tokens * batch
@@ -88,6 +88,14 @@ class EngineCosts:
     """An engine's costs; these defaults describe plain autograd over the whole sequence."""
 
     repeats_layers = True  # a step repeats layer by layer (simulations extrapolate along layers)
+    # The step is the model's own forward and backward: where the model's memory is affine
+    # in whole blocks of tokens (DecoderAdapter.token_block), simulations extend along them.
+    extends_along_tokens = True
+
+    def serves(self, adapter_class, options) -> bool:
+        """Whether a plan weighs this variant for models of ``adapter_class`` (a variant the
+        engine would refuse for every such model is left out, not listed as refused)."""
+        return True
 
     def chunk(self, options) -> int | None:
         """Tokens per chunk where the engine runs the sequence in chunks (simulations then
@@ -158,6 +166,10 @@ class TechniqueCosts:
 
     decides_at_first_step = False  # it measures the model in its first step (no warm start of a simulation)
     in_every_candidate = False  # a plan adds it to every candidate whose engine accepts it
+
+    def serves(self, adapter_class, options) -> bool:
+        """Whether a plan weighs this variant for models of ``adapter_class``."""
+        return True
 
     def layers_apart_at_top(self, options) -> int:
         """Top layers that run differently from the others."""

@@ -50,7 +50,7 @@ from ..ops.chunked_loss import chunked_causal_lm_loss
 from ..ops.linear_scan import adjoint_states
 from ..ops.replay import active_dropout
 from ..parallel.layer_groups import LayerGroup, shard_model
-from ..costs import EngineCosts
+from ..costs import EngineCosts, StepWork
 from ..registry import register_engine
 from .batch import prepare_batch
 
@@ -230,7 +230,20 @@ def embedding_backward(adapter: DecoderAdapter, input_ids: torch.Tensor, grad: t
 
 class AdjointCosts(EngineCosts):
     """Layer by layer, each layer's VJPs token-wise: simulations extrapolate along the layers
-    where the model's adapter allows (Mamba), whole where it says so (SSM-ResNet)."""
+    where the model's adapter allows (Mamba), whole where it says so (SSM-ResNet); not along
+    tokens (its VJP blocks grow with one layer's input). Plans weigh it, exact, for models
+    whose layers are recurrences: states recomputed layer by layer, and kept."""
+
+    extends_along_tokens = False
+
+    def serves(self, adapter_class, options) -> bool:
+        return getattr(adapter_class, "recurrence", None) is not None
+
+    def candidates(self, seq_len, host_memory, layers, every_chunk, chunks) -> dict[str, dict]:
+        return {"adjoint": {}, "adjoint:recompute=false": {"recompute": False}}
+
+    def describe(self, work: StepWork, options: AdjointOptions) -> None:
+        work.recomputes_layers = options.recompute  # each layer's forward again in backward
 
 
 _OWN_MEMORY = "the adjoint engine keeps only each layer's input and runs its head in mini-sequences already"
@@ -254,6 +267,10 @@ def adjoint_step(context, batch, num_label_tokens: int | None = None, stats: Adj
     layers = [adapter.recurrence(layer) for layer in adapter.layers]
     group = context.parallel if isinstance(context.parallel, LayerGroup) else LayerGroup(len(layers), 0, 1)
     mask = inputs.mask.key_valid
+    tied = (adapter.embeddings().weight if group.first else adapter.head().module.weight) if group.tied else None
+    previous = None
+    if tied is not None:  # this step's part of a tied embedding's gradient alone; summed with the other copy's below
+        previous, tied.grad = tied.grad, None
     if group.first:
         with torch.no_grad():
             z = adapter.embed(inputs.input_ids)
@@ -275,6 +292,8 @@ def adjoint_step(context, batch, num_label_tokens: int | None = None, stats: Adj
         embedding_backward(adapter, inputs.input_ids, grad)
     else:
         group.send(grad, up=False)
+    if tied is not None:
+        group.sum_tied(tied, previous)
     if group.world_size > 1:  # every rank reports the loss the last rank computed
         value = loss.double() if group.last else torch.zeros((), dtype=torch.float64, device=grad.device)
         torch.distributed.broadcast(value, group.world_size - 1, group=group.process_group)

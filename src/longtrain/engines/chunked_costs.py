@@ -13,6 +13,10 @@ class ChunkedCosts(EngineCosts):
     every layer's forward in backward, chunk by chunk (as checkpointing does)."""
 
     attention_rate = "block_attention"  # the MachineRates field its attention kernels run at
+    extends_along_tokens = False  # along its chunks instead (chunk())
+
+    def serves(self, adapter_class, options) -> bool:
+        return adapter_class.has_attention  # chunked attention
 
     def chunk(self, options) -> int | None:
         return options.chunk

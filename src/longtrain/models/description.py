@@ -70,6 +70,7 @@ class ModelDescription:
     feed_forward: tuple[FeedForward, ...] = ()  # per layer
     tied_embeddings: bool = False
     max_positions: int | None = None
+    mixer_parameters: int = 0  # matmul parameters of a layer's token mixer other than attention (an SSM's projections)
 
     @property
     def has_attention(self) -> bool:
@@ -101,7 +102,7 @@ class ModelDescription:
         """Parameters in matmuls (layers' projections and MLPs or experts, the head; not the
         embedding lookup): all of them, or the ones a token multiplies by."""
         total = sum(block.parameters(self.hidden, active_only) for block in self.feed_forward)
-        return self.layers * self.attention_parameters + total + self.vocab * self.hidden
+        return self.layers * (self.attention_parameters + self.mixer_parameters) + total + self.vocab * self.hidden
 
     def flops_per_token(self, seq_len: int) -> float:
         """Forward and backward FLOPs per token of a ``seq_len``-token sample (the MFU

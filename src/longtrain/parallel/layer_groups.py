@@ -4,7 +4,11 @@
 Paper: the adjoint sharding paper, §4.4, Alg. 1 and 4, Tables 2–6. Rank r
 holds the parameters, gradients, optimizer state and the forward records (y, A, c, h)
 of its layers only; rank 0 also holds the embedding, the last rank the final norm and
-the LM head. One step:
+the LM head. Where the model ties the head to the embedding (every published Mamba), rank 0
+and the last rank each hold a copy of that matrix: after each step they swap their halves
+of its gradient and both add them in the order one process accumulates them (the head's
+first), so the copies stay equal and the gradient is the one-process one bit for bit; the
+last rank's copy is marked a mirror, which gradient norms count once. One step:
 
 - forward (Alg. 1): rank 0 embeds the tokens and runs its layers, then each rank
   receives the residual stream from the rank below, runs its layers and passes it up;
@@ -34,7 +38,9 @@ from ..errors import LongtrainError
 from ..models.adapters import adapter_for
 from ..models.layers import unwrap
 
-__all__ = ["LayerGroup", "layer_ranges", "owned_parameters", "shard_model"]
+__all__ = ["LayerGroup", "layer_ranges", "mirrored", "owned_parameters", "shard_model"]
+
+_MIRROR = "_longtrain_mirror"  # set on the last rank's copy of a tied embedding
 
 def layer_ranges(n_layers: int, world_size: int) -> list[range]:
     """Contiguous, balanced layer groups, one per rank (earlier ranks take the remainder)."""
@@ -56,11 +62,12 @@ class LayerGroup:
     """This rank's share of the model: its layer indices and whether it holds the
     embedding (first rank) or the head (last rank)."""
 
-    def __init__(self, n_layers: int, rank: int, world_size: int, process_group=None):
+    def __init__(self, n_layers: int, rank: int, world_size: int, process_group=None, tied: bool = False):
         self.rank, self.world_size, self.process_group = rank, world_size, process_group
         self.layers = layer_ranges(n_layers, world_size)[rank]
         self.first = rank == 0
         self.last = rank == world_size - 1
+        self.tied = tied and world_size > 1 and (self.first or self.last)  # this rank holds a tied embedding's copy
 
     def send(self, tensor: torch.Tensor, up: bool) -> None:
         dist.send(tensor.contiguous(), self.rank + (1 if up else -1), group=self.process_group)
@@ -70,6 +77,21 @@ class LayerGroup:
         buffer = torch.empty_like(like)
         dist.recv(buffer, self.rank + (1 if up else -1), group=self.process_group)
         return buffer
+
+    def sum_tied(self, weight: nn.Parameter, previous: torch.Tensor | None) -> None:
+        """Swap this step's gradient of a tied embedding's copy (rank 0: the embedding's
+        part, last rank: the head's) with the other copy's rank and set both to
+        ``previous`` (the micro-batches before) + head part + embedding part."""
+        if not self.tied or weight.grad is None:
+            return
+        mine = weight.grad
+        theirs = torch.empty_like(mine)
+        peer = self.world_size - 1 if self.first else 0
+        request = dist.isend(mine.contiguous(), peer, group=self.process_group)
+        dist.recv(theirs, peer, group=self.process_group)
+        request.wait()
+        head, embedding = (theirs, mine) if self.first else (mine, theirs)
+        weight.grad = (head if previous is None else previous + head) + embedding
 
 
 def shard_model(context, rank: int, world_size: int, process_group=None) -> LayerGroup:
@@ -86,10 +108,8 @@ def shard_model(context, rank: int, world_size: int, process_group=None) -> Laye
     if getattr(adapter, "recurrence", None) is None:
         raise LongtrainError(f"layer groups split state-space models (SSM-ResNet, Mamba, Mamba-2) over processes, "
                              f"not {type(base).__name__}")
-    if world_size > 1 and adapter.description.tied_embeddings:
-        raise LongtrainError("layer groups need untied embeddings (the first rank holds the embedding, the last the head); "
-                             "set tie_word_embeddings=False, giving the head a copy of the embedding in a tied checkpoint")
-    group = LayerGroup(len(adapter.layers), rank, world_size, process_group)
+    tied = adapter.description.tied_embeddings
+    group = LayerGroup(len(adapter.layers), rank, world_size, process_group, tied=tied)
     for index, layer in enumerate(adapter.layers):
         if index not in group.layers:
             layer.to("meta")
@@ -97,9 +117,17 @@ def shard_model(context, rank: int, world_size: int, process_group=None) -> Laye
         adapter.embeddings().to("meta")
     if not group.last:
         adapter.norm().to("meta")
-        adapter.head().module.to("meta")
+        adapter.head().module.to("meta")  # a tied head gets a meta parameter of its own: the embedding keeps its matrix
+    if group.tied and group.last:
+        setattr(adapter.head().module.weight, _MIRROR, True)
     context.parallel = group
     return group
+
+
+def mirrored(parameter: nn.Parameter) -> bool:
+    """Whether ``parameter`` is the last rank's copy of a tied embedding (rank 0 holds the
+    same values and gradient; a norm over the ranks counts it there)."""
+    return getattr(parameter, _MIRROR, False)
 
 
 def owned_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

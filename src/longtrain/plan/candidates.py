@@ -21,11 +21,13 @@ CHUNKS = (8192, 16384, 32768)
 
 
 def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_chunk: bool = False,
-               chunks: tuple[int, ...] = CHUNKS) -> dict[str, Strategy]:
+               chunks: tuple[int, ...] = CHUNKS, adapter=None) -> dict[str, Strategy]:
     """The strategies the planner weighs at ``seq_len`` tokens: each technique's variants on
     the default engine, then each engine's (``candidates`` of their costs), with the
     techniques every candidate carries (MsT) where the engine takes them. ``every_chunk``:
-    every chunk size, however many chunks (for :func:`max_context`)."""
+    every chunk size, however many chunks (for :func:`max_context`). ``adapter``: the
+    model's adapter class; only the variants its costs say serve such models (no chunked
+    attention for a state-space model, no adjoint engine for a transformer)."""
     techniques = registry.techniques()
     always = [name for name, technique in sorted(techniques.items()) if technique.costs.in_every_candidate]
 
@@ -40,11 +42,13 @@ def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_ch
     for name, technique in sorted(techniques.items()):
         extra = carried(registry.engine(default.engine).accepts)
         for variant, options in technique.costs.candidates(host_memory).items():
-            found[label(variant, extra)] = Strategy(**{name: options}, **extra)
+            if adapter is None or technique.costs.serves(adapter, options):
+                found[label(variant, extra)] = Strategy(**{name: options}, **extra)
     for name, engine in sorted(registry.engines().items()):
         extra = carried(engine.accepts)
         for variant, options in engine.costs.candidates(seq_len, host_memory, layers, every_chunk, chunks).items():
-            found[label(variant, extra)] = Strategy(engine=name, engine_options=options, **extra)
+            if adapter is None or engine.costs.serves(adapter, options):
+                found[label(variant, extra)] = Strategy(engine=name, engine_options=options, **extra)
     return found
 
 

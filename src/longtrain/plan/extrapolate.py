@@ -149,16 +149,33 @@ def chunk_axis(config, seq_len: int, strategy: Strategy) -> Axis | None:
     in every size. At least ``2 · depth`` chunks past the sliding window, if any (until a
     chunk sees a whole window, each sees more than the one before); SpaCO backpropagates
     its last ``budget`` chunks when simulated, so its sizes start two chunks above that.
-    Not under sequence parallelism (its padded layouts)."""
+    Not under sequence parallelism (its padded layouts). An engine without chunks that runs
+    the model's own step extends along the model's token blocks where it has them
+    (:func:`token_axis`)."""
     chunk = chunk_of(strategy)
     if chunk is None:
-        return None
+        return token_axis(config, seq_len, strategy)
     count = -(-seq_len // chunk)
     last = seq_len - (count - 1) * chunk
     window = describe_model(config).sliding_window
     first = 2 * _depth(strategy) + (-(-window // chunk) + 1 if window else 0)
     first = max(first, _engine_costs(strategy).fewest_chunks(strategy.engine_options))
     axis = Axis("chunks", chunk, last - chunk, count, first)
+    return axis if axis.extrapolated else None
+
+
+def token_axis(config, seq_len: int, strategy: Strategy) -> Axis | None:
+    """Tokens in whole blocks of :meth:`~longtrain.models.adapters.base.DecoderAdapter.token_block`
+    (a state-space model's own step: each token's memory alike), the last, possibly partial,
+    block kept in every size; for engines that run that step (``extends_along_tokens``).
+    The fit's check simulation catches a step that is not affine after all."""
+    if strategy.sequence_parallel is not None or not _engine_costs(strategy).extends_along_tokens:
+        return None
+    block = _adapter(config).token_block(config)
+    if block is None:
+        return None
+    count = -(-seq_len // block)
+    axis = Axis("chunks", block, seq_len - count * block, count, 2 * _depth(strategy))
     return axis if axis.extrapolated else None
 
 
@@ -341,7 +358,7 @@ class _Fitted:
             parts.append(f"{layers.value(a)}, {layers.value(a + 1)} layers (checked at {layers.value(a + 2)})")
         if axis is not None:
             parts.append(f"{axis.value(b):,}, {axis.value(b + 1):,} tokens (checked at {axis.value(b + 2):,}; "
-                         f"chunks of {axis.unit:,})")
+                         f"{'chunks' if chunk_of(strategy) else 'blocks'} of {axis.unit:,})")
         method = f"extrapolated from {len(sims)} small simulations: " + " × ".join(parts) + "; --exact: the whole model"
         return _Simulated(report, parameters, trainable, notes, method)
 

@@ -187,7 +187,7 @@ def max_context(model, *, device_memory: int, host_memory: int, optimizer: str =
                                   dtype=parse_dtype(dtype), lora_rank=lora_rank, optimizer_offload=optimizer_offload)
     limits = []
     for label, strategy in candidates(LIMIT, host_memory, describe_model(config).layers, every_chunk=True,
-                                      chunks=chunks).items():
+                                      chunks=chunks, adapter=adapter_class(config.model_type)).items():
         if not registry.engine(strategy.engine).costs.in_longest_search(strategy.engine_options):
             continue  # parks more than another variant at the same chunk: never the longer context
         for budget in budgets:

@@ -85,14 +85,15 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
          dtype: str = "bfloat16", rates: MachineRates = H100, longest: bool = False, batch: int = 1,
          gpus: int = 1, lora_rank: int | None = None, exhaustive: bool = False,
          optimizer_offload: bool | None = None, rates_name: str = "h100", workers: int = 1,
-         progress: Callable[[str], None] | None = None) -> Plan:
+         progress: Callable[[str], None] | None = None, engine: str | None = None) -> Plan:
     """Rank the candidate strategies for ``model`` (preset, directory or config) at
     ``seq_len`` tokens on ``gpus`` devices of ``device_memory`` bytes each (sequence
     parallel over them when more than one) with ``host_memory`` bytes of host memory in
     all (module docstring). ``lora_rank``: train LoRA adapters of that rank instead of
     every weight. ``optimizer_offload``: AdamW's state only in host memory (True), only on
     the device (False), or both weighed (None). ``workers``: processes simulating
-    candidates at once (the command line uses one per core, up to 4)."""
+    candidates at once (the command line uses one per core, up to 4). ``engine``: weigh only that
+    engine's variants."""
     say = progress or (lambda _: None)
     if gpus < 1:
         raise LongtrainError(f"--gpus must be a positive count, got {gpus}")
@@ -104,13 +105,22 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
                                   dtype=torch_dtype, lora_rank=lora_rank, gpus=gpus, optimizer_offload=optimizer_offload)
     name = model if isinstance(model, str) else getattr(config, "name_or_path", "") or config.model_type
     result = Plan(name, seq_len, device_memory, host_memory, optimizer, str(torch_dtype).replace("torch.", ""), [],
-                  gpus, lora_rank, rates_name)
+                  gpus, lora_rank, rates_name, adapter_class(config.model_type).untimed_work)
     sp = {"degree": gpus} if gpus > 1 else None
     jobs = []
-    usual = candidates(seq_len, host_memory, describe_model(config).layers)
+    kind = adapter_class(config.model_type)
+    usual = candidates(seq_len, host_memory, describe_model(config).layers, adapter=kind)
     # FPDT with more than 32 chunks costs host time per chunk: tried only when nothing with
     # fewer fits (after every usual candidate), since smaller chunks reach longer contexts.
-    every = candidates(seq_len, host_memory, describe_model(config).layers, every_chunk=True)
+    every = candidates(seq_len, host_memory, describe_model(config).layers, every_chunk=True, adapter=kind)
+    if engine is not None:
+        registry.engine(engine)  # an unknown name is refused in one line
+        usual, every = ({label: s for label, s in found.items() if s.engine == engine} for found in (usual, every))
+        if not every:
+            serving = sorted({s.engine for s in candidates(seq_len, host_memory, describe_model(config).layers,
+                                                           every_chunk=True, adapter=kind).values()})
+            raise LongtrainError(f"--engine {engine} does not train {config.model_type} models; engines a plan weighs "
+                                 f"for them: {', '.join(serving)}")
     fallback = {label for label, strategy in every.items()
                 if label not in usual and strategy.engine_options.chunk < seq_len}
     many = set()  # the candidates' names with over 32 chunks

@@ -62,6 +62,7 @@ class Plan:
     gpus: int = 1
     lora_rank: int | None = None
     rates_name: str = "h100"
+    untimed: str | None = None  # work of the model the time model does not count (its adapter's untimed_work)
 
     @property
     def best(self) -> PlanRow | None:
@@ -114,4 +115,5 @@ class Plan:
                       "--exhaustive simulates them", ""]
         return "\n".join(lines + [
             self.verdict(), "memory simulated (device × the allocator's measured fragmentation margin); "
-            f"step time from the time model at the {self.rates_name} rates (longtrain.plan.time_model)"])
+            f"step time from the time model at the {self.rates_name} rates (longtrain.plan.time_model)"
+            + (f"; it does not count {self.untimed}" if self.untimed else "")])

@@ -302,6 +302,10 @@ class CheckpointCosts(TechniqueCosts):
         # checkpointed inputs too, first (whole-sequence layers past where their inputs fit the device).
         return {"checkpoint": budget or True, "checkpoint:offload_inputs": {"offload_inputs": True, **budget}}
 
+    def serves(self, adapter_class, options) -> bool:
+        parks_inputs = isinstance(options, dict) and options.get("offload_inputs")
+        return adapter_class.has_attention or not parks_inputs  # it parks attention layers' inputs
+
     def with_whole_layers(self, name, options: CheckpointOptions, count):
         return dataclasses.replace(options, except_last=count), f"{name}:except_last={count}"
 

@@ -475,6 +475,9 @@ class MemoCosts(TechniqueCosts):
     def candidates(self, host_memory):
         return {"memo": {"host_memory": host_memory}}
 
+    def serves(self, adapter_class, options) -> bool:
+        return adapter_class.has_attention  # it keeps attention outputs
+
     def describe(self, work: StepWork, options: MemoOptions) -> None:
         work.mlp_forward_charged = True
 

@@ -86,11 +86,14 @@ class Ranks:
         without copying the gradient (``vector_norm`` with a float64 accumulator), and
         the squares are summed in float64, so a run's result does not depend on how its
         layers were split over processes; one value crosses to the host."""
+        from ..parallel.layer_groups import mirrored
+
         grads = [p.grad for p in parameters if p.grad is not None]
+        counted = [p.grad for p in parameters if p.grad is not None and not mirrored(p)]  # a tied copy counts once
         local = torch.zeros((), dtype=torch.float64)
-        if grads:  # (a rank without gradients still joins the all-reduce)
+        if counted:  # (a rank without gradients still joins the all-reduce)
             # Under FSDP each rank holds disjoint shards: its own squares, summed over ranks.
-            shards = [_local(g) for g in grads]
+            shards = [_local(g) for g in counted]
             norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64).to(shards[0].device) for g in shards])
             local = norms.square().sum()
         if self.distributed:

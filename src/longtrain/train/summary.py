@@ -16,7 +16,7 @@ import torch
 from ..errors import writing
 from ..memory.allocator import allocator_setting
 from ..memory.units import format_bytes
-from ..models.adapters import adapter_class, describe_model
+from ..models.adapters import describe_model
 from ..strategy import Strategy, applied_context, pinned_host_bytes
 from . import checkpoint as ckpt
 from .config import TrainConfig
@@ -40,9 +40,7 @@ def write_summary(out: Path, config: TrainConfig, *, strategy: Strategy, model, 
     window = max(1, min(10, len(losses) // 4))
     steady = step_times[1:] or step_times
     # LoRA is not simulated yet: the stock figure is full fine-tuning, an upper bound.
-    unsimulated = adapter_class(base_config.model_type).stock_not_simulated
-    stock = None if unsimulated else simulate(base_config, c.seq_len, batch_size=c.batch_size, strategy="none",
-                                              optimizer=c.optimizer, dtype=dtype)
+    stock = simulate(base_config, c.seq_len, batch_size=c.batch_size, strategy="none", optimizer=c.optimizer, dtype=dtype)
     summary = {
         "model": c.model, "seq_len": c.seq_len, "strategy": strategy.name, "steps": steps,
         "steps_trained": len(step_times),  # by this command (fewer than "steps" when it resumed)
@@ -62,8 +60,8 @@ def write_summary(out: Path, config: TrainConfig, *, strategy: Strategy, model, 
         "attention_kernel": _attention_kernel(base_config, device, compute_dtype),
         # Host memory longtrain parked chunks in (chunked attention's pinned pool).
         "host_pool_bytes": pinned_host_bytes(model),
-        "simulated_stock_peak_bytes": None if stock is None else stock.device_peak_bytes,
-        "simulated_stock_setup": unsimulated or ("full fine-tuning" if c.lora else "same setup"),
+        "simulated_stock_peak_bytes": stock.device_peak_bytes,
+        "simulated_stock_setup": "full fine-tuning" if c.lora else "same setup",
         "seconds": seconds,
         "device": str(device),
         "processes": processes,
@@ -124,8 +122,8 @@ def format_summary(summary: dict) -> str:
         _evaluation_row(summary["task"], summary.get("task_before")),
         _throughput_row(summary),
         ("measured peak memory", _peak_text(summary) if summary.get("steps_trained", 1) else "n/a (no step trained by this command)"),
-        ("simulated stock peak", f"not simulated: {summary['simulated_stock_setup']}" if summary["simulated_stock_peak_bytes"] is None
-         else f"{format_bytes(summary['simulated_stock_peak_bytes'])} (same model, no techniques, {summary['simulated_stock_setup']}, seq_len {summary['seq_len']:,})"),
+        ("simulated stock peak", f"{format_bytes(summary['simulated_stock_peak_bytes'])} (same model, no techniques, "
+                                 f"{summary['simulated_stock_setup']}, seq_len {summary['seq_len']:,})"),
         ("wall time", f"{summary['seconds']:.0f} s for {_steps_phrase(summary)}, strategy {summary['strategy']}"),
     ]
     if summary.get("processes", 1) > 1:

@@ -67,8 +67,15 @@ class DecoderAdapter:
     simulated_whole: ClassVar[bool] = False
     # Linear layers LoRA leaves alone: those the model's forward reads as weights, not calls.
     lora_exclude: ClassVar[tuple[str, ...]] = ()
-    # Why a run's summary does not simulate the stock model (None: it does).
-    stock_not_simulated: ClassVar[str | None] = None
+    # Work of the model's own step the time model does not count (plans say so; None: none).
+    untimed_work: ClassVar[str | None] = None
+
+    @classmethod
+    def token_block(cls, config) -> int | None:
+        """Tokens per block such that the model's own step (forward and backward) takes
+        memory affine in the number of whole blocks, so simulations run a few blocks and
+        extend: attention-free layers, whose every token saves alike. None: attention."""
+        return None
 
     def __init__(self, model: nn.Module):
         self.model = model

@@ -8,9 +8,11 @@ is cast to the head's dtype. Its torch path runs (no CUDA kernels are needed); t
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import nn
 
-from .base import register_adapter
+from .base import AttentionFreeAdapter, register_adapter
 from .mamba import MambaAdapter
 from .mamba2_recurrence import Mamba2Recurrence
 
@@ -21,6 +23,21 @@ __all__ = ["Mamba2Adapter"]
 class Mamba2Adapter(MambaAdapter):
     families = ("mamba2",)
     title = "Mamba-2"
+    untimed_work = None  # its stock scan runs in chunks, vectorized
+
+    @classmethod
+    def describe(cls, config):
+        """As any SSM, with the mixer's projections: in (hidden → 2·I + 2·G·N + H) and out (I → hidden)."""
+        inner = config.num_heads * config.head_dim
+        projected = 2 * inner + 2 * config.n_groups * config.state_size + config.num_heads
+        mixer = config.hidden_size * projected + inner * config.hidden_size
+        return dataclasses.replace(AttentionFreeAdapter.describe(config), mixer_parameters=mixer)
+
+    @classmethod
+    def token_block(cls, config) -> None:
+        # The stock chunked scan forms a (chunks × chunks) decay matrix per head: memory
+        # quadratic in the length, not affine; simulated whole (it is vectorized, so quick).
+        return None
 
     def recurrence(self, layer: nn.Module) -> Mamba2Recurrence:
         return Mamba2Recurrence(layer)
