@@ -205,3 +205,16 @@ def test_the_time_model_counts_the_mixers_projections(preset):
     model = build_from_config(config, torch.float32)
     linear = sum(m.weight.numel() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear))
     assert describe_model(config).matmul_parameters() == linear
+
+
+def test_the_time_model_charges_the_stock_scans_python_steps():
+    """Engines that run Mamba's own step pay a Python step per token, layer and pass (forward,
+    two backward, each recomputation); the adjoint engine and Mamba-2's chunked scan do not."""
+    from longtrain.models.presets import preset_config
+    from longtrain.plan.time_model import H100, step_time
+
+    config = preset_config("mamba-130m")
+    parts = step_time(config, 4096, lt.Strategy.parse("checkpoint,mst")).parts
+    assert parts["token_steps"] == pytest.approx(4 * 4096 * config.num_hidden_layers * H100.token_step)
+    assert "token_steps" not in step_time(config, 4096, lt.Strategy(engine="adjoint")).parts
+    assert "token_steps" not in step_time(preset_config("mamba2-2.7b"), 4096, lt.Strategy.parse("checkpoint,mst")).parts

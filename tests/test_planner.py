@@ -423,14 +423,19 @@ def test_plans_weigh_the_engines_and_techniques_that_serve_the_model():
 
 
 def test_a_plan_for_mamba_ranks_the_adjoint_engine(capsys):
-    """`longtrain plan` on a Mamba: the adjoint engine weighed and, keeping its states (no
-    layer recomputed), predicted fastest; checkpointing after it (recomputes every layer)."""
+    """`longtrain plan` on a Mamba: the adjoint engine weighed beside checkpointing, its states
+    kept predicted faster than rebuilt; sequence parallelism (over attention heads) refused."""
     assert main(["plan", "--model", "tiny-mamba", "--seq-len", "2K", "--device-memory", "1GiB",
                  "--host-memory", "4GiB", "--no-optimizer-offload", "--jobs", "1"]) == 0
     out = capsys.readouterr().out
-    assert "fastest that fits: adjoint:recompute=false" in out and "a Python step per token" in out
+    assert "Python step per token and layer" in out and "estimated token_step" in out  # the stock scan
     rows = [line.split()[0] for line in out.splitlines() if line.startswith(("adjoint", "checkpoint"))]
-    assert rows == ["adjoint:recompute=false", "adjoint", "checkpoint,mst"]
+    assert sorted(rows) == ["adjoint", "adjoint:recompute=false", "checkpoint,mst"]
+    # No layer rebuilt; and the stock scan's Python step per token, charged at an estimated rate, last.
+    assert rows.index("adjoint:recompute=false") < rows.index("adjoint") < rows.index("checkpoint,mst")
+    assert main(["plan", "--model", "tiny-mamba", "--seq-len", "2K", "--device-memory", "1GiB", "--host-memory", "4GiB",
+                 "--gpus", "2"]) == 2
+    assert "has no attention; plan one GPU" in capsys.readouterr().err
 
 
 def test_plan_weighs_one_engine_when_asked(capsys):

@@ -243,7 +243,12 @@ class AdjointCosts(EngineCosts):
         return {"adjoint": {}, "adjoint:recompute=false": {"recompute": False}}
 
     def describe(self, work: StepWork, options: AdjointOptions) -> None:
-        work.recomputes_layers = options.recompute  # each layer's forward again in backward
+        work.recomputes_layers = True  # each VJP block runs its tokens' projections again
+        work.chunked_head = True  # the loss in mini-sequences
+
+    def add_work(self, work: StepWork, options: AdjointOptions) -> None:
+        if options.recompute:  # and the layer's states rebuilt before its VJPs
+            work.matmul += work.layer_fwd
 
 
 _OWN_MEMORY = "the adjoint engine keeps only each layer's input and runs its head in mini-sequences already"

@@ -82,14 +82,15 @@ class LayerGroup:
         """Swap this step's gradient of a tied embedding's copy (rank 0: the embedding's
         part, last rank: the head's) with the other copy's rank and set both to
         ``previous`` (the micro-batches before) + head part + embedding part."""
-        if not self.tied or weight.grad is None:
+        if not self.tied or not weight.requires_grad:  # (both copies frozen alike: LoRA)
             return
-        mine = weight.grad
+        mine = weight.grad.contiguous() if weight.grad is not None else torch.zeros_like(weight)
         theirs = torch.empty_like(mine)
         peer = self.world_size - 1 if self.first else 0
-        request = dist.isend(mine.contiguous(), peer, group=self.process_group)
-        dist.recv(theirs, peer, group=self.process_group)
-        request.wait()
+        # One batch, so NCCL pairs the send and the receive (separately, each would wait for the other).
+        for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer, self.process_group),
+                                               dist.P2POp(dist.irecv, theirs, peer, self.process_group)]):
+            request.wait()
         head, embedding = (theirs, mine) if self.first else (mine, theirs)
         weight.grad = (head if previous is None else previous + head) + embedding
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import registry
-from ..models.adapters import describe_model
+from ..models.adapters import adapter_class, describe_model
 from ..costs import StepWork
 
 __all__ = ["H100", "MachineRates", "StepTime", "step_time"]
@@ -60,6 +60,9 @@ class MachineRates:
     host_bandwidth: float = 2.5e10  # bytes/s, device <-> pinned host
     cpu_adam: float = 1.5e9  # parameters/s of fused CPU AdamW with fp32 masters (16 cores; an estimate, not measured on the GPU host)
     interconnect: float = 3.0e11  # bytes/s per GPU of all-to-all (NVLink; not yet measured)
+    # seconds per token and layer of a scan the model runs as a Python step per token (Mamba's
+    # stock PyTorch path: ~10 small kernels; an estimate, not measured on a GPU), per pass
+    token_step: float = 1.0e-4
     peak: float = 9.89e14  # dense bf16 peak, for MFU
 
 
@@ -115,6 +118,10 @@ def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: 
         parts["chunk_overhead"] = (1 + work.inner) * rates.per_chunk_layer * n * -(-tokens // work.chunk)
     if work.exposed:
         parts["exposed_copies"] = work.exposed
+    if engine.extends_along_tokens and adapter_class(config.model_type).scan_per_token(config):
+        # The stock scan, token by token: forward, backward (two passes) and each recomputation.
+        passes = 3 + (work.recomputed if work.recomputes_layers else 0)
+        parts["token_steps"] = passes * tokens * n * rates.token_step
     model_flops = work.model_flops
     if sp > 1:
         parts = {k: v / sp for k, v in parts.items()}

@@ -71,6 +71,12 @@ class DecoderAdapter:
     untimed_work: ClassVar[str | None] = None
 
     @classmethod
+    def scan_per_token(cls, config) -> bool:
+        """Whether the model's own step runs a Python step per token and layer (the time
+        model charges ``token_step`` for each)."""
+        return False
+
+    @classmethod
     def token_block(cls, config) -> int | None:
         """Tokens per block such that the model's own step (forward and backward) takes
         memory affine in the number of whole blocks, so simulations run a few blocks and
@@ -238,6 +244,7 @@ class AttentionFreeAdapter(DecoderAdapter):
 
     has_attention = False
     title: ClassVar[str] = "SSM"  # how a refusal names the model's layers
+    untimed_work = "the selective scan (the time model counts the projections and the head)"
 
     @classmethod
     def describe(cls, config) -> ModelDescription:

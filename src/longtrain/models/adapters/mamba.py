@@ -28,8 +28,9 @@ class MambaAdapter(AttentionFreeAdapter):
     # where installed) by x_proj.weight and out_proj.weight: adapters there would go unused
     # (peft refuses out_proj on Mamba). LoRA adapts in_proj.
     lora_exclude = ("dt_proj", "x_proj", "out_proj")
-    untimed_work = ("the scan of the stock model's PyTorch path, which every engine but adjoint runs (a Python "
-                    "step per token and layer: measured on CPU 14-18x slower than the adjoint engine's step)")
+    untimed_work = ("the selective scan's arithmetic; the stock PyTorch path's Python step per token and layer, "
+                    "which every engine but adjoint runs, is charged at an estimated token_step (not measured on a GPU; "
+                    "on CPU those steps were 3-18x slower than the adjoint engine's, 256 to 1,024 tokens)")
 
     @classmethod
     def describe(cls, config):
@@ -40,8 +41,14 @@ class MambaAdapter(AttentionFreeAdapter):
         return dataclasses.replace(super().describe(config), mixer_parameters=mixer)
 
     @classmethod
-    def token_block(cls, config) -> int:
-        return 64  # a step per token: any block; small, as a simulation runs a Python step per token
+    def scan_per_token(cls, config) -> bool:
+        return not getattr(config, "use_mambapy", False)  # without the mamba_ssm kernels: the stock torch path
+
+    @classmethod
+    def token_block(cls, config) -> int | None:
+        # A step per token: any block; small, as a simulation runs a Python step per token.
+        # With use_mambapy the scan is mambapy's parallel one, padded to a power of two: whole.
+        return None if getattr(config, "use_mambapy", False) else 64
 
     def __init__(self, model: nn.Module):  # the stack is ``backbone``, not ``model``
         self.model = model

@@ -23,7 +23,11 @@ __all__ = ["Mamba2Adapter"]
 class Mamba2Adapter(MambaAdapter):
     families = ("mamba2",)
     title = "Mamba-2"
-    untimed_work = None  # its stock scan runs in chunks, vectorized
+    untimed_work = "the selective scan (the stock model's runs in chunks; the adjoint engine's in log depth)"
+
+    @classmethod
+    def scan_per_token(cls, config) -> bool:
+        return False  # its stock scan runs in chunks, vectorized
 
     @classmethod
     def describe(cls, config):
