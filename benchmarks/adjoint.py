@@ -437,7 +437,7 @@ a warm-up, on two shared CPU cores: times are indicative.""",
             mamba_presets(), """
 Simulated (fake tensors, the training step's code path; bf16, AdamW on the device, batch 1)
 at 128K and 256K tokens, extrapolated along the layers from 4–6 (backprop and checkpointing,
-whose stock scan runs a Python step per token, also along blocks of 64 tokens; the adjoint
+whose stock scan runs a Python step per token, also along blocks of 16 tokens; the adjoint
 engine's VJP blocks are sized to one layer's input past 16 MiB, so its short-length slope
 would understate long contexts, and so would the stock scan's); every engine's peak is linear in
 T (no attention), so two lengths give bytes/token, the longest context on 80 GiB and the

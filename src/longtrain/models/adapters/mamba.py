@@ -48,7 +48,7 @@ class MambaAdapter(AttentionFreeAdapter):
     def token_block(cls, config) -> int | None:
         # A step per token: any block; small, as a simulation runs a Python step per token.
         # With use_mambapy the scan is mambapy's parallel one, padded to a power of two: whole.
-        return None if getattr(config, "use_mambapy", False) else 64
+        return None if getattr(config, "use_mambapy", False) else 16
 
     def __init__(self, model: nn.Module):  # the stack is ``backbone``, not ``model``
         self.model = model
