@@ -256,7 +256,7 @@ def test_a_state_space_models_own_step_extends_along_its_tokens(monkeypatch):
     from longtrain.models.adapters.mamba import MambaAdapter
     from longtrain.plan.extrapolate import token_axis
 
-    monkeypatch.setattr(MambaAdapter, "token_block", classmethod(lambda cls, config: 8))
+    monkeypatch.setattr(MambaAdapter, "token_block", classmethod(lambda cls, config: 8 if cls.scan_per_token(config) else None))
     config = preset_config("tiny-mamba", num_hidden_layers=2)
     strategy = lt.Strategy.parse("checkpoint,mst")
     fast = simulate(config, 101, strategy=strategy, dtype="float32")

@@ -119,12 +119,11 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
     every = candidates(seq_len, host_memory, describe_model(config).layers, every_chunk=True, adapter=kind)
     if engine is not None:
         registry.engine(engine)  # an unknown name is refused in one line
-        usual, every = ({label: s for label, s in found.items() if s.engine == engine} for found in (usual, every))
-        if not every:
-            serving = sorted({s.engine for s in candidates(seq_len, host_memory, describe_model(config).layers,
-                                                           every_chunk=True, adapter=kind).values()})
+        serving = sorted({s.engine for s in every.values()})
+        if engine not in serving:
             raise LongtrainError(f"--engine {engine} does not train {config.model_type} models; engines a plan weighs "
                                  f"for them: {', '.join(serving)}")
+        usual, every = ({label: s for label, s in found.items() if s.engine == engine} for found in (usual, every))
     fallback = {label for label, strategy in every.items()
                 if label not in usual and strategy.engine_options.chunk < seq_len}
     many = set()  # the candidates' names with over 32 chunks

@@ -42,13 +42,14 @@ class MambaAdapter(AttentionFreeAdapter):
 
     @classmethod
     def scan_per_token(cls, config) -> bool:
-        return not getattr(config, "use_mambapy", False)  # without the mamba_ssm kernels: the stock torch path
+        # Without the mamba_ssm kernels, the stock torch path; with use_mambapy, mambapy's
+        # parallel scan (padded to a power of two).
+        return not getattr(config, "use_mambapy", False)
 
     @classmethod
     def token_block(cls, config) -> int | None:
         # A step per token: any block; small, as a simulation runs a Python step per token.
-        # With use_mambapy the scan is mambapy's parallel one, padded to a power of two: whole.
-        return None if getattr(config, "use_mambapy", False) else 16
+        return 16 if cls.scan_per_token(config) else None
 
     def __init__(self, model: nn.Module):  # the stack is ``backbone``, not ``model``
         self.model = model

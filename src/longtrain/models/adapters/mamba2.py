@@ -27,7 +27,9 @@ class Mamba2Adapter(MambaAdapter):
 
     @classmethod
     def scan_per_token(cls, config) -> bool:
-        return False  # its stock scan runs in chunks, vectorized
+        # Its stock scan runs in chunks, vectorized, and forms a (chunks × chunks) decay matrix
+        # per head: memory quadratic in the length, so no token blocks either (simulated whole).
+        return False
 
     @classmethod
     def describe(cls, config):
@@ -36,12 +38,6 @@ class Mamba2Adapter(MambaAdapter):
         projected = 2 * inner + 2 * config.n_groups * config.state_size + config.num_heads
         mixer = config.hidden_size * projected + inner * config.hidden_size
         return dataclasses.replace(AttentionFreeAdapter.describe(config), mixer_parameters=mixer)
-
-    @classmethod
-    def token_block(cls, config) -> None:
-        # The stock chunked scan forms a (chunks × chunks) decay matrix per head: memory
-        # quadratic in the length, not affine; simulated whole (it is vectorized, so quick).
-        return None
 
     def recurrence(self, layer: nn.Module) -> Mamba2Recurrence:
         return Mamba2Recurrence(layer)
