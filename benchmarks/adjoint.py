@@ -18,9 +18,11 @@
    checkpoint + MsT and adjoint for ssm-127m at 16K and 64K tokens (not yet measured).
 8. ``mamba``: Hugging Face Mamba. Exact CPU peak (tracked storages) and step time of a
    small Mamba under backprop, checkpoint + MsT and the adjoint engine at equal lengths;
-   the simulated peak of mamba-130m and mamba-1.4b at two lengths per engine, fitted linearly
-   (no attention: every engine's peak is linear in T) to the longest context on 80 GiB
-   and drawn to 1M tokens in docs/adjoint_mamba.png.
+   the simulated peak of mamba-130m and mamba-1.4b at two lengths per engine (and with the
+   layer inputs parked in host memory), fitted linearly (no attention: every engine's peak
+   is linear in T) to the longest context on 80 GiB and drawn to 1M tokens in
+   docs/adjoint_mamba.png. ``mamba-presets`` runs the simulated part alone, keeping the rows
+   docs/adjoint_mamba.json has (``--fresh``: all simulated again).
 
 Writes docs/adjoint_{cpu,count,presets,ranks,training,mamba}.{json,md}, docs/adjoint.png
 and docs/adjoint_mamba.png.
@@ -148,7 +150,9 @@ def presets(lengths=(8192, 16384), device_bytes=80 * GiB) -> list[dict]:
 
 MAMBA_SMALL = dict(vocab_size=4096, hidden_size=64, state_size=16, num_hidden_layers=4)
 MAMBA_PRESETS = ["mamba-130m", "mamba-1.4b"]
-MAMBA_STRATEGIES = {"backprop": "none", "checkpoint+mst": "checkpoint,mst", "adjoint": None}
+MAMBA_STRATEGIES = {"backprop": "none", "checkpoint+mst": "checkpoint,mst", "adjoint": "adjoint"}
+# Simulated only: the same with every layer's input parked in host memory.
+MAMBA_PARKED = {"checkpoint:offload_inputs+mst": "checkpoint:offload_inputs,mst", "adjoint:offload_inputs": "adjoint:offload_inputs"}
 
 
 def mamba_cpu(lengths=(256, 512, 1024)) -> list[dict]:
@@ -158,7 +162,7 @@ def mamba_cpu(lengths=(256, 512, 1024)) -> list[dict]:
         batch = {"input_ids": torch.randint(0, 4096, (1, n), generator=torch.Generator().manual_seed(0))}
         base = {}
         for name, spec in MAMBA_STRATEGIES.items():
-            strategy = lt.Strategy.parse(spec or "none", engine="adjoint" if spec is None else None)
+            strategy = lt.Strategy.parse(spec)
             make = lambda: build_from_config(preset_config("tiny-mamba", **MAMBA_SMALL), torch.float32)  # noqa: E731
             report, _ = run_training_steps(make, seq_len=n, batch_size=1, strategy=strategy, optimizer="none",
                                            iterations=1, fake=False)
@@ -180,34 +184,45 @@ def mamba_cpu(lengths=(256, 512, 1024)) -> list[dict]:
 # per token, simulated along blocks of tokens (DecoderAdapter.token_block); the adjoint engine
 # sizes its VJP blocks to one layer's input once that passes 16 MiB (about 11K tokens of
 # mamba-130m), so its peak is linear in T from there, with a steeper slope than below.
-MAMBA_LENGTHS = {"backprop": (131072, 262144), "checkpoint+mst": (131072, 262144), "adjoint": (131072, 262144)}
+MAMBA_LENGTHS = (131072, 262144)
 
 
-def mamba_presets(device_bytes=80 * GiB) -> list[dict]:
+def mamba_presets(device_bytes=80 * GiB, fresh: bool = False) -> list[dict]:
     """Simulated peak (bf16, AdamW, batch 1) of the Mamba presets at two lengths per engine,
-    fitted linearly in T."""
-    rows = []
+    fitted linearly in T. Rows already in docs/adjoint_mamba.json at these lengths are kept
+    (each says when it was simulated) unless ``fresh``."""
+    path = DOCS / "adjoint_mamba.json"
+    kept = {} if fresh or not path.exists() else {(r["model"], r["engine"], r["lengths"]): r
+                                                   for r in json.loads(path.read_text())["rows"]}
+    (n0, n1), rows = MAMBA_LENGTHS, []
     for preset in MAMBA_PRESETS:
-        fits = {}
-        for name, spec in MAMBA_STRATEGIES.items():
-            strategy = lt.Strategy.parse(spec or "none", engine="adjoint" if spec is None else None)
-            peaks = []
-            for n in MAMBA_LENGTHS[name]:
-                started = time.perf_counter()
-                report = simulate(preset, n, batch_size=1, strategy=strategy)
-                peaks.append(report.device_peak_bytes)
-                print(preset, name, n, f"{report.device_peak_bytes / GiB:.2f} GiB in {time.perf_counter() - started:.0f} s", flush=True)
-            (n0, n1), (p0, p1) = MAMBA_LENGTHS[name], peaks
-            per_token = (p1 - p0) / (n1 - n0)
-            fits[name] = per_token
-            fixed = p0 - per_token * n0
-            rows.append({"model": preset, "engine": name, "lengths": f"{n0:,}, {n1:,}", "peak_short_gib": p0 / GiB,
-                         "peak_long_gib": p1 / GiB, "bytes_per_token": per_token, "fixed_gib": fixed / GiB,
-                         "max_tokens_80gib": int((device_bytes - fixed) // per_token) if per_token > 0 else None,
-                         "predicted_1m_gib": (fixed + per_token * 2**20) / GiB})
-        for row in rows[-len(MAMBA_STRATEGIES):]:
-            row["per_token_vs_backprop"] = row["bytes_per_token"] / fits["backprop"]
+        for name, spec in {**MAMBA_STRATEGIES, **MAMBA_PARKED}.items():
+            row = kept.get((preset, name, f"{n0:,}, {n1:,}"))
+            if row is None:
+                row = _simulated_line(preset, name, spec, device_bytes)
+            rows.append(row)
+        backprop = next(r for r in rows if r["model"] == preset and r["engine"] == "backprop")["bytes_per_token"]
+        for row in rows:
+            row["per_token_vs_backprop"] = row["bytes_per_token"] / backprop if row["model"] == preset else row["per_token_vs_backprop"]
     return rows
+
+
+def _simulated_line(preset: str, name: str, spec: str, device_bytes: int) -> dict:
+    peaks, hosts = [], []
+    for n in MAMBA_LENGTHS:
+        started = time.perf_counter()
+        report = simulate(preset, n, batch_size=1, strategy=lt.Strategy.parse(spec))
+        peaks.append(report.device_peak_bytes)
+        hosts.append(report.peak.peak_host_bytes)
+        print(preset, name, n, f"{report.device_peak_bytes / GiB:.2f} GiB in {time.perf_counter() - started:.0f} s", flush=True)
+    (n0, n1), (p0, p1) = MAMBA_LENGTHS, peaks
+    per_token = (p1 - p0) / (n1 - n0)
+    fixed = p0 - per_token * n0
+    return {"model": preset, "engine": name, "lengths": f"{n0:,}, {n1:,}", "peak_short_gib": p0 / GiB,
+            "peak_long_gib": p1 / GiB, "bytes_per_token": per_token, "fixed_gib": fixed / GiB,
+            "host_per_token": (hosts[1] - hosts[0]) / (n1 - n0),
+            "max_tokens_80gib": int((device_bytes - fixed) // per_token) if per_token > 0 else None,
+            "predicted_1m_gib": (fixed + per_token * 2**20) / GiB, "simulated": time.strftime("%Y-%m-%d")}
 
 
 def mamba_plot() -> None:
@@ -224,10 +239,11 @@ def mamba_plot() -> None:
     tokens = [2**k for k in range(10, 21)]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for color, preset in zip(colors, MAMBA_PRESETS):
-        for engine, style in (("backprop", "--"), ("checkpoint+mst", ":"), ("adjoint", "-")):
+        for engine, style in (("backprop", "--"), ("checkpoint+mst", ":"), ("checkpoint:offload_inputs+mst", (0, (1, 4))),
+                              ("adjoint", "-"), ("adjoint:offload_inputs", "-.")):
             row = next(r for r in preset_rows if r["model"] == preset and r["engine"] == engine)
-            axes[1].plot(tokens, [(row["fixed_gib"] * GiB + row["bytes_per_token"] * n) / GiB for n in tokens], style,
-                         color=color, label=f"{preset} {engine}")
+            axes[1].plot(tokens, [(row["fixed_gib"] * GiB + row["bytes_per_token"] * n) / GiB for n in tokens],
+                         linestyle=style, color=color, label=f"{preset} {engine}")
     axes[1].axhline(80, color="gray", lw=0.8)
     axes[1].set(title="simulated peak, bf16 + AdamW, batch 1 (linear fits)", xlabel="context tokens", ylabel="GiB",
                 xscale="log", yscale="log")
@@ -408,8 +424,11 @@ def plot() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["cpu", "count", "presets", "ranks", "training", "plot", "gpu", "ranks-worker", "mamba"],
-                        help="run one part (default: all but gpu and mamba)")
+    parser.add_argument("--only", choices=["cpu", "count", "presets", "ranks", "training", "plot", "gpu", "ranks-worker", "mamba",
+                                           "mamba-presets"],
+                        help="run one part (default: all but gpu and mamba; mamba-presets: mamba's simulated part alone)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="mamba: simulate every preset row again (default: keep the rows docs/adjoint_mamba.json has)")
     args = parser.parse_args()
     if args.only == "ranks-worker":
         ranks_worker()
@@ -428,13 +447,15 @@ its PyTorch path). Backprop is the model's own autograd graph (its scan runs tok
 `adjoint` keeps each layer's input and runs token-wise VJPs in blocks. One timed step after
 a warm-up, on two shared CPU cores: times are indicative.""",
             "python benchmarks/adjoint.py --only mamba")
+    if "mamba" in todo or "mamba-presets" in todo:
         write_report(
             "adjoint_mamba", "Hugging Face Mamba presets: simulated peak vs context", [
                 ("model", "model"), ("engine", "engine"), ("lengths", "simulated at"), ("peak_short_gib", "peak GiB (shorter)"),
                 ("peak_long_gib", "peak GiB (longer)"),
                 ("bytes_per_token", "bytes/token"), ("per_token_vs_backprop", "bytes/token / backprop"),
-                ("fixed_gib", "fixed GiB"), ("max_tokens_80gib", "longest on 80 GiB"), ("predicted_1m_gib", "1M tokens GiB")],
-            mamba_presets(), """
+                ("host_per_token", "host bytes/token"), ("fixed_gib", "fixed GiB"), ("max_tokens_80gib", "longest on 80 GiB"),
+                ("predicted_1m_gib", "1M tokens GiB"), ("simulated", "simulated on")],
+            mamba_presets(fresh=args.fresh), """
 Simulated (fake tensors, the training step's code path; bf16, AdamW on the device, batch 1)
 at 128K and 256K tokens, extrapolated along the layers from 4–6 (backprop and checkpointing,
 whose stock scan runs a Python step per token, also along blocks of 16 tokens; the adjoint
@@ -445,8 +466,11 @@ peak at 1M tokens (predicted, not simulated there). Mamba's state is I × N = 2�
 numbers per token and layer: backprop keeps it (and the scan's inputs) for every layer; the
 adjoint engine keeps each layer's input and materializes the state of one layer at a time
 (its decays, states and adjoint states over the whole sequence), which is what its
-bytes/token are made of.""",
-            "python benchmarks/adjoint.py --only mamba")
+bytes/token are made of. `:offload_inputs` parks the layer inputs in pinned host memory
+(host bytes/token; the adjoint engine all but the top layer's), each fetched while the
+layer above runs its backward; host memory is taken to hold them. Rows already in adjoint_mamba.json
+are kept (simulated on: the date); `--fresh` simulates them all again.""",
+            "python benchmarks/adjoint.py --only mamba-presets")
         mamba_plot()
     if "cpu" in todo:
         write_report(

@@ -589,8 +589,11 @@ def test_new_families_in_float32_on_cuda_equal_float64(preset, strategy):
 
 
 MAMBA_STRATEGIES = {"backprop": lambda: lt.Strategy(), "checkpoint,mst": lambda: lt.Strategy(checkpoint=True, mst=True),
+                    "checkpoint:offload_inputs,mst": lambda: lt.Strategy.parse("checkpoint:offload_inputs,mst"),
                     "adjoint": lambda: lt.Strategy(engine="adjoint", engine_options={"block": 64}),
-                    "adjoint(kept)": lambda: lt.Strategy(engine="adjoint", engine_options={"block": 100, "recompute": False})}
+                    "adjoint(kept)": lambda: lt.Strategy(engine="adjoint", engine_options={"block": 100, "recompute": False}),
+                    "adjoint:offload_inputs": lambda: lt.Strategy(engine="adjoint", engine_options={"block": 64,
+                                                                                                    "offload_inputs": True})}
 
 
 @functools.lru_cache(maxsize=None)

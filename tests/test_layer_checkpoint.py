@@ -3,6 +3,7 @@ reuses it (attention's forward runs once per layer per step) with stock autograd
 gradients, on the device or parked in host memory, within or past the host budget,
 with backward on another thread as CUDA runs it."""
 
+import copy
 import functools
 
 import pytest
@@ -15,7 +16,8 @@ from longtrain.models.presets import preset_config
 from longtrain.strategy import applied_context
 from longtrain.techniques.checkpoint import CheckpointOptions
 
-from conftest import check_step, packed_batch, padded_batch, stock_and_ours
+from conftest import backward_on_another_thread, check_step, grads, max_rel_error, packed_batch, padded_batch, stock_and_ours
+from ssm_helpers import padded, ssm, stock as ssm_stock
 
 TOL = 1e-10
 
@@ -178,11 +180,14 @@ class _StoreLog:
         from longtrain.memory.chunk_store import ChunkStore
 
         self.events = []
+        self.store = None  # the last store anything was put in
         put, get, prefetch = ChunkStore.put, ChunkStore.get, ChunkStore.prefetch
 
         def logged(kind, real):
             def call(store, key, *args, **kwargs):
                 self.events.append((kind, key[1], key[0]))
+                if kind == "put":
+                    self.store = store
                 return real(store, key, *args, **kwargs)
             return call
 
@@ -251,10 +256,39 @@ def test_parked_inputs_without_kept_attention_replay_it():
                another_thread=True)
 
 
-def test_parking_inputs_under_a_chunked_engine_or_without_attention_is_refused():
+def test_parking_inputs_under_a_chunked_engine_is_refused():
     _, ours = stock_and_ours("tiny-llama")
     with pytest.raises(lt.LongtrainError, match="offload_inputs.*seco engine parks its chunks itself"):
         lt.apply(ours, lt.Strategy(engine="seco", engine_options={"chunk": 64}, checkpoint={"offload_inputs": True}))
-    ssm = build_from_config(preset_config("tiny-ssm"), torch.float32)
-    with pytest.raises(lt.LongtrainError, match="offload_inputs parks the inputs of attention layers and this model has none"):
-        lt.apply(ssm, lt.Strategy(checkpoint={"offload_inputs": True}))
+
+
+@pytest.mark.parametrize("preset,randomized", [("tiny-mamba", ("conv1d.bias", ".D")),
+                                               ("tiny-mamba2", ("conv1d.bias", ".D", "mixer.norm.weight")),
+                                               ("tiny-ssm", ())],
+                         ids=["mamba", "mamba2", "ssm-resnet"])
+def test_inputs_of_a_model_without_attention_parked_give_exact_gradients(float64_throughout, preset, randomized,
+                                                                          monkeypatch):
+    """Mamba, Mamba-2 and the SSM-ResNet (no attention call marks their steps): each
+    checkpointed layer's input waits in host memory and comes back for its recomputation,
+    the layer below's fetch started then; the next step's bottom layer drops the last
+    step's entries."""
+    reference = ssm(preset, 3, torch.float64, 0, randomized)
+    ours = copy.deepcopy(reference)
+    batch = padded(29, left=True)
+    loss_ref, expected = ssm_stock(reference, batch)
+    log = _StoreLog(monkeypatch)
+    lt.apply(ours, lt.Strategy(checkpoint={"offload_inputs": True}, mst=lt.MsTOptions(loss_chunks=3)))
+    with backward_on_another_thread():
+        loss = lt.step(ours, batch)
+    assert abs(float(loss) - float(loss_ref)) <= 1e-12 * abs(float(loss_ref))
+    assert max_rel_error(grads(ours), expected) <= 1e-10
+    layers = [layer for _, layer in log.of("input", "put")]
+    assert len(layers) == 3 and layers == sorted(layers)
+    assert [layer for _, layer in log.of("input", "get")] == layers[::-1]
+    assert log.of("input").index(("prefetch", layers[0])) < log.of("input").index(("get", layers[0]))
+    parked = log.store.host_bytes
+    assert parked == sum(batch["input_ids"].numel() * reference.config.hidden_size * 8 for _ in layers)
+    with backward_on_another_thread():
+        lt.step(ours, batch)  # gradients accumulate: twice the stock ones
+    assert max_rel_error(grads(ours), {name: 2 * g for name, g in expected.items()}) <= 1e-10
+    assert log.store.host_bytes == parked and len(log.store) == 3

@@ -17,10 +17,13 @@ import torch
 import torch.nn.functional as F
 
 import longtrain as lt
+from longtrain.engines.adjoint import adjoint_step
 from longtrain.errors import LongtrainError
+from longtrain.memory.chunk_store import ChunkStore
 from longtrain.ops.loss import causal_lm_loss
+from longtrain.strategy import engine_context
 
-from conftest import grads, max_rel_error
+from conftest import backward_on_another_thread, grads, max_rel_error
 from ssm_helpers import adjoint_grads, check_equals_stock, check_lora_equals_stock, padded, rel, ssm, stock
 
 
@@ -218,3 +221,69 @@ def test_the_time_model_charges_the_stock_scans_python_steps():
     assert parts["token_steps"] == pytest.approx(4 * 4096 * config.num_hidden_layers * H100.token_step)
     assert "token_steps" not in step_time(config, 4096, lt.Strategy(engine="adjoint")).parts
     assert "token_steps" not in step_time(preset_config("mamba2-2.7b"), 4096, lt.Strategy.parse("checkpoint,mst")).parts
+
+
+@pytest.mark.parametrize("preset,randomized", [("tiny-mamba", ("conv1d.bias", ".D")),
+                                               ("tiny-mamba2", ("conv1d.bias", ".D", "mixer.norm.weight"))],
+                         ids=["mamba", "mamba2"])
+def test_adjoint_with_inputs_parked_in_host_memory_equals_stock(float64_throughout, preset, randomized, monkeypatch):
+    """``adjoint:offload_inputs`` (Mamba and Mamba-2): every layer's kept input but the top
+    one waits in host memory and comes back for its backward, its copy started before the
+    layer above runs its backward. Exact. Where the run's host memory holds less, the step
+    stops in one line before any backward."""
+    from longtrain.engines import adjoint
+    from longtrain.models.adapters import adapter_for
+
+    reference = ssm(preset, 3, torch.float64, 0, randomized)
+    batch = padded(26, left=True)
+    loss_ref, expected = stock(reference, batch)
+    events = []
+    for name in ("put", "pop", "prefetch"):
+        def logged(store, key, *args, _real=getattr(ChunkStore, name), _name=name, **kwargs):
+            if (_name, key) not in events:  # (pop's own prefetch of what is already coming is not logged)
+                events.append((_name, key))
+            return _real(store, key, *args, **kwargs)
+        monkeypatch.setattr(ChunkStore, name, logged)
+    ours = copy.deepcopy(reference)
+    index = {id(block): i for i, block in enumerate(adapter_for(ours).layers)}
+    backward_layer = adjoint.backward_layer
+    monkeypatch.setattr(adjoint, "backward_layer", lambda layer, *a, **k: events.append(("backward", index[id(layer.layer)]))
+                        or backward_layer(layer, *a, **k))
+    context = engine_context(ours, lt.Strategy(engine="adjoint", engine_options={"offload_inputs": True, "block": 5}))
+    with backward_on_another_thread():
+        loss = adjoint_step(context, batch)
+    assert rel(loss, loss_ref) <= 1e-12
+    assert max_rel_error(grads(ours), expected) <= 1e-10
+    assert events == [("put", 0), ("put", 1), ("prefetch", 1), ("backward", 2), ("pop", 1), ("prefetch", 0),
+                      ("backward", 1), ("pop", 0), ("backward", 0)]
+    assert len(context.pool._free[(batch["input_ids"].numel() * reference.config.hidden_size, torch.float64)]) == 2
+    one_input = batch["input_ids"].numel() * reference.config.hidden_size * 8
+    context = engine_context(copy.deepcopy(reference), lt.Strategy(engine="adjoint", engine_options={"offload_inputs": True}))
+    context.host_memory = one_input
+    events.clear()
+    with pytest.raises(LongtrainError, match="host memory budget exceeded"):
+        adjoint_step(context, batch)
+    assert ("backward", 2) not in events
+
+
+def test_parked_inputs_leave_the_device():
+    """The exact tracker on a 12-layer Mamba (state small beside the stream, so the inputs
+    count): parking moves exactly the parked inputs to host memory — all 12 under
+    checkpointing, all but the top one under the adjoint engine — and lowers the device peak."""
+    from longtrain.models.loading import build_from_config
+    from longtrain.models.presets import preset_config
+    from longtrain.plan.simulate import run_training_steps
+
+    config = preset_config("tiny-mamba", num_hidden_layers=12, vocab_size=64, state_size=2, expand=1)
+    one_input = 2 * 96 * config.hidden_size * 4
+    peaks = {}
+    for spec in ("adjoint", "adjoint:offload_inputs", "checkpoint,mst", "checkpoint:offload_inputs,mst"):
+        report, _ = run_training_steps(lambda: build_from_config(copy.deepcopy(config), torch.float32), seq_len=96,
+                                       batch_size=2, strategy=lt.Strategy.parse(spec), optimizer="none", iterations=1,
+                                       fake=False)
+        peaks[spec] = report.peak_device_bytes, report.peak_host_bytes
+    assert peaks["adjoint"][1] == peaks["checkpoint,mst"][1] == 0
+    assert peaks["adjoint:offload_inputs"][1] == 11 * one_input
+    assert peaks["checkpoint:offload_inputs,mst"][1] == 12 * one_input
+    assert peaks["adjoint:offload_inputs"][0] < peaks["adjoint"][0]
+    assert peaks["checkpoint:offload_inputs,mst"][0] < peaks["checkpoint,mst"][0]

@@ -7,6 +7,7 @@ import torch
 import longtrain as lt
 from longtrain.cli import main
 from longtrain.engines.chunked import parked_host_bytes
+from longtrain.memory.units import parse_bytes
 from longtrain.models.presets import preset_config
 from longtrain.plan import planner, steps
 from longtrain.plan.longest import overflow
@@ -409,14 +410,16 @@ def test_fpdt_keeps_as_many_attention_outputs_as_the_host_holds():
 
 
 def test_plans_weigh_the_engines_and_techniques_that_serve_the_model():
-    """A state-space model is offered the adjoint engine (states recomputed and kept), never
-    chunked attention, Memo or parked attention inputs; a transformer never the adjoint engine."""
+    """A state-space model is offered the adjoint engine (states recomputed and kept, inputs
+    parked) and parked checkpoint inputs, never chunked attention or Memo; a transformer
+    never the adjoint engine."""
     from longtrain.models.adapters import adapter_class
     from longtrain.plan.candidates import candidates
 
     ssm = candidates(256 * K, 64 * GIB, 24, adapter=adapter_class("mamba"))
-    assert {"adjoint", "adjoint:recompute=false", "checkpoint,mst"} <= ssm.keys()
-    assert not [label for label in ssm if label.startswith(("fpdt", "seco", "spaco", "memo", "checkpoint:offload"))]
+    assert {"adjoint", "adjoint:offload_inputs", "adjoint:recompute=false", "checkpoint,mst",
+            "checkpoint:offload_inputs,mst"} <= ssm.keys()
+    assert not [label for label in ssm if label.startswith(("fpdt", "seco", "spaco", "memo"))]
     llama = candidates(256 * K, 64 * GIB, 32, adapter=adapter_class("llama"))
     assert not [label for label in llama if "adjoint" in label]
     assert any(label.startswith("fpdt") for label in llama) and "memo,mst" in llama
@@ -430,12 +433,24 @@ def test_a_plan_for_mamba_ranks_the_adjoint_engine(capsys):
     out = capsys.readouterr().out
     assert "Python step per token and layer" in out and "estimated token_step" in out  # the stock scan
     rows = [line.split()[0] for line in out.splitlines() if line.startswith(("adjoint", "checkpoint"))]
-    assert sorted(rows) == ["adjoint", "adjoint:recompute=false", "checkpoint,mst"]
+    assert sorted(rows) == ["adjoint", "adjoint:offload_inputs", "adjoint:recompute=false", "checkpoint,mst",
+                            "checkpoint:offload_inputs,mst"]
     # No layer rebuilt; and the stock scan's Python step per token, charged at an estimated rate, last.
     assert rows.index("adjoint:recompute=false") < rows.index("adjoint") < rows.index("checkpoint,mst")
     assert main(["plan", "--model", "tiny-mamba", "--seq-len", "2K", "--device-memory", "1GiB", "--host-memory", "4GiB",
                  "--gpus", "2"]) == 2
     assert "has no attention; plan one GPU" in capsys.readouterr().err
+
+
+def test_parked_adjoint_inputs_are_planned_with_the_adjoint_engines_margin(capsys):
+    """``adjoint:offload_inputs`` fetches its inputs on the compute stream, as checkpointing
+    does: the plan reserves no more for it than for the adjoint engine keeping them."""
+    assert main(["plan", "--model", "tiny-mamba", "--seq-len", "8K", "--device-memory", "1GiB", "--host-memory", "4GiB",
+                 "--no-optimizer-offload", "--jobs", "1", "--engine", "adjoint", "--exhaustive"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("adjoint")}
+    plain, parked = (parse_bytes(" ".join(rows[name][:2])) for name in ("adjoint", "adjoint:offload_inputs"))
+    assert 0 < parked <= plain and rows["adjoint:offload_inputs"][2:4] != ["0", "B"]
 
 
 def test_plan_weighs_one_engine_when_asked(capsys):

@@ -37,6 +37,19 @@ def test_unknown_names_and_options_are_clear_errors():
         lt.Strategy.from_dict({"engines": "backprop"})
 
 
+@pytest.mark.parametrize("spec,printed", [
+    ("adjoint:offload_inputs", "adjoint:offload_inputs=true"),
+    ("checkpoint:offload_inputs,mst", "mst,checkpoint:offload_inputs=true"),
+    ("fpdt:chunk=8192:offload,mst:loss_chunks=8", "fpdt:chunk=8192:offload=true,mst:loss_chunks=8"),
+    ("memo:host_memory=8GiB,mst", None), ("checkpoint:except_last=2,mst+sp2", "mst,checkpoint:except_last=2+sp2"), ("none", "none"), ("adjoint", "adjoint")])
+def test_a_strategy_prints_as_the_command_line_takes_it(spec, printed):
+    """``Strategy.spec`` (what a simulation report names) keeps the options ``name`` drops
+    (``adjoint:offload_inputs`` is not ``adjoint:none``) and parses back to the same strategy."""
+    strategy = lt.Strategy.parse(spec)
+    assert printed is None or strategy.spec == printed
+    assert lt.Strategy.parse(strategy.spec) == strategy
+
+
 def test_command_line_items_carry_options_and_engines():
     strategy = lt.Strategy.parse("mst:loss_chunks=8", engine="fpdt:chunk=8192:offload=true:host_memory=120GiB")
     assert strategy.engine_options == lt.FPDTOptions(chunk=8192, offload=True, host_memory="120GiB")

@@ -70,6 +70,18 @@ _MOVED = {
 }
 
 
+def _spec_item(name: str, options) -> str:
+    """``name:key=value...`` for the fields of ``options`` (a dataclass) not at their default."""
+    changed = []
+    for f in dataclasses.fields(options):
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        value = getattr(options, f.name)
+        if value != default:
+            changed.append(f"{f.name}={str(value).lower() if isinstance(value, bool) else value}")
+    return ":".join([name, *changed])
+
+
 @dataclass(init=False)
 class Strategy:
     """Which gradient engine runs and which model techniques are installed.
@@ -132,6 +144,16 @@ class Strategy:
         parts = ",".join(self.techniques) or "none"
         name = parts if self.engine == "backprop" else f"{self.engine}:{parts}"
         return name if self.sequence_parallel is None else f"{name}+sp{self.sequence_parallel.degree}"
+
+    @property
+    def spec(self) -> str:
+        """The strategy as ``--strategy`` takes it, with the options that differ from their
+        defaults (``"adjoint:offload_inputs=true"``, ``"checkpoint:offload_inputs=true,mst"``);
+        sequence parallelism by its degree only (``+sp2``, as the command line gives it)."""
+        engine = _spec_item(self.engine, self.engine_options)
+        items = ([] if engine == "backprop" else [engine]) + [_spec_item(n, o) for n, o in self.techniques.items()]
+        spec = ",".join(items) or "none"
+        return spec if self.sequence_parallel is None else f"{spec}+sp{self.sequence_parallel.degree}"
 
     def uses(self, technique: str) -> bool:
         return technique in self.techniques
@@ -379,8 +401,8 @@ def apply(model, strategy: "Strategy | str | None"):
         if prior == strategy:
             return model
         raise LongtrainError(
-            f"this model already has strategy {prior.name!r} applied; build a fresh model "
-            f"to apply {strategy.name!r}"
+            f"this model already has strategy {prior.spec!r} applied; build a fresh model "
+            f"to apply {strategy.spec!r}"
         )
     context = EngineContext(strategy, adapter_for(model))
     _check_trainable(context)
@@ -493,14 +515,14 @@ def step(model, batch: Mapping, strategy: Strategy | None = None, num_label_toke
         strategy = Strategy.parse(strategy)
         if strategy.techniques:
             raise LongtrainError(
-                f"strategy {strategy.name!r} is not installed on this model; call "
+                f"strategy {strategy.spec!r} is not installed on this model; call "
                 "longtrain.apply(model, strategy) first"
             )
         apply(model, strategy)
         context = applied_context(model)
     elif strategy is not None and Strategy.parse(strategy) != context.strategy:
         raise LongtrainError(
-            f"this model has strategy {context.strategy.name!r} applied, not {Strategy.parse(strategy).name!r}; "
+            f"this model has strategy {context.strategy.spec!r} applied, not {Strategy.parse(strategy).spec!r}; "
             "build a fresh model to step with another strategy"
         )
     _check_vocabulary(context, batch)

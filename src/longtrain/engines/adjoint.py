@@ -4,8 +4,9 @@ Paper: the adjoint sharding paper (Prop. 2–3, §4.3, Alg. 1–4). No
 backpropagation-through-time graph is built. The forward runs without autograd and
 keeps, per layer, the layer's input y_{k−1} (the residual stream) — and, with
 ``recompute=False``, the rest of what the paper lists: A, c (the input-dependent part
-of C) and h; by default those are rebuilt from y_{k−1} when the layer's turn comes. The
-gradient then goes down the stack one layer at a time:
+of C) and h; by default those are rebuilt from y_{k−1} when the layer's turn comes.
+With ``offload_inputs`` the inputs wait in pinned host memory, each fetched while the
+layer above runs its backward. The gradient then goes down the stack one layer at a time:
 
 1. ``g = ∂L/∂z_k`` is the gradient of the residual stream at the layer's output. It is
    what Prop. 3 must use for layer k; the paper prints ∂L/∂y_K (the top of the stack)
@@ -42,8 +43,9 @@ import torch.nn.functional as F
 
 from .. import validate
 from ..errors import LongtrainError
+from ..memory.chunk_store import ChunkStore
 from ..memory.units import parse_bytes
-from ..models.adapters import DecoderAdapter, adapter_for
+from ..models.adapters import DecoderAdapter, adapter_for, describe_model
 from ..models.layers import unwrap
 from ..ops.recurrence import Recurrence
 from ..ops.chunked_loss import chunked_causal_lm_loss
@@ -68,6 +70,7 @@ class AdjointOptions:
     vjp_memory: str | int | None = None
     block: int | None = None  # tokens per VJP block (overrides vjp_memory)
     recompute: bool = True  # keep only each layer's input; recompute A, c, h layer by layer in the backward
+    offload_inputs: bool = False  # park the kept layer inputs (all but the top one) in pinned host memory
 
     def __post_init__(self):
         if self.truncate is not None and (isinstance(self.truncate, bool) or not isinstance(self.truncate, int) or self.truncate <= 0):
@@ -77,6 +80,7 @@ class AdjointOptions:
         if self.vjp_memory is not None:
             validate.byte_size("adjoint", "vjp_memory", self.vjp_memory)
         validate.flag("adjoint", "recompute", self.recompute)
+        validate.flag("adjoint", "offload_inputs", self.offload_inputs)
 
 
 @dataclass
@@ -93,7 +97,7 @@ class LayerRecord(NamedTuple):
     """What the forward keeps of one layer: the paper's y_{k−1}, A, C, h, or with
     ``recompute`` only y_{k−1} (A, c, h are rebuilt from it when the layer's turn comes)."""
 
-    z_in: torch.Tensor  # (B, T, P) the layer's input: the residual stream below it
+    z_in: torch.Tensor | None  # (B, T, P) the layer's input: the residual stream below it (None while parked)
     a: torch.Tensor | None  # (B, T, *S) decays A^t (float32 under half precision, as h)
     c: tuple | None  # what the readout reads besides h (SSM-ResNet: c^t, C^t = W_o diag(c^t))
     h: torch.Tensor | None  # (B, T, *S) states h^t
@@ -211,6 +215,29 @@ def backward_layer(
     return grad_in
 
 
+class ParkedInputs:
+    """The layers' kept inputs in pinned host memory (``offload_inputs``), within the run's
+    host memory (past it, a step stops in one line before its backward). The top layer's
+    input stays on the device (its backward comes first); each other one is fetched while
+    the layer above it runs its backward."""
+
+    def __init__(self, context, device: torch.device):
+        self.store = ChunkStore(device, offload=True, host_budget=context.host_memory, pool=context.pool)
+
+    def park(self, index: int, record: LayerRecord) -> LayerRecord:
+        """``record`` without its input, which waits under ``index``."""
+        self.store.put(index, record.z_in)
+        return record._replace(z_in=None)
+
+    def fetch(self, index: int, record: LayerRecord) -> LayerRecord:
+        """``record`` with its input on the device; the next one below starts coming."""
+        if record.z_in is None:
+            record = record._replace(z_in=self.store.pop(index))
+        if index - 1 in self.store:  # its layer's backward comes next
+            self.store.prefetch(index - 1)
+        return record
+
+
 def head_backward(adapter: DecoderAdapter, z_top: torch.Tensor, targets: torch.Tensor, num_label_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss of the final norm + LM head (mini-sequence, no full logits) and ∂L/∂z_K;
     the norm's and head's gradients are accumulated."""
@@ -240,7 +267,21 @@ class AdjointCosts(EngineCosts):
         return getattr(adapter_class, "recurrence", None) is not None
 
     def candidates(self, seq_len, host_memory, layers, every_chunk, chunks) -> dict[str, dict]:
-        return {"adjoint": {}, "adjoint:recompute=false": {"recompute": False}}
+        return {"adjoint": {}, "adjoint:offload_inputs": {"offload_inputs": True},
+                "adjoint:recompute=false": {"recompute": False}}
+
+    def parks_on_host(self, options: AdjointOptions) -> bool:
+        return options.offload_inputs
+
+    def fragmentation(self, options: AdjointOptions) -> str:
+        return "whole"  # fetched inputs are allocated on the compute stream, as checkpointing's are
+
+    def parked(self, config, seq_len, options: AdjointOptions, item, batch) -> tuple[int, int]:
+        """Every layer's input (with ``offload_inputs`` all but the top one in host memory)."""
+        shape = describe_model(config)
+        inputs = shape.layer_inputs_bytes(batch * seq_len, item)
+        host = shape.layer_inputs_bytes(batch * seq_len, item, shape.layers - 1) if options.offload_inputs else 0
+        return inputs - host, host
 
     def describe(self, work: StepWork, options: AdjointOptions) -> None:
         work.recomputes_layers = True  # each VJP block runs its tokens' projections again
@@ -281,10 +322,11 @@ def adjoint_step(context, batch, num_label_tokens: int | None = None, stats: Adj
             z = adapter.embed(inputs.input_ids)
     else:
         z = group.recv(_stream_like(adapter, layers[group.layers[0]], inputs.input_ids), up=False)
+    parked = ParkedInputs(context, z.device) if options.offload_inputs else None
     records = []
     for index in group.layers:
         z, record = forward_layer(layers[index], z, mask, keep_states=not options.recompute)
-        records.append(record)
+        records.append(record if parked is None or index == group.layers[-1] else parked.park(index, record))
     if group.last:
         loss, grad = head_backward(adapter, z, inputs.targets, num_label_tokens)
     else:
@@ -292,7 +334,8 @@ def adjoint_step(context, batch, num_label_tokens: int | None = None, stats: Adj
         grad = group.recv(z, up=True)
     del z
     for index in reversed(group.layers):
-        grad = backward_layer(layers[index], records.pop(), grad, mask, options, stats)
+        record = records.pop() if parked is None else parked.fetch(index, records.pop())
+        grad = backward_layer(layers[index], record, grad, mask, options, stats)
     if group.first:
         embedding_backward(adapter, inputs.input_ids, grad)
     else:

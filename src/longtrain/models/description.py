@@ -71,10 +71,18 @@ class ModelDescription:
     tied_embeddings: bool = False
     max_positions: int | None = None
     mixer_parameters: int = 0  # matmul parameters of a layer's token mixer other than attention (an SSM's projections)
+    stream_item: int | None = None  # bytes per element of the residual stream where wider than activations (residual_in_fp32: 4)
 
     @property
     def has_attention(self) -> bool:
         return self.heads > 0
+
+    def layer_inputs_bytes(self, tokens: int, item: int, layers: int | None = None) -> int:
+        """What the inputs of the bottom ``layers`` layers (default: all) hold for ``tokens``
+        tokens: the lowest in the activations' ``item`` (the embedding's output), those above
+        in the residual stream's (``stream_item``, where wider)."""
+        n = self.layers if layers is None else layers
+        return tokens * self.hidden * (item + (n - 1) * max(item, self.stream_item or item)) if n > 0 else 0
 
     @property
     def attention_width(self) -> int:

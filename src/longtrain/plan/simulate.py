@@ -300,7 +300,7 @@ class SimulationReport:
             rows.append((category, format_bytes(self.peak.device_bytes(category)), format_bytes(self.peak.host_bytes(category))))
         rows.append(("total at device peak", format_bytes(self.peak.peak_device_bytes), format_bytes(self.peak.host_bytes_at_peak)))
         rows.append(("host peak", "", format_bytes(self.peak.peak_host_bytes)))
-        strategy_name = Strategy.from_dict(self.strategy).name
+        strategy_name = Strategy.from_dict(self.strategy).spec
         lora = (f", LoRA rank {self.lora_rank} ({self.trainable_parameters / 1e6:.1f}M trainable)"
                 if self.lora_rank else "")
         head = (
@@ -463,7 +463,7 @@ def _refuse_lengths_that_cannot_fit(config, seq_len: int, strategy: Strategy, dt
     weights = _state_bytes(config, "none", dtype)[0] * item // gpus  # frozen under LoRA, there all the same
     longest = longest_where(lambda tokens: not over(tokens, weights), seq_len)
     raise LongtrainError(
-        f"{seq_len:,} tokens cannot fit: under strategy {strategy.name or 'none'}, the token ids and what the step parks "
+        f"{seq_len:,} tokens cannot fit: under strategy {strategy.spec}, the token ids and what the step parks "
         f"alone need at least {'; '.join(over(seq_len))} (counted, not simulated); "
         + (f"at most {longest:,} tokens could fit beside the weights" if longest else
            "no length fits beside the weights")

@@ -87,20 +87,34 @@ class CheckpointOptions:
         bytes per element) would put in host memory with no budget — each one's input
         (``offload_inputs``) and attention output + LSE (``keep_attention`` with ``offload``),
         at least what the step parks: where ``host_memory`` is this much or more it stops no layer."""
-        layers = max(0, describe_model(config).layers - self.except_last)
-        per_layer = batch * tokens * describe_model(config).hidden * item if self.offload_inputs else 0
-        if self.keep_attention and self.offload:
-            per_layer += kept_output_bytes(config, batch, tokens, item)
-        return layers * per_layer
+        shape = describe_model(config)
+        layers = max(0, shape.layers - self.except_last)
+        inputs = shape.layer_inputs_bytes(batch * tokens, item, layers) if self.offload_inputs else 0
+        outputs = kept_output_bytes(config, batch, tokens, item) if self.keep_attention and self.offload else 0
+        return inputs + layers * outputs
+
+
+@dataclass
+class _LayerSlot:
+    """One checkpointed layer's place in a step: its key in the store, its index (1: the
+    bottom layer), its parked input's size (each layer above will park as much) and the
+    layer below that parked its input (whose input backward fetches next)."""
+
+    key: int
+    index: int
+    input_bytes: int = 0
+    below: "_LayerSlot | None" = None
 
 
 class KeptAttention:
     """Every checkpointed layer's kept attention output and LSE (``keep_attention``) and
     parked input (``offload_inputs``) for one model, in one store.
 
-    Entries belong to one step's attention call and stay until the next step's first
-    layer drops them (also when that step's backward never ran). The outputs are kept and
-    served by :class:`~longtrain.models.kept_attention.KeptOutputs` (:attr:`outputs`, in
+    Entries belong to one step and stay until the next step's first layer drops them
+    (also when that step's backward never ran). A step is one attention call (the
+    engine's, shared by its layers) or, in a model without attention, one pass from its
+    bottom checkpointed layer up. The outputs are kept and served by
+    :class:`~longtrain.models.kept_attention.KeptOutputs` (:attr:`outputs`, in
     :attr:`store`) and budgeted by :func:`~longtrain.models.kept_attention.kept_layers_that_fit`,
     as Memo's and FPDT's are; this class decides only which layers keep theirs."""
 
@@ -108,21 +122,22 @@ class KeptAttention:
         self.options, self.context, self.pool, self.layers = options, context, context.pool, layers
         self.store: ChunkStore | None = None
         self.outputs = KeptOutputs(self._store)  # the kept outputs and LSEs, by layer, in ``store``
-        self._step: AttentionCall | None = None  # the attention call of the step the entries belong to
+        self._step: object | None = None  # the attention call (or a marker of the pass) the entries belong to
         self._last: _KeepingAttention | None = None  # the latest layer of that step that kept its output
-        self._last_input: _KeepingAttention | None = None  # ... and that parked its input
+        self._last_input: _LayerSlot | None = None  # ... and that parked its input
         self._count = 0
         self._index = 0  # checkpointed layers of this step so far
 
-    def layer_call(self, inner: AttentionCall) -> "_KeepingAttention":
-        """A fresh attention call for one layer's checkpointed forward and its replay."""
-        if self._step is not inner:
+    def layer_slot(self, call: AttentionCall | None, bottom: bool) -> _LayerSlot:
+        """A fresh slot for one layer's checkpointed forward and its replay. A new step
+        starts where the attention call changes or, without one, at the bottom layer."""
+        if (self._step is not call) if call is not None else bottom:
             if self.store is not None:
                 self.store.clear()
-            self._step, self._last, self._last_input, self._index = inner, None, None, 0
+            self._step, self._last, self._last_input, self._index = call or object(), None, None, 0
         self._count += 1
         self._index += 1
-        return _KeepingAttention(inner, self, self._count, self._index)
+        return _LayerSlot(self._count, self._index)
 
     def _store(self, device: torch.device) -> ChunkStore:
         if self.store is None or self.store.device != device:
@@ -143,7 +158,7 @@ class KeptAttention:
             return self.options.host_memory
         return self.context.host_memory if self.context.host_memory is not None else float("inf")
 
-    def has_room(self, call: "_KeepingAttention", q: torch.Tensor) -> bool:
+    def has_room(self, slot: _LayerSlot, q: torch.Tensor) -> bool:
         """Whether this layer keeps its output: with ``keep_attention``, whether the output
         (q's size) and the float32 LSE fit the host budget beside the inputs the layers
         above will park (``offload_inputs``: inputs come first). Asked before attention
@@ -152,25 +167,25 @@ class KeptAttention:
             return False
         if not self.options.offload:
             return True
-        inputs_above = (self.layers - call.index) * call.input_bytes if self.options.offload_inputs else 0
+        inputs_above = (self.layers - slot.index) * slot.input_bytes if self.options.offload_inputs else 0
         return kept_layers_that_fit(1, self.budget, self._host_used() + inputs_above, q.nbytes + q[..., 0].numel() * 4) == 1
 
-    def parking_input(self, call: "_KeepingAttention", hidden: torch.Tensor):
+    def parking_input(self, slot: _LayerSlot, hidden: torch.Tensor):
         """Saved-tensor hooks for one layer's checkpoint call: its input (what checkpointing
         saves to recompute from) goes to pinned host memory, within the budget, and comes
         back when backward recomputes the layer, the layer below's copy started then."""
         # The hooks live as long as the graph: they hold the input's identity, not the input.
         identity, shape = storage_id(hidden), hidden.shape
-        call.input_bytes = hidden.nbytes
-        key = (call.key, "input")
+        slot.input_bytes = hidden.nbytes
+        key = (slot.key, "input")
 
         def pack(tensor):
             if storage_id(tensor) != identity or tensor.shape != shape:
-                return tensor  # not the hidden state (the checkpoint's own marker tensor)
+                return tensor  # not the hidden state (the checkpoint's own marker, an attention mask)
             if self._host_used() + tensor.nbytes > self.budget:
                 return tensor  # past the budget: this input stays on the device
             self._store(tensor.device).put(key, tensor.detach(), offload=True)
-            call.previous_input, self._last_input = self._last_input, call
+            slot.below, self._last_input = self._last_input, slot
             return _PARKED
 
         def unpack(packed):
@@ -178,9 +193,8 @@ class KeptAttention:
                 return packed
             store = self.store
             tensor = store.get(key)
-            below = call.previous_input
-            if below is not None:  # its recomputation comes after this layer's backward
-                store.prefetch((below.key, "input"))
+            if slot.below is not None:  # its recomputation comes after this layer's backward
+                store.prefetch((slot.below.key, "input"))
             return tensor
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
@@ -195,19 +209,17 @@ class _KeepingAttention(AttentionCall):
     output and LSE once and keeps them; its second (the recomputation in backward)
     returns the kept ones as the same autograd node, so the saved tensors match."""
 
-    def __init__(self, inner: AttentionCall, kept: KeptAttention, key: int, index: int):
-        self.inner, self.kept, self.key, self.index, self.mask = inner, kept, key, index, inner.mask
+    def __init__(self, inner: AttentionCall, kept: KeptAttention, slot: _LayerSlot):
+        self.inner, self.kept, self.slot, self.key, self.mask = inner, kept, slot, slot.key, inner.mask
         self.backward = None  # the kernels' backward; None: this layer recomputes attention
         self.previous: _KeepingAttention | None = None  # the layer below, whose replay comes next
-        self.previous_input: _KeepingAttention | None = None  # the layer below that parked its input
-        self.input_bytes = 0  # its input's size (the inputs above it will need as much each)
         self._calls = 0
 
     def attend(self, module, q, k, v, *, scale, window, softcap):
         self._calls += 1
         settings = dict(scale=scale, window=window, softcap=softcap)
         if self._calls == 1:
-            if not self.kept.has_room(self, q):  # not kept (past the host budget): this layer recomputes attention
+            if not self.kept.has_room(self.slot, q):  # not kept (past the host budget): this layer recomputes attention
                 return self.inner.attend(module, q, k, v, **settings)
             try:
                 out, self.backward = attend_keeping(self.inner, module, q, k, v, **settings, kept=self.kept.outputs,
@@ -228,18 +240,20 @@ class _KeepingAttention(AttentionCall):
         raise NotImplementedError
 
 
-def _checkpointed_forward(forward, kept: KeptAttention | None, *args, **kwargs):
+def _checkpointed_forward(forward, kept: KeptAttention | None, bottom: bool, *args, **kwargs):
     if not torch.is_grad_enabled():  # evaluation, or a chunked engine's no-grad pass: nothing to save
         return forward(*args, **kwargs)
     call = kwargs.get("attention_mask")
     parking = contextlib.nullcontext()
-    if kept is not None and isinstance(call, AttentionCall):
-        layer = kept.layer_call(call)
-        kwargs = {**kwargs, "attention_mask": layer}
+    if kept is not None:
+        attention = call if isinstance(call, AttentionCall) else None  # None: a model without attention
+        slot = kept.layer_slot(attention, bottom)
+        if attention is not None:
+            kwargs = {**kwargs, "attention_mask": _KeepingAttention(attention, kept, slot)}
         if kept.options.offload_inputs:
             if not args:  # checkpointing saves positional tensors only; decoder layers take hidden_states first
                 args = (kwargs.pop("hidden_states"),)
-            parking = kept.parking_input(layer, args[0])
+            parking = kept.parking_input(slot, args[0])
     # Non-reentrant: works with keyword arguments, frozen inputs (LoRA) and nested
     # autograd, and lets the recomputation stop early once the saved tensors exist. Its
     # inputs are saved outside its own hooks, so ``parking``'s hooks see them.
@@ -270,7 +284,7 @@ def kept_output_share(config, tokens: int, checkpoint) -> float:
         return 1.0
     item = 2
     output = tokens * (describe_model(config).attention_width * item + describe_model(config).heads * 4)  # and its float32 LSE
-    inputs = layers * tokens * describe_model(config).hidden * item if checkpoint.offload_inputs else 0
+    inputs = describe_model(config).layer_inputs_bytes(tokens, item, layers) if checkpoint.offload_inputs else 0
     return kept_layers_that_fit(layers, checkpoint.host_memory, inputs, output) / layers
 
 
@@ -287,7 +301,7 @@ class CheckpointCosts(TechniqueCosts):
         return dataclasses.replace(options, host_memory=None) if layers < full else options
 
     def parked(self, config, seq_len, options: CheckpointOptions, item, batch, engine_offloads):
-        inputs = describe_model(config).layers * batch * seq_len * describe_model(config).hidden * item
+        inputs = describe_model(config).layer_inputs_bytes(batch * seq_len, item)
         if options.offload_inputs:
             on_host = inputs if options.host_memory is None else min(inputs, options.host_memory)
             return inputs - on_host, on_host
@@ -301,10 +315,6 @@ class CheckpointCosts(TechniqueCosts):
         # Kept attention outputs wait in host memory within the budget; with offload_inputs the
         # checkpointed inputs too, first (whole-sequence layers past where their inputs fit the device).
         return {"checkpoint": budget or True, "checkpoint:offload_inputs": {"offload_inputs": True, **budget}}
-
-    def serves(self, adapter_class, options) -> bool:
-        parks_inputs = isinstance(options, dict) and options.get("offload_inputs")
-        return adapter_class.has_attention or not parks_inputs  # it parks attention layers' inputs
 
     def with_whole_layers(self, name, options: CheckpointOptions, count):
         return dataclasses.replace(options, except_last=count), f"{name}:except_last={count}"
@@ -328,11 +338,8 @@ def install_checkpoint(context, options: CheckpointOptions) -> None:
     if options.offload_inputs and context.strategy.engine != "backprop":
         raise LongtrainError(f"checkpoint offload_inputs parks whole-sequence layer inputs; the {context.strategy.engine} "
                              f"engine parks its chunks itself: drop offload_inputs and set the engine's offload=true")
-    if options.offload_inputs and not context.adapter.has_attention:
-        raise LongtrainError("checkpoint offload_inputs parks the inputs of attention layers and this model has none; "
-                             "drop offload_inputs")
     checkpointed = layers[:len(layers) - options.except_last]
-    keeps = (options.keep_attention or options.offload_inputs) and context.adapter.has_attention
+    keeps = (options.keep_attention and context.adapter.has_attention) or options.offload_inputs
     kept = KeptAttention(options, context, len(checkpointed)) if keeps else None
-    for layer in checkpointed:
-        layer.forward = functools.partial(_checkpointed_forward, layer.forward, kept)
+    for index, layer in enumerate(checkpointed):
+        layer.forward = functools.partial(_checkpointed_forward, layer.forward, kept, index == 0)

@@ -250,7 +250,8 @@ class AttentionFreeAdapter(DecoderAdapter):
     def describe(cls, config) -> ModelDescription:
         """Attention-free and without a feed-forward block: layers, width and vocabulary."""
         return ModelDescription(layers=config.num_hidden_layers, hidden=config.hidden_size, vocab=config.vocab_size,
-                                tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+                                tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                                stream_item=4 if getattr(config, "residual_in_fp32", False) else None)
 
     def mlp(self, layer: nn.Module) -> nn.Module | None:
         return None
