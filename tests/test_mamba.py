@@ -264,6 +264,7 @@ def test_adjoint_with_inputs_parked_in_host_memory_equals_stock(float64_througho
     with pytest.raises(LongtrainError, match="host memory budget exceeded"):
         adjoint_step(context, batch)
     assert ("backward", 2) not in events
+    assert sum(map(len, context.pool._free.values())) == 1  # the input parked before it, back in the pool
 
 
 def test_parked_inputs_leave_the_device():

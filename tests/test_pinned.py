@@ -186,3 +186,17 @@ def test_offload_on_the_cpu_and_in_simulations_is_unbounded_by_default(monkeypat
     with FakeTensorMode():
         fake = torch.empty(2, 1000, dtype=torch.long)
     _check(monkeypatch, types.SimpleNamespace(input_ids=fake, rotary_positions=torch.zeros(1, 1000)))
+
+
+def test_the_default_host_budget_is_shared_by_the_processes_of_a_machine(monkeypatch):
+    """Half the physical memory, divided among torchrun's processes on this machine (each
+    rank would otherwise pin up to half of it)."""
+    from longtrain.memory import units
+
+    monkeypatch.setattr(units, "physical_memory", lambda: 128 * 2**30)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert units.pinned_host_budget() == 64 * 2**30
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert units.pinned_host_budget() == 16 * 2**30
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "")
+    assert units.pinned_host_budget() == 64 * 2**30

@@ -226,7 +226,11 @@ class ParkedInputs:
 
     def park(self, index: int, record: LayerRecord) -> LayerRecord:
         """``record`` without its input, which waits under ``index``."""
-        self.store.put(index, record.z_in)
+        try:
+            self.store.put(index, record.z_in)
+        except LongtrainError:  # past the host memory: what is parked goes back to the pool
+            self.store.clear()
+            raise
         return record._replace(z_in=None)
 
     def fetch(self, index: int, record: LayerRecord) -> LayerRecord:

@@ -63,7 +63,10 @@ def physical_memory() -> int:
 
 def pinned_host_budget() -> int:
     """The default budget for activations kept in pinned host memory: half the physical
-    memory. Pinned pages cannot be swapped out, and the process (its pool's other
-    buffers, the data loader) and the OS need the rest: with 80%, Memo at 128K tokens of
-    Llama-3-8B on a 125 GiB H100 host was killed by the kernel's out-of-memory killer."""
-    return physical_memory() // 2
+    memory, shared by the processes ``torchrun`` starts on this machine (its
+    ``LOCAL_WORLD_SIZE``). Pinned pages cannot be swapped out, and the processes (their
+    pools' other buffers, the data loaders) and the OS need the rest: with 80%, Memo at
+    128K tokens of Llama-3-8B on a 125 GiB H100 host was killed by the kernel's
+    out-of-memory killer."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return physical_memory() // 2 // (int(local) if local.isdigit() and int(local) > 0 else 1)

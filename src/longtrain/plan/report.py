@@ -79,8 +79,9 @@ class Plan:
         best = self.best
         per = " per GPU" if self.gpus > 1 else ""
         if best is not None:
-            return (f"fastest that fits: {best.name} — predicted {best.step_seconds:.3g} s per step on "
-                    f"{self.gpus}× {self.rates_name} ({best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu:.0%}); device "
+            gpus = "1 GPU" if self.gpus == 1 else f"{self.gpus} GPUs"
+            return (f"fastest that fits: {best.name} — predicted {best.step_seconds:.3g} s per step on {gpus} at the "
+                    f"{self.rates_name} rates ({best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu:.0%}); device "
                     f"{format_bytes(best.reserved_bytes)} of {format_bytes(self.device_memory)}{per} with the fragmentation "
                     f"margin, host {format_bytes(best.host_bytes)} of {format_bytes(self.host_memory)}")
         simulated = [r for r in self.rows if r.reserved_bytes is not None]
