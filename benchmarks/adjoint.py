@@ -376,8 +376,12 @@ def ranks(processes=(1, 2, 4)) -> list[dict]:
         every = json.loads(next(line for line in out.splitlines() if line.startswith("RANKS "))[6:])
         largest = max(r["peak_bytes"] for r in every)
         single = single or largest
+        simulated = simulate(preset_config("tiny-ssm", **RANKS_MODEL), 8192, batch_size=BATCH, dtype="float32",
+                             strategy=lt.Strategy(engine="adjoint"), layer_groups=world if world > 1 else None)
         rows.append({"processes": world, "per_rank_mib": ", ".join(f"{r['peak_bytes'] / MiB:.0f}" for r in every),
                      "largest_mib": largest / MiB, "vs_one_process": largest / single,
+                     "simulated_mib": simulated.device_peak_bytes / MiB,
+                     "simulated_vs_measured": simulated.device_peak_bytes / largest,
                      "parameters_per_rank": ", ".join(str(r["parameters"]) for r in every)})
         print(rows[-1], flush=True)
     return rows
@@ -464,9 +468,9 @@ would understate long contexts, and so would the stock scan's); every engine's p
 T (no attention), so two lengths give bytes/token, the longest context on 80 GiB and the
 peak at 1M tokens (predicted, not simulated there). Mamba's state is I × N = 2·hidden × 16
 numbers per token and layer: backprop keeps it (and the scan's inputs) for every layer; the
-adjoint engine keeps each layer's input and materializes the state of one layer at a time
-(its decays, states and adjoint states over the whole sequence), which is what its
-bytes/token are made of. `:offload_inputs` parks the layer inputs in pinned host memory
+adjoint engine keeps each layer's input and the state entering each scan chunk, and
+rebuilds one chunk of one layer's decays, states and adjoint states at a time (chunks
+sized to one layer's input), so its bytes/token are about the layer inputs. `:offload_inputs` parks the layer inputs in pinned host memory
 (host bytes/token; the adjoint engine all but the top layer's), each fetched while the
 layer above runs its backward; host memory is taken to hold them. Rows already in adjoint_mamba.json
 are kept (simulated on: the date); `--fresh` simulates them all again.""",
@@ -521,14 +525,17 @@ graph by its A, c, h, the adjoint states and one block of token VJPs.""",
         write_report(
             "adjoint_ranks", "Adjoint sharding over processes: peak memory per rank", [
                 ("processes", "processes"), ("per_rank_mib", "peak per rank (MiB)"), ("largest_mib", "largest MiB"),
-                ("vs_one_process", "largest / 1 process"), ("parameters_per_rank", "parameters per rank")],
+                ("vs_one_process", "largest / 1 process"), ("simulated_mib", "simulated busiest MiB"),
+                ("simulated_vs_measured", "simulated / measured"), ("parameters_per_rank", "parameters per rank")],
             ranks(), f"""
 `torchrun --nproc-per-node R` (gloo, CPU), a 16-layer SSM-ResNet (P = N = 128,
 vocabulary 4,096), {BATCH} × 8,192 tokens, exact CPU measurement of the second of two
 AdamW steps on each rank (parameters, gradients, optimizer state, records and working
 set). Rank 0 holds the embedding, the last rank the head. What does not shrink with R
 is each rank's whole-sequence working set: the residual stream it receives, the
-gradient it sends, one layer's A, c, h, μ and one VJP block.""",
+gradient it sends, one chunk of one layer's A, c, h, μ and one VJP block. "simulated
+busiest": `longtrain simulate --layer-groups R` (float32), the busiest rank as one
+process running its layers with the embedding and the head.""",
             "python benchmarks/adjoint.py --only ranks")
     if "training" in todo:
         write_report(

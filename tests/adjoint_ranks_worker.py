@@ -20,7 +20,8 @@ from longtrain.strategy import applied_context
 
 
 def build_model_and_batch(truncate: int | None, preset: str = "tiny-ssm", tied: bool = False):
-    """The model, two micro-batches (the second right-padded) and the engine's options."""
+    """The model, two micro-batches (the second right-padded) and the engine's options (a
+    Mamba's scan in chunks of 16 tokens)."""
     torch.manual_seed(0)
     model = build_from_config(preset_config(preset, num_hidden_layers=4, tie_word_embeddings=tied), torch.float64)
     batches = []
@@ -29,7 +30,7 @@ def build_model_and_batch(truncate: int | None, preset: str = "tiny-ssm", tied: 
         mask = torch.ones_like(ids)
         mask[1, 30:] = 0 if seed == 2 else 1
         batches.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
-    return model, batches, AdjointOptions(truncate=truncate, block=8)
+    return model, batches, AdjointOptions(truncate=truncate, block=8, chunk=16 if "mamba" in preset else None)
 
 
 def main(out_dir: str, truncate: int | None, preset: str, tied: bool) -> None:

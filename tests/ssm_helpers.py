@@ -53,6 +53,32 @@ def adjoint_grads(model, batch, **options):
     return loss, grads(model), stats
 
 
+def split(length: int, size: int) -> list[int]:
+    """``length`` tokens in pieces of ``size``, the last one shorter."""
+    return [min(size, length - start) for start in range(0, length, size)]
+
+
+def check_exact_adjoint(reference, length: int, left: bool, chunk: int | None = None, **options) -> None:
+    """The adjoint engine with ``options`` on a copy of ``reference``, batch 2 padded to
+    ``length``: the stock loss to 1e-12, every gradient to 1e-10, every (t, i) term and
+    token VJP counted, the scan in chunks of ``chunk`` tokens (at least the convolution's
+    window; None: whole) taken from the last, each in blocks of ``options["block"]``."""
+    layers = reference.config.num_hidden_layers
+    ours = copy.deepcopy(reference)
+    batch = padded(length, left=left)
+    loss_ref, expected = stock(reference, batch)
+    loss, got, stats = adjoint_grads(ours, batch, chunk=chunk, **options)
+    assert rel(loss, loss_ref) <= 1e-12
+    assert got.keys() == expected.keys()
+    assert max_rel_error(got, expected) <= 1e-10
+    assert stats.adjoint_terms == layers * length * (length + 1) // 2 and stats.token_vjps == layers * length
+    assert stats.vjp_calls > layers  # several blocks per layer
+    chunks = split(length, max(chunk, reference.config.conv_kernel - 1)) if chunk else [length]
+    assert stats.chunk_tokens == chunks[::-1] * layers
+    if options.get("block"):
+        assert stats.block_tokens == [b for c in chunks[::-1] for b in split(c, options["block"])] * layers
+
+
 def check_equals_stock(reference, batch, strategy: lt.Strategy) -> None:
     """``strategy`` on a copy of ``reference``: the stock loss to 1e-12, every gradient to 1e-10."""
     ours = copy.deepcopy(reference)

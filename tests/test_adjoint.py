@@ -221,6 +221,12 @@ def test_adjoint_refuses_transformers_packing_and_bad_options():
         lt.apply(build_from_config(preset_config("tiny-llama")), lt.Strategy(engine="adjoint"))
     with pytest.raises(LongtrainError, match="truncate"):
         AdjointOptions(truncate=0)
+    with pytest.raises(LongtrainError, match="adjoint chunk must be a positive integer"):
+        AdjointOptions(chunk=0)
+    with pytest.raises(LongtrainError, match="recompute=false keeps every state whole"):
+        AdjointOptions(recompute=False, chunk=64)
+    with pytest.raises(LongtrainError, match="chunk_memory"):
+        AdjointOptions(chunk_memory="lots")
 
 
 def test_exact_adjoint_with_lora_equals_autograd():
@@ -275,6 +281,27 @@ def test_adjoint_peak_is_below_backprop_and_simulation_matches_measurement():
     assert adjoint[4096] < 0.5 * backprop[4096]
     assert adjoint[4096] - adjoint[1024] < 0.5 * (backprop[4096] - backprop[1024])
     assert peak("adjoint", 4096, fake=True) == adjoint[4096]  # the simulator runs the same engine
+
+
+def test_a_simulation_of_layer_groups_is_the_busiest_ranks_share(capsys):
+    """Layer groups over R processes: the busiest rank (layer_ranges' largest group, 3 of
+    8 layers over 3 ranks) simulated as one process running those layers; anything but the
+    adjoint engine, or more ranks than layers, is refused in one line."""
+    from longtrain.cli import main
+    from longtrain.plan.simulate import simulate
+
+    config = preset_config("tiny-ssm", num_hidden_layers=8)
+    grouped = simulate(config, 256, strategy=lt.Strategy(engine="adjoint"), layer_groups=3)
+    three = simulate(preset_config("tiny-ssm", num_hidden_layers=3), 256, strategy=lt.Strategy(engine="adjoint"))
+    whole = simulate(config, 256, strategy=lt.Strategy(engine="adjoint"))
+    assert grouped.device_peak_bytes == three.device_peak_bytes < whole.device_peak_bytes
+    assert grouped.parameters == three.parameters and "busiest of 3 layer groups" in grouped.table()
+    with pytest.raises(LongtrainError, match="layer groups split the layers of the adjoint engine.*not the backprop engine's; pass --engine adjoint"):
+        simulate(config, 256, layer_groups=2)
+    with pytest.raises(LongtrainError, match="launch at most 8 processes"):
+        simulate(config, 256, strategy=lt.Strategy(engine="adjoint"), layer_groups=9)
+    assert main(["simulate", "--model", "tiny-ssm", "--seq-len", "64", "--engine", "adjoint", "--layer-groups", "0"]) == 2
+    assert "--layer-groups must be a positive integer" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("strategy", ["none", "checkpoint", "mst", "checkpoint,mst"])

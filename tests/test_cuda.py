@@ -593,7 +593,8 @@ MAMBA_STRATEGIES = {"backprop": lambda: lt.Strategy(), "checkpoint,mst": lambda:
                     "adjoint": lambda: lt.Strategy(engine="adjoint", engine_options={"block": 64}),
                     "adjoint(kept)": lambda: lt.Strategy(engine="adjoint", engine_options={"block": 100, "recompute": False}),
                     "adjoint:offload_inputs": lambda: lt.Strategy(engine="adjoint", engine_options={"block": 64,
-                                                                                                    "offload_inputs": True})}
+                                                                                                    "offload_inputs": True}),
+                    "adjoint:chunk": lambda: lt.Strategy(engine="adjoint", engine_options={"block": 16, "chunk": 48})}
 
 
 @functools.lru_cache(maxsize=None)

@@ -11,7 +11,6 @@ import torch
 
 import longtrain as lt
 import longtrain.models.attention as attention_module
-from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
 from longtrain.strategy import applied_context
 from longtrain.techniques.checkpoint import CheckpointOptions
@@ -254,6 +253,18 @@ def test_parked_inputs_without_kept_attention_replay_it():
     strategy = lt.Strategy(checkpoint={"offload_inputs": True, "keep_attention": False}, mst=True)
     check_step(stock, ours, strategy, padded_batch(stock.config.vocab_size, lengths=(90, 61), left=True), TOL,
                another_thread=True)
+
+
+def test_a_second_forward_before_the_first_ones_backward_is_refused_in_one_line():
+    """Parked inputs belong to one forward: a second forward drops the first one's, whose
+    backward then stops with what to do instead of a bare KeyError."""
+    _, ours = stock_and_ours("tiny-llama")
+    model = lt.apply(ours, lt.Strategy(checkpoint={"offload_inputs": True}, mst=True))
+    ids = torch.randint(0, ours.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    first = model(input_ids=ids, labels=ids).loss
+    second = model(input_ids=ids, labels=ids).loss
+    with pytest.raises(lt.LongtrainError, match="run each forward's backward before the next forward"):
+        (first + second).backward()
 
 
 def test_parking_inputs_under_a_chunked_engine_is_refused():

@@ -21,7 +21,7 @@ from longtrain.errors import LongtrainError
 from longtrain.ops.loss import causal_lm_loss
 
 from conftest import grads, max_rel_error
-from ssm_helpers import adjoint_grads, check_equals_stock, check_lora_equals_stock, padded, rel, ssm, stock
+from ssm_helpers import adjoint_grads, check_equals_stock, check_exact_adjoint, check_lora_equals_stock, padded, rel, ssm, stock
 
 
 def mamba2(layers: int = 2, dtype=torch.float64, seed: int = 0, **overrides):
@@ -36,26 +36,18 @@ def test_mamba2_through_its_adapter_equals_stock(float64_throughout, strategy, l
 
 
 @pytest.mark.parametrize(
-    "layers,length,left,block,recompute,config",
-    [(2, 37, False, 5, True, {}),
-     (2, 30, True, 8, False, {"n_groups": 1}),
-     (2, 29, True, 2, True, {"conv_kernel": 5}),
-     (2, 26, False, None, True, {"n_groups": 1, "time_step_limit": (0.005, 0.05)})],
-    ids=["T37-right-block5-G2", "T30-left-block8-kept-G1", "T29-left-block2<window4-G2", "T26-G1-dt-clamped-budgeted"],
+    "length,left,block,recompute,config,chunk",
+    [(37, False, 5, True, {}, None),
+     (31, True, 4, True, {"n_groups": 1}, 9),
+     (30, True, 8, False, {"n_groups": 1}, None),
+     (29, True, 2, True, {"conv_kernel": 5}, 3),
+     (26, False, None, True, {"n_groups": 1, "time_step_limit": (0.005, 0.05)}, None)],
+    ids=["T37-right-block5-G2", "T31-left-block4-chunk9-G1", "T30-left-block8-kept-G1", "T29-left-block2<window4-chunk3<window4-G2",
+         "T26-G1-dt-clamped-budgeted"],
 )
-def test_exact_adjoint_equals_stock_autograd(float64_throughout, layers, length, left, block, recompute, config):
-    reference = mamba2(layers, **config)
-    ours = copy.deepcopy(reference)
-    batch = padded(length, left=left)
-    loss_ref, expected = stock(reference, batch)
-    loss, got, stats = adjoint_grads(ours, batch, block=block, vjp_memory="256KiB", recompute=recompute)
-    assert rel(loss, loss_ref) <= 1e-12
-    assert got.keys() == expected.keys()
-    assert max_rel_error(got, expected) <= 1e-10
-    assert stats.adjoint_terms == layers * length * (length + 1) // 2 and stats.token_vjps == layers * length
-    assert stats.vjp_calls > layers  # several blocks per layer
-    if block:
-        assert stats.block_tokens[: -(-length // block)] == [block] * (length // block) + [length % block] * (length % block > 0)
+def test_exact_adjoint_equals_stock_autograd(float64_throughout, length, left, block, recompute, config, chunk):
+    """Whole, and with the scan in chunks, as for Mamba."""
+    check_exact_adjoint(mamba2(2, **config), length, left, chunk, block=block, vjp_memory="256KiB", recompute=recompute)
 
 
 def truncated_reference_loss(model, batch, window: int):
@@ -98,14 +90,17 @@ def truncated_reference_loss(model, batch, window: int):
     return causal_lm_loss(logits, batch["labels"], int((batch["labels"][:, 1:] != -100).sum()))
 
 
+@pytest.mark.parametrize("chunk", [None, 4], ids=["whole", "chunk4"])
 @pytest.mark.parametrize("window", [1, 3, 9])
-def test_truncated_adjoint_equals_truncated_window_reference(float64_throughout, window):
+def test_truncated_adjoint_equals_truncated_window_reference(float64_throughout, window, chunk):
+    """In chunks of 4, a chunk's states run T̄ − 1 tokens past its end (past the next
+    chunk's end too, with T̄ = 9)."""
     reference = mamba2()
     ours = copy.deepcopy(reference)
     batch = padded(23, left=True)
     truncated_reference_loss(reference, batch, window).backward()
     expected = grads(reference)
-    _, got, stats = adjoint_grads(ours, batch, truncate=window, block=7)
+    _, got, stats = adjoint_grads(ours, batch, truncate=window, block=3, chunk=chunk)
     assert max_rel_error(got, expected) <= 1e-10
     assert stats.adjoint_terms == 2 * (window * 23 - window * (window - 1) // 2)
 

@@ -159,6 +159,8 @@ def _add_simulate(sub) -> None:
                    help="adamw-offload: AdamW's state and fp32 master weights in host memory (train's --optimizer-offload)")
     p.add_argument("--sp", type=int, default=1, help="Ulysses sequence parallelism over P ranks: simulate one rank's share "
                    "(its tokens, its heads, 1/P of parameters, gradients and optimizer state)")
+    p.add_argument("--layer-groups", type=int, default=1, help="the adjoint engine's layers split over R processes "
+                   "(torchrun): simulate the busiest one (its layers, with the embedding and the head)")
     p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype (default %(default)s)")
     p.add_argument("--lora", action="store_true", help="simulate LoRA training (as train --lora: adapters on every linear "
                    "layer but the head; frozen base weights without gradients or optimizer state)")
@@ -186,6 +188,8 @@ def _run_simulate(args) -> int:
         raise LongtrainError(f"--batch-size must be positive, got {args.batch_size}")
     if args.sp <= 0:
         raise LongtrainError(f"--sp must be a positive integer, got {args.sp}")
+    if args.layer_groups <= 0:
+        raise LongtrainError(f"--layer-groups must be a positive integer, got {args.layer_groups}")
     if args.grad_accum <= 0:
         raise LongtrainError(f"--grad-accum must be positive, got {args.grad_accum}")
     if args.lora_rank <= 0:
@@ -199,7 +203,7 @@ def _run_simulate(args) -> int:
                           optimizer=args.optimizer, dtype=args.dtype, grad_accum=args.grad_accum,
                           lora_rank=args.lora_rank if args.lora else None, fragmentation=args.fragmentation,
                           exact=args.exact, progress=progress, device_memory=args.device_memory,
-                          host_memory=args.host_memory)
+                          host_memory=args.host_memory, layer_groups=args.layer_groups if args.layer_groups > 1 else None)
     fits = None
     if args.device_memory is not None or args.host_memory is not None:
         fits, verdict = report.verdict(args.device_memory, args.host_memory)

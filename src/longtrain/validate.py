@@ -53,7 +53,10 @@ def byte_size(owner: str, name: str, value) -> int:
 
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise LongtrainError(f"{owner} {name} must be a size such as 120GiB or a byte count, got {value!r}")
-    size = parse_bytes(value)
+    try:
+        size = parse_bytes(value)
+    except LongtrainError as error:
+        raise LongtrainError(f"{owner} {name}: {error}") from None
     if size <= 0:
         raise LongtrainError(f"{owner} {name} must be a positive size such as 120GiB, got {value!r}")
     return size

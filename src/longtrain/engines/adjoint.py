@@ -4,8 +4,9 @@ Paper: the adjoint sharding paper (Prop. 2–3, §4.3, Alg. 1–4). No
 backpropagation-through-time graph is built. The forward runs without autograd and
 keeps, per layer, the layer's input y_{k−1} (the residual stream) — and, with
 ``recompute=False``, the rest of what the paper lists: A, c (the input-dependent part
-of C) and h; by default those are rebuilt from y_{k−1} when the layer's turn comes.
-With ``offload_inputs`` the inputs wait in pinned host memory, each fetched while the
+of C) and h; by default those are rebuilt from y_{k−1} when the layer's turn comes, a
+scan chunk at a time from the state entering the chunk, which the forward keeps (so no
+layer's states exist over the whole sequence). With ``offload_inputs`` the inputs wait in pinned host memory, each fetched while the
 layer above runs its backward. The gradient then goes down the stack one layer at a time:
 
 1. ``g = ∂L/∂z_k`` is the gradient of the residual stream at the layer's output. It is
@@ -19,14 +20,17 @@ layer above runs its backward. The gradient then goes down the stack one layer a
    keeps t − i < T̄ and is accumulated over the T̄ offsets — T̄·T − T̄(T̄−1)/2 terms,
    linear in T (``AdjointStats.adjoint_terms`` counts them).
 3. Token-wise VJPs. With h^{i−1}, h^i held fixed, token i's contribution is the map
-   ``SSMLayer.local``: (A^i h^{i−1} + B^i x^i, C^i h^i). Its VJP with cotangents
+   ``Recurrence.local``: (A^i h^{i−1} + B^i x^i, C^i h^i). Its VJP with cotangents
    (μ^i, g^i) gives token i's parameter gradient (A and B networks see μ^i ⊗ h^{i−1} and
    μ^i ⊗ x^i, the C network g^i ⊗ h^i, as in Prop. 2) and the gradient of its input.
    The per-token VJPs are independent; a block of tokens (sized to ``vjp_memory``)
    takes them in one backward of the layer's map over the block. The layer is read
    through its adapter's :class:`~longtrain.ops.recurrence.Recurrence` (SSM-ResNet,
-   Mamba); where a token's map reads the ``window`` tokens before it (Mamba's causal
-   convolution), the block reads them too and adds their input gradient. The input gradient plus g is ∂L/∂z_{k−1}, the next layer's g.
+   Mamba, Mamba-2); where a token's map reads the ``window`` tokens before it (Mamba's
+   causal convolution), the block reads them too and adds their input gradient. The input
+   gradient plus g is ∂L/∂z_{k−1}, the next layer's g.
+4. Scan chunks go from the last to the first: a chunk's μ starts from A^e ⊙ μ^e of the
+   chunk after it (truncated: the chunk is rescanned T̄ − 1 tokens past its end).
 
 The truncated gradient is the gradient of a model whose state h^t, seen from the
 loss, is rebuilt from the stopped state h^{t−T̄} over the last T̄ steps (truncated
@@ -39,7 +43,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from .. import validate
 from ..errors import LongtrainError
@@ -69,6 +72,12 @@ class AdjointOptions:
     # layer's record to the peak and a layer takes ~10 blocks at any length.
     vjp_memory: str | int | None = None
     block: int | None = None  # tokens per VJP block (overrides vjp_memory)
+    # Working memory of a layer's scan (decays, states, adjoint states of one chunk of
+    # tokens), which sets the tokens per scan chunk; the state entering each chunk is
+    # kept from the forward. Default: the larger of 64 MiB and one layer's stored input
+    # (so a Mamba layer's scan takes ~220 chunks at any length).
+    chunk_memory: str | int | None = None
+    chunk: int | None = None  # tokens per scan chunk (overrides chunk_memory)
     recompute: bool = True  # keep only each layer's input; recompute A, c, h layer by layer in the backward
     offload_inputs: bool = False  # park the kept layer inputs (all but the top one) in pinned host memory
 
@@ -77,8 +86,14 @@ class AdjointOptions:
             raise LongtrainError(f"adjoint truncate must be a positive integer (T̄ states), got {self.truncate!r}")
         if self.block is not None and (isinstance(self.block, bool) or not isinstance(self.block, int) or self.block <= 0):
             raise LongtrainError(f"adjoint block must be a positive integer (tokens), got {self.block!r}")
-        if self.vjp_memory is not None:
-            validate.byte_size("adjoint", "vjp_memory", self.vjp_memory)
+        if self.chunk is not None and (isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk <= 0):
+            raise LongtrainError(f"adjoint chunk must be a positive integer (tokens), got {self.chunk!r}")
+        for name in ("vjp_memory", "chunk_memory"):
+            if getattr(self, name) is not None:
+                validate.byte_size("adjoint", name, getattr(self, name))
+        if not self.recompute and (self.chunk is not None or self.chunk_memory is not None):
+            raise LongtrainError("adjoint chunk and chunk_memory split the scan that recompute rebuilds; "
+                                 "recompute=false keeps every state whole: drop one of them")
         validate.flag("adjoint", "recompute", self.recompute)
         validate.flag("adjoint", "offload_inputs", self.offload_inputs)
 
@@ -91,16 +106,19 @@ class AdjointStats:
     token_vjps: int = 0  # token-wise VJPs (one per token and layer, covering the A, B and C networks)
     vjp_calls: int = 0  # batched torch.func.vjp calls (blocks)
     block_tokens: list[int] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)  # scan chunks in the order the backward takes them
 
 
 class LayerRecord(NamedTuple):
     """What the forward keeps of one layer: the paper's y_{k−1}, A, C, h, or with
-    ``recompute`` only y_{k−1} (A, c, h are rebuilt from it when the layer's turn comes)."""
+    ``recompute`` y_{k−1} and the state entering each scan chunk (A, c, h are rebuilt
+    from them, a chunk at a time, when the layer's turn comes)."""
 
     z_in: torch.Tensor | None  # (B, T, P) the layer's input: the residual stream below it (None while parked)
     a: torch.Tensor | None  # (B, T, *S) decays A^t (float32 under half precision, as h)
     c: tuple | None  # what the readout reads besides h (SSM-ResNet: c^t, C^t = W_o diag(c^t))
     h: torch.Tensor | None  # (B, T, *S) states h^t
+    chunks: tuple = ()  # with recompute: (start, stop, h^{start−1} (B, *S) or None at 0) per scan chunk
 
 
 def check_model(model) -> DecoderAdapter:
@@ -120,10 +138,27 @@ def check_model(model) -> DecoderAdapter:
     return adapter
 
 
+def _rows(x: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    return None if x is None else x[:, start:stop]
+
+
 @torch.no_grad()
-def forward_layer(layer: Recurrence, z: torch.Tensor, mask: torch.Tensor | None, keep_states: bool = True) -> tuple[torch.Tensor, LayerRecord]:
-    z_out, a, c, h = layer.forward(z, mask)
-    return z_out, LayerRecord(z, a, c, h) if keep_states else LayerRecord(z, None, None, None)
+def forward_layer(layer: Recurrence, z: torch.Tensor, mask: torch.Tensor | None, chunk: int | None) -> tuple[torch.Tensor, LayerRecord]:
+    """The layer's output and what its backward needs: with ``chunk`` None every state
+    kept, else the scan chunk by chunk, keeping the state that enters each chunk."""
+    if chunk is None:
+        z_out, a, c, h = layer.forward(z, mask)
+        return z_out, LayerRecord(z, a, c, h)
+    length, out, chunks, h0 = z.shape[1], None, [], None
+    for start in range(0, length, chunk):
+        stop, first = min(start + chunk, length), max(start - layer.window, 0)
+        piece, _, _, h = layer.forward(z[:, first:stop], _rows(mask, first, stop), start - first, h0)
+        if out is None:
+            out = piece.new_empty(*z.shape[:2], *piece.shape[2:])
+        out[:, start:stop] = piece
+        chunks.append((start, stop, h0))
+        h0 = h[:, -1].clone()  # not a view: the chunk's states go
+    return out, LayerRecord(z, None, None, None, tuple(chunks))
 
 
 def truncated_adjoint_states(a: torch.Tensor, direct: torch.Tensor, window: int) -> tuple[torch.Tensor, int]:
@@ -140,6 +175,14 @@ def truncated_adjoint_states(a: torch.Tensor, direct: torch.Tensor, window: int)
     return mu, terms
 
 
+def truncated_terms(length: int, window: int | None) -> int:
+    """The (t, i) terms g^t λ^{t,i} of one layer (per batch row and state channel): all
+    T(T+1)/2 when exact, those with t − i < ``window`` when truncated."""
+    if window is None or window >= length:
+        return length * (length + 1) // 2
+    return window * length - window * (window - 1) // 2
+
+
 DEFAULT_VJP_MEMORY = 16 * 2**20
 
 
@@ -152,6 +195,32 @@ def _block_tokens(layer: Recurrence, rows: int, length: int, p: int, options: Ad
     else:
         budget = parse_bytes(options.vjp_memory)
     return max(1, min(length, budget // per_token))
+
+
+DEFAULT_CHUNK_MEMORY = 64 * 2**20
+
+
+def scan_chunk(layer: Recurrence, rows: int, length: int, p: int, options: AdjointOptions, element_size: int) -> int | None:
+    """Tokens per scan chunk (None: states kept whole). At least the layer's ``window``, so
+    a chunk's maps read tokens of the chunk before it only. Sized by ``chunk_memory``, a
+    chunk is a whole number of VJP blocks where it holds one (no block cut short at its
+    end) and, truncated, at least T̄ tokens (each chunk rescans T̄ − 1 past its end)."""
+    if not options.recompute:
+        return None
+    if options.chunk is not None:
+        return max(min(options.chunk, length), layer.window, 1)
+    # Per token: the decays, inputs and states with the scan's copies of them, and the
+    # direct and adjoint states: about 6 state-sized arrays in the scan's dtype (≥ 4 bytes).
+    per_token = 6 * layer.state_size() * max(element_size, 4) * rows
+    if options.chunk_memory is None:
+        budget = max(DEFAULT_CHUNK_MEMORY, rows * length * p * element_size)
+    else:
+        budget = parse_bytes(options.chunk_memory)
+    chunk = max(budget // per_token, options.truncate or 0)
+    if chunk >= length:
+        return length
+    block = _block_tokens(layer, rows, length, p, options, element_size)
+    return max(chunk // block * block if chunk >= block else chunk, layer.window, 1)
 
 
 def _direct_gradient(layer: Recurrence, c: tuple, h, grad_out, block: int, dtype) -> torch.Tensor:
@@ -174,45 +243,88 @@ def backward_layer(
     options: AdjointOptions,
     stats: AdjointStats | None = None,
 ) -> torch.Tensor:
-    """Accumulate the layer's parameter gradients and return ∂L/∂z_{k−1} given ∂L/∂z_k."""
-    z, a, c, h = record
-    del record  # A and c go as soon as the adjoint states exist
-    if a is None:
-        _, a, c, h = layer.forward(z, mask)
-    rows, length = z.shape[:2]
+    """Accumulate the layer's parameter gradients and return ∂L/∂z_{k−1} given ∂L/∂z_k.
+
+    Scan chunks go from the last to the first. Exact, the adjoint state entering a chunk
+    from the one after it is A^{s} ⊙ μ^{s} of that chunk's first token s; truncated to
+    T̄, a chunk's states run T̄ − 1 tokens past its end instead (their cotangents kept
+    aside before the chunk after overwrote them)."""
+    z, rows, length = record.z_in, record.z_in.shape[0], record.z_in.shape[1]
     block = _block_tokens(layer, rows, length, z.shape[-1], options, z.element_size())
-    direct = _direct_gradient(layer, c, h, grad_out, block, a.dtype)
-    del c
-    if options.truncate is None:
-        mu = adjoint_states(a, direct, overwrite=True)
-        terms = length * (length + 1) // 2
-    else:
-        mu, terms = truncated_adjoint_states(a, direct, options.truncate)
-    del direct, a
-    # ∂L/∂z_{k−1} is built in grad_out's storage: block [s, e) reads its cotangents
-    # grad_out[s:e] (no earlier block wrote there), then writes its input gradient over
-    # them and adds the part reaching the ``window`` tokens before s (their values are final).
-    grad_in = grad_out
-    for start in range(0, length, block):
-        stop = min(start + block, length)
-        first = max(start - layer.window, 0)  # the block's maps read tokens first..stop
-        # h^{t−1} for the block's tokens (h^0 = 0), sliced per block rather than shifted whole.
-        h_prev = h[:, start - 1: stop - 1] if start else F.pad(h[:, : stop - 1], (0,) * 2 * (h.dim() - 2) + (1, 0))
-        z_block = z[:, first:stop].detach().requires_grad_()
+    chunks = record.chunks or ((0, length, None),)
+    ahead = 0 if options.truncate is None else options.truncate - 1
+    carry = None  # exact: A^{s} ⊙ μ^{s} of the chunk after
+    kept = grad_out[:, :0]  # truncated: the cotangents of the tokens after the chunk, before they were overwritten
+    pending = None  # input gradient of the chunk after, reaching this chunk's last ``window`` tokens
+    for start, stop, h0 in reversed(chunks):
+        end = min(stop + ahead, length)
+        if stats is not None:
+            stats.chunk_tokens.append(stop - start)
+        if record.a is None:
+            first = max(start - layer.window, 0)
+            _, a, c, h = layer.forward(z[:, first:end], _rows(mask, first, end), start - first, h0)
+        else:
+            a, c, h = record.a, record.c, record.h
+        cotangents = torch.cat([grad_out[:, start:stop], kept[:, : end - stop]], 1) if end > stop else grad_out[:, start:stop]
+        kept = cotangents[:, :ahead].clone() if ahead and start else kept
+        direct = _direct_gradient(layer, c, h, cotangents, block, a.dtype)
+        del c, cotangents
+        if options.truncate is None:
+            if carry is not None:
+                direct[:, -1] += carry
+            mu = adjoint_states(a, direct, overwrite=True)
+            carry = a[:, 0] * mu[:, 0]
+        else:
+            mu = truncated_adjoint_states(a, direct, options.truncate)[0][:, : stop - start]
+        del direct, a
+        grad_in = _token_vjps(layer, z, mask, start, stop, h0, h, mu, grad_out, block, stats)
+        del h, mu
+        if pending is not None:
+            grad_out[:, stop - pending.shape[1]: stop] += pending
+        pending = grad_in
+    if stats is not None:
+        stats.adjoint_terms += truncated_terms(length, options.truncate)
+        stats.token_vjps += length
+    return grad_out
+
+
+def _shifted(h: torch.Tensor, h0: torch.Tensor | None) -> torch.Tensor:
+    """h^{t−1} for the first tokens of a chunk: h0 (0 at the sequence's start), then h."""
+    first = torch.zeros_like(h[:, :1]) if h0 is None else h0[:, None].to(h.dtype)
+    return torch.cat([first, h[:, :-1]], 1)
+
+
+def _token_vjps(layer: Recurrence, z, mask, start: int, stop: int, h0, h, mu, grad_out, block: int,
+                stats: AdjointStats | None) -> torch.Tensor | None:
+    """The token-wise VJPs of tokens start..stop (their states h and adjoint states mu from
+    index 0, h0 the state before them, None for 0), block by block. ∂L/∂z_{k−1} is built in
+    grad_out's storage: block [s, e) reads its cotangents grad_out[s:e] (no earlier block
+    wrote there), then writes its input gradient over them and adds the part reaching the
+    ``window`` tokens before s (their values are final). Returns the part reaching tokens
+    before ``start`` (None at 0), which waits until the chunk before has read its cotangents."""
+    before = None
+    for s in range(start, stop, block):
+        e = min(s + block, stop)
+        first = max(s - layer.window, 0)  # the block's maps read tokens first..e
+        h_prev = h[:, s - start - 1: e - start - 1] if s > start else _shifted(h[:, : e - start], h0)
+        z_block = z[:, first:e].detach().requires_grad_()
         with torch.enable_grad():
-            state, out = layer.local(z_block, None if mask is None else mask[:, first:stop], start - first, h_prev, h[:, start:stop])
+            state, out = layer.local(z_block, _rows(mask, first, e), s - first, h_prev, h[:, s - start: e - start])
             # Through autograd's accumulation, so post-accumulate hooks, FSDP and LoRA see it.
-            torch.autograd.backward([state, out], [mu[:, start:stop].to(state.dtype), grad_out[:, start:stop]])
+            torch.autograd.backward([state, out], [mu[:, s - start: e - start].to(state.dtype), grad_out[:, s:e]])
         grad_z = z_block.grad
-        grad_in[:, start:stop] = grad_z[:, start - first:]
-        grad_in[:, first:start] += grad_z[:, : start - first]
+        grad_out[:, s:e] = grad_z[:, s - first:]
+        inside = max(first, start)
+        grad_out[:, inside:s] += grad_z[:, inside - first: s - first]
+        if first < start:
+            part = grad_z[:, : start - first]
+            if before is None:
+                before = torch.zeros_like(grad_z[:, : start - max(start - layer.window, 0)])
+            before[:, before.shape[1] - part.shape[1]:] += part
         if stats is not None:
             stats.vjp_calls += 1
-            stats.block_tokens.append(stop - start)
-    if stats is not None:
-        stats.adjoint_terms += terms
-        stats.token_vjps += length
-    return grad_in
+            stats.block_tokens.append(e - s)
+    return before
 
 
 class ParkedInputs:
@@ -242,15 +354,27 @@ class ParkedInputs:
         return record
 
 
+HEAD_TOKENS = 16384  # fewest tokens per mini-sequence of the final norm and head
+
+
 def head_backward(adapter: DecoderAdapter, z_top: torch.Tensor, targets: torch.Tensor, num_label_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss of the final norm + LM head (mini-sequence, no full logits) and ∂L/∂z_K;
-    the norm's and head's gradients are accumulated."""
-    z = z_top.detach().requires_grad_()
-    hidden = adapter.final_norm(z)
+    """Loss of the final norm + LM head and ∂L/∂z_K, in mini-sequences of at least
+    ``HEAD_TOKENS`` tokens (at most 16): the norm is token-wise, and over the whole
+    sequence its float32 temporaries would be several copies of the stream. The head's
+    logits come in smaller mini-sequences still (the MsT op); the norm's and head's
+    gradients are accumulated. z_top, the gradient: (B, T, P); targets (B, T), shifted."""
     head = adapter.head().module
-    loss = chunked_causal_lm_loss(hidden, head.weight, targets, bias=head.bias, num_label_tokens=num_label_tokens, shifted=True)
-    loss.backward()
-    return loss.detach(), z.grad
+    length = z_top.shape[1]
+    size = max(HEAD_TOKENS, -(-length // 16))
+    grad, loss = torch.empty_like(z_top), None
+    for start in range(0, length, size):
+        z = z_top[:, start:start + size].detach().requires_grad_()
+        part = chunked_causal_lm_loss(adapter.final_norm(z), head.weight, targets[:, start:start + size], bias=head.bias,
+                                      num_label_tokens=num_label_tokens, shifted=True)
+        part.backward()
+        grad[:, start:start + size] = z.grad
+        loss = part.detach() if loss is None else loss + part.detach()
+    return loss, grad
 
 
 def embedding_backward(adapter: DecoderAdapter, input_ids: torch.Tensor, grad: torch.Tensor) -> None:
@@ -329,7 +453,8 @@ def adjoint_step(context, batch, num_label_tokens: int | None = None, stats: Adj
     parked = ParkedInputs(context, z.device) if options.offload_inputs else None
     records = []
     for index in group.layers:
-        z, record = forward_layer(layers[index], z, mask, keep_states=not options.recompute)
+        chunk = scan_chunk(layers[index], *z.shape[:2], z.shape[-1], options, z.element_size())
+        z, record = forward_layer(layers[index], z, mask, chunk)
         records.append(record if parked is None or index == group.layers[-1] else parked.park(index, record))
     if group.last:
         loss, grad = head_backward(adapter, z, inputs.targets, num_label_tokens)

@@ -17,8 +17,9 @@ B x = 0), so left padding does not leak into the state.
 Two forwards compute the same thing: the parallel one runs the recurrence with
 :func:`~longtrain.ops.linear_scan.diagonal_recurrence` (log-depth scan, adjoint
 backward); ``scan_implementation="sequential"`` is the reference, a Python loop over
-time that autograd differentiates step by step. :meth:`SSMLayer.local` is the
-token-wise map whose vector-Jacobian products the ``adjoint`` engine takes.
+time that autograd differentiates step by step. :meth:`SSMLayer.maps` and
+:meth:`SSMLayer.readout` are the token-wise maps whose vector-Jacobian products the
+``adjoint`` engine takes.
 """
 
 from __future__ import annotations
@@ -117,17 +118,6 @@ class SSMLayer(nn.Module):
     def readout(self, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The layer output C^t h^t (in the model's dtype)."""
         return self.out_proj(c * h.to(c.dtype))
-
-    def local(self, z, h_prev, h, mask=None):
-        """What token t contributes given the states around it: (A^t h^{t−1} + B^t x^t, C^t h^t).
-
-        With h^{t−1} and h^t held fixed, the vector-Jacobian product of this map with
-        cotangents (∂L/∂h^t, ∂L/∂y^t) is token t's share of the parameter gradient and
-        its input's gradient: the A and B networks see ∂L/∂h^t (the adjoint state),
-        the C network sees ∂L/∂y^t.
-        """
-        a, b, c = self.maps(z, mask)
-        return a * h_prev + b, self.readout(c, h)
 
     def states(self, z: torch.Tensor, mask: torch.Tensor | None = None):
         """(A, c, h) over a (batch, time, P) sequence."""

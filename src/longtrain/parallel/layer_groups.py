@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import LongtrainError
-from ..models.adapters import adapter_for
+from ..models.adapters import adapter_class, adapter_for, describe_model
 from ..models.layers import unwrap
 
 __all__ = ["LayerGroup", "layer_ranges", "mirrored", "owned_parameters", "shard_model"]
@@ -56,6 +56,19 @@ def layer_ranges(n_layers: int, world_size: int) -> list[range]:
         bounds.append(range(start, stop))
         start = stop
     return bounds
+
+
+def busiest_group(config, world_size: int):
+    """The config of the model the busiest of ``world_size`` ranks runs, for simulating it
+    as one process: the largest group's layers (:func:`layer_ranges`), with the embedding
+    and the head. An end rank holds one of the two (with tied embeddings, a copy each) and
+    the stream or its gradient from its neighbour instead of the other, so this bounds it
+    within one vocabulary matrix's parameters, gradient and optimizer state."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise LongtrainError(f"layer groups must be a positive count of processes, got {world_size!r}")
+    adapter = adapter_class(config.model_type)
+    layers = max(len(group) for group in layer_ranges(describe_model(config).layers, world_size))
+    return adapter.with_layers(config, layers)
 
 
 class LayerGroup:

@@ -111,8 +111,8 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
     kind = adapter_class(config.model_type)
     if gpus > 1 and not kind.has_attention:
         raise LongtrainError(f"--gpus {gpus} splits the sequence over attention heads (Ulysses), and {config.model_type} "
-                             "has no attention; plan one GPU (layer groups split an SSM's layers over GPUs: torchrun "
-                             "with --engine adjoint)")
+                             "has no attention; plan one GPU, or split its layers over GPUs with the adjoint engine "
+                             f"(torchrun; `longtrain simulate --engine adjoint --layer-groups {gpus}` says what each GPU needs)")
     usual = candidates(seq_len, host_memory, describe_model(config).layers, adapter=kind)
     # FPDT with more than 32 chunks costs host time per chunk: tried only when nothing with
     # fewer fits (after every usual candidate), since smaller chunks reach longer contexts.

@@ -44,6 +44,7 @@ from ..models.adapters import adapter_class, describe_model
 from ..models.loading import add_lora, build_from_config, default_dtype, load_config, parse_dtype
 from ..optimizers import make_optimizer
 from ..parallel.distributed import simulated_world
+from ..parallel.layer_groups import busiest_group
 from ..strategy import Strategy, applied_context, apply, step
 from .bounds import _state_bytes, least_bytes, longest_where
 from .extrapolate import (ChunkCurve, _budget_stops_layers, _fit, _kept_outputs_apart, _layers, _Simulated,
@@ -266,6 +267,7 @@ class SimulationReport:
     flops_per_token: float | None = None  # forward + backward model FLOPs (a mixture of experts: its active ones)
     active_parameters: int | None = None  # matmul parameters a token multiplies by
     matmul_parameters: int | None = None  # all matmul parameters (every expert)
+    layer_groups: int | None = None  # the adjoint engine's layers over this many processes: the busiest one's share
 
     @property
     def device_peak_bytes(self) -> int:
@@ -307,6 +309,9 @@ class SimulationReport:
             f"{self.model}: {self.parameters / 1e9:.2f}B parameters{lora}, seq_len {self.seq_len}, batch {self.batch_size}, "
             f"strategy {strategy_name}, optimizer {self.optimizer}, {self.dtype}"
         )
+        if self.layer_groups:
+            head += (f"; the busiest of {self.layer_groups} layer groups (its layers with the embedding and the head; "
+                     "the parameters are its share)")
         largest = "largest tensors at the device peak:"
         if not self.method.startswith("exact"):
             largest = "largest tensors at the device peak of the largest simulation extrapolated from:"
@@ -345,6 +350,7 @@ def simulate(
     progress: Callable[[str], None] | None = None,
     device_memory: int | str | None = None,
     host_memory: int | str | None = None,
+    layer_groups: int | None = None,
 ) -> SimulationReport:
     """Simulated steady-state peak of one training step at full scale (no allocation).
 
@@ -370,6 +376,9 @@ def simulate(
     ``device_memory`` and/or ``host_memory``, a length that cannot fit them whatever the
     simulation finds (the token ids and what the strategy parks, counted, not simulated)
     is refused at once, naming the longest that could.
+
+    ``layer_groups``: the adjoint engine's layers over that many processes; the busiest
+    rank (:func:`~longtrain.parallel.layer_groups.busiest_group`) as one process.
     """
     if lora_rank is not None and (isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank <= 0):
         raise LongtrainError(f"lora_rank must be a positive integer, got {lora_rank!r}")
@@ -380,6 +389,11 @@ def simulate(
     config.use_cache = False
     torch_dtype = parse_dtype(dtype)
     strategy = Strategy.parse(strategy)
+    if layer_groups is not None:
+        if registry.engine(strategy.engine).layer_groups is None:
+            raise LongtrainError(f"layer groups split the layers of the adjoint engine over processes, not the "
+                                 f"{strategy.engine} engine's; pass --engine adjoint (a transformer's sequence splits: --sp)")
+        config = busiest_group(config, layer_groups)
     simulated = on_machine(strategy, host_memory)  # what a run there resolves its default budgets to
     if device_memory is not None or host_memory is not None:
         _refuse_lengths_that_cannot_fit(config, seq_len, simulated, torch_dtype, batch_size, device_memory, host_memory)
@@ -408,7 +422,7 @@ def simulate(
         model=name, seq_len=seq_len, batch_size=batch_size, strategy=strategy.to_dict(), optimizer=optimizer,
         dtype=str(torch_dtype).replace("torch.", ""), parameters=result.parameters, peak=result.report, fragmentation=frag,
         notes=result.notes, lora_rank=lora_rank, trainable_parameters=result.trainable if lora_rank else None,
-        method=result.method, **_flop_facts(config, seq_len),
+        method=result.method, layer_groups=layer_groups, **_flop_facts(config, seq_len),
     )
 
 

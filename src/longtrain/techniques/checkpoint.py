@@ -192,6 +192,11 @@ class KeptAttention:
             if packed is not _PARKED:
                 return packed
             store = self.store
+            if store is None or key not in store:
+                raise LongtrainError(
+                    "checkpoint:offload_inputs parks the layer inputs of one forward at a time, and a later forward "
+                    "dropped these before their backward ran; run each forward's backward before the next forward "
+                    "(as gradient accumulation does), or drop offload_inputs")
             tensor = store.get(key)
             if slot.below is not None:  # its recomputation comes after this layer's backward
                 store.prefetch((slot.below.key, "input"))

@@ -42,7 +42,7 @@ def write_summary(out: Path, config: TrainConfig, *, strategy: Strategy, model, 
     # LoRA is not simulated yet: the stock figure is full fine-tuning, an upper bound.
     stock = simulate(base_config, c.seq_len, batch_size=c.batch_size, strategy="none", optimizer=c.optimizer, dtype=dtype)
     summary = {
-        "model": c.model, "seq_len": c.seq_len, "strategy": strategy.name, "steps": steps,
+        "model": c.model, "seq_len": c.seq_len, "strategy": strategy.spec, "steps": steps,
         "steps_trained": len(step_times),  # by this command (fewer than "steps" when it resumed)
         "first_loss": sum(losses[:window]) / window if losses else None,
         "final_loss": sum(losses[-window:]) / window if losses else None,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...ops.linear_scan import linear_scan
 from ...ops.recurrence import Recurrence
 
 __all__ = ["MambaRecurrence"]
@@ -74,16 +73,6 @@ class MambaRecurrence(Recurrence):
         y = (y + x * mixer.D.float()) * F.silu(gate)
         return mixer.out_proj(y.to(x.dtype))
 
-    @torch.no_grad()
-    def forward(self, z: torch.Tensor, mask: torch.Tensor | None):
-        residual, a, b, inputs = self.maps(z, mask, 0)
-        h = linear_scan(a, b)
-        return residual + self.readout(inputs, h), a, inputs, h
-
-    def local(self, z, mask, context, h_prev, h):
-        residual, a, b, inputs = self.maps(z, mask, context)
-        return a * h_prev + b, residual + self.readout(inputs, h)
-
     def stream_dtype(self) -> torch.dtype:
         # residual_in_fp32: the block adds its output to a float32 copy of the stream (a
         # float64 model's stream stays float64, as the sum promotes).
@@ -91,6 +80,9 @@ class MambaRecurrence(Recurrence):
         probe = torch.empty(0, dtype=weight)
         residual = probe.to(torch.float32) if self.layer.residual_in_fp32 else probe
         return torch.promote_types(residual.dtype, weight)
+
+    def state_size(self) -> int:
+        return self.mixer.intermediate_size * self.mixer.ssm_state_size  # Mamba-2: H·P·N, as H·P = I
 
     def token_bytes(self, element_size: int) -> int:
         # Per token: the norm, projections, convolution and gates (about 8 hidden- and

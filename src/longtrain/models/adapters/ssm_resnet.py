@@ -12,23 +12,21 @@ from .base import AttentionFreeAdapter, register_adapter
 
 
 class SSMRecurrence(Recurrence):
-    """An :class:`~longtrain.models.ssm_resnet.SSMLayer` for the adjoint engine: token-wise
-    maps (no window), its own readout and token map (:meth:`SSMLayer.local`)."""
+    """An :class:`~longtrain.models.ssm_resnet.SSMLayer` for the adjoint engine: its own
+    token-wise maps (no window) and readout."""
 
-    @torch.no_grad()
-    def forward(self, z, mask):
-        a, c, h = self.layer.states(z, mask)
-        return z + self.layer.readout(c, h), a, (c,), h
+    def maps(self, z, mask, context):
+        a, b, c = self.layer.maps(z, mask)
+        return z, a, b, (c,)
 
     def readout(self, inputs, h):
         return self.layer.readout(inputs[0], h)
 
-    def local(self, z, mask, context, h_prev, h):
-        state, out = self.layer.local(z, h_prev, h, mask)
-        return state, z + out
-
     def stream_dtype(self) -> torch.dtype:
         return self.layer.out_proj.weight.dtype
+
+    def state_size(self) -> int:
+        return self.layer.out_proj.in_features
 
     def token_bytes(self, element_size: int) -> int:
         # What one token's map keeps for its VJP (norm, projections, gates) and the VJP's
