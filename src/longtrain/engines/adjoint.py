@@ -161,26 +161,21 @@ def forward_layer(layer: Recurrence, z: torch.Tensor, mask: torch.Tensor | None,
     return out, LayerRecord(z, None, None, None, tuple(chunks))
 
 
-def truncated_adjoint_states(a: torch.Tensor, direct: torch.Tensor, window: int) -> tuple[torch.Tensor, int]:
-    """μ^i = Σ_{t=i}^{i+window−1} direct^t ⊙ A^{i+1} ⋯ A^t over dim 1, and the number of
-    (t, i) terms summed (per batch row and state channel)."""
+def truncated_adjoint_states(a: torch.Tensor, direct: torch.Tensor, window: int,
+                             keep: int | None = None) -> tuple[torch.Tensor, int]:
+    """μ^i = Σ_{t=i}^{i+window−1} direct^t ⊙ A^{i+1} ⋯ A^t over dim 1 for the first ``keep``
+    positions (default all; the rest only feed them), and the number of (t, i) terms summed
+    for those (per batch row and state channel)."""
     length = a.shape[1]
+    keep = length if keep is None else keep
     mu = direct.clone()
     run = None  # run[:, i] = A^{i+1} ⋯ A^{i+d}
-    terms = length
+    terms = keep
     for d in range(1, min(window, length)):
         run = a[:, d:] if run is None else run[:, : length - d] * a[:, d:]
         mu[:, : length - d] += direct[:, d:] * run
-        terms += length - d
-    return mu, terms
-
-
-def truncated_terms(length: int, window: int | None) -> int:
-    """The (t, i) terms g^t λ^{t,i} of one layer (per batch row and state channel): all
-    T(T+1)/2 when exact, those with t − i < ``window`` when truncated."""
-    if window is None or window >= length:
-        return length * (length + 1) // 2
-    return window * length - window * (window - 1) // 2
+        terms += min(keep, length - d)
+    return mu[:, :keep], terms
 
 
 DEFAULT_VJP_MEMORY = 16 * 2**20
@@ -253,6 +248,7 @@ def backward_layer(
     block = _block_tokens(layer, rows, length, z.shape[-1], options, z.element_size())
     chunks = record.chunks or ((0, length, None),)
     ahead = 0 if options.truncate is None else options.truncate - 1
+    terms = length * (length + 1) // 2 if options.truncate is None else 0
     carry = None  # exact: A^{s} ⊙ μ^{s} of the chunk after
     kept = grad_out[:, :0]  # truncated: the cotangents of the tokens after the chunk, before they were overwritten
     pending = None  # input gradient of the chunk after, reaching this chunk's last ``window`` tokens
@@ -275,7 +271,8 @@ def backward_layer(
             mu = adjoint_states(a, direct, overwrite=True)
             carry = a[:, 0] * mu[:, 0]
         else:
-            mu = truncated_adjoint_states(a, direct, options.truncate)[0][:, : stop - start]
+            mu, counted = truncated_adjoint_states(a, direct, options.truncate, stop - start)
+            terms += counted
         del direct, a
         grad_in = _token_vjps(layer, z, mask, start, stop, h0, h, mu, grad_out, block, stats)
         del h, mu
@@ -283,7 +280,7 @@ def backward_layer(
             grad_out[:, stop - pending.shape[1]: stop] += pending
         pending = grad_in
     if stats is not None:
-        stats.adjoint_terms += truncated_terms(length, options.truncate)
+        stats.adjoint_terms += terms
         stats.token_vjps += length
     return grad_out
 
