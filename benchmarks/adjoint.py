@@ -308,7 +308,8 @@ def training(steps: int = 150, seq_len: int = 2048) -> list[dict]:
              "adjoint, T̄=128": ("adjoint", 128)}
     for name, (engine, truncate) in cases.items():
         with tempfile.TemporaryDirectory() as out:
-            config = TrainConfig(model="ssm-demo", engine=engine, truncate=truncate, seq_len=seq_len, steps=steps,
+            spec = engine if truncate is None else f"{engine}:truncate={truncate}"
+            config = TrainConfig(model="ssm-demo", engine=spec, seq_len=seq_len, steps=steps,
                                  out=out, progress=False, eval_samples=8, save_every=steps)
             trainer = Trainer(config)
             summary = trainer.train()

@@ -63,12 +63,13 @@ def rows_of(model: str, smoke: bool, machines: dict | None = None, modes: dict |
                              "binds": f"not planned: {exc}", "step_s": None, "anchor": ANCHORS.get((model, machine, mode))})
                 continue
             best = limits[0]
-            print(f"{model}, {machine}, {mode}: {best.tokens:,} tokens ({best.name}; {best.binds}) "
+            shown = {id(limit): limit.name + (" --optimizer-offload" if limit.optimizer_offload else "") for limit in limits}
+            print(f"{model}, {machine}, {mode}: {best.tokens:,} tokens ({shown[id(best)]}; {best.binds}) "
                   f"in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
             rows.append({"model": model, "machine": machine, "mode": mode, "tokens": f"{best.tokens:,}",
-                         "strategy": best.name, "binds": f"{best.binds} beyond it", "step_s": best.step_seconds,
+                         "strategy": shown[id(best)], "binds": f"{best.binds} beyond it", "step_s": best.step_seconds,
                          "anchor": ANCHORS.get((model, machine, mode)),
-                         "others": {limit.name: limit.tokens for limit in limits[1:]}})
+                         "others": {shown[id(limit)]: limit.tokens for limit in limits[1:]}})
     return rows
 
 

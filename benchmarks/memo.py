@@ -61,7 +61,7 @@ def memory() -> None:
         result = plan("llama3-8b", tokens, device_memory=80 * GIB, host_memory=120 * GIB, optimizer="adamw",
                       progress=lambda line: print(line, flush=True))
         for row in result.rows:
-            rows.append({"tokens": tokens, "strategy": row.name,
+            rows.append({"tokens": tokens, "strategy": row.name + (" --optimizer-offload" if row.optimizer_offload else ""),
                          "device_gib": row.device_bytes / GIB if row.device_bytes else None,
                          "reserved_gib": row.reserved_bytes / GIB if row.reserved_bytes else None,
                          "host_gib": row.host_bytes / GIB if row.host_bytes is not None else None,

@@ -97,7 +97,7 @@ def main(argv=None) -> None:
     allocated = torch.cuda.max_memory_allocated() if cuda else None
     reserved = torch.cuda.max_memory_reserved() if cuda else None
     row = {
-        "model": model_name, "tokens": f"{seq_len:,}", "strategy": best.name + (" · AdamW in host memory" if offload else ""), "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "model": model_name, "tokens": f"{seq_len:,}", "strategy": best.name + (" --optimizer-offload" if offload else ""), "device": torch.cuda.get_device_name() if cuda else "cpu",
         "step_s": seconds[-1], "planned_step_s": best.step_seconds, "time_ratio": seconds[-1] / best.step_seconds,
         "allocated": format_bytes(allocated) if allocated else None, "planned_allocated": format_bytes(best.device_bytes),
         "reserved": format_bytes(reserved) if reserved else None, "planned_reserved": format_bytes(best.reserved_bytes),

@@ -289,14 +289,15 @@ gemma2_computes_in_float64 = computes_in_float64  # the name older tests use
 
 
 def check_step(stock, ours, strategy, batch, tol: float = 1e-10, another_thread: bool = False,
-               seed: int | None = None):
+               seed: int | None = None, reference=None):
     """Apply ``strategy`` to ``ours`` (a no-op where it is applied already), step once on
     ``batch`` and require the stock model's loss and every gradient, in float64, within
-    ``tol`` (relative). ``seed``: both steps start from it (models that draw dropout)."""
+    ``tol`` (relative). ``seed``: both steps start from it (models that draw dropout).
+    ``reference(stock, batch)``: stock's loss (default :func:`stock_loss`)."""
     with computes_in_float64():
         if seed is not None:
             torch.manual_seed(seed)
-        ref = stock_loss(stock, batch)
+        ref = (reference or stock_loss)(stock, batch)
         ref.backward()
         lt.apply(ours, strategy)
         if seed is not None:

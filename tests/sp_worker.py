@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import longtrain as lt
+from longtrain.families import float64_throughout
 from conftest import computes_in_float64, packed_batch, padded_batch, randomize_lora, stock_and_ours, stock_loss
 from transformers import AutoConfig
 
@@ -34,6 +35,12 @@ def config(kind: str):
     if kind == "mistral-mha3":
         return AutoConfig.for_model("mistral", hidden_size=48, num_attention_heads=3, num_key_value_heads=3,
                                     sliding_window=None, **base)
+    if kind == "qwen3-moe":  # 4 experts, 2 per token, with the router's load-balancing loss
+        moe = AutoConfig.for_model("qwen3_moe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                   output_router_logits=True, router_aux_loss_coef=0.02, **base)
+        moe._experts_implementation = "eager"  # experts one by one: the grouped-matmul kernels take no float64
+        return moe
     if kind == "gemma2":
         from longtrain.models.presets import preset_config
 
@@ -86,8 +93,10 @@ def run_case(model_kind: str, batch_kind: str, engine: str, degree: int, lora: b
     every = [b for g in range(dp) for b in batches(batch_kind, g, dp)]
     mine = batches(batch_kind, dp_rank, dp)
     total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in every)
-    with computes_in_float64():
-        ref = sum(stock_loss(stock, b) * int((b["labels"][:, 1:] != -100).sum()) / total for b in every)
+    # A mixture of experts' balancing loss sums in float32 unless .float() keeps float64 too.
+    precision = float64_throughout() if getattr(stock.config, "output_router_logits", False) else computes_in_float64()
+    with precision:
+        ref = sum(_stock_term(stock, b, total) for b in every)
         ref.backward()
         lt.apply(ours, strategy(engine, degree))
         loss = sum(lt.step(ours, b, num_label_tokens=total) for b in mine)
@@ -104,6 +113,17 @@ def run_case(model_kind: str, batch_kind: str, engine: str, degree: int, lora: b
     errors["grads"] = worst
     errors["every_rank_same_loss"] = _same_everywhere(float(loss))
     return errors
+
+
+def _stock_term(stock, batch: dict, total: int) -> torch.Tensor:
+    """One micro-batch's part of the accumulated stock loss: its token losses over the step's
+    label count, plus the routers' load-balancing loss of the micro-batch where the model adds it."""
+    term = stock_loss(stock, batch) * int((batch["labels"][:, 1:] != -100).sum()) / total
+    if getattr(stock.config, "output_router_logits", False):
+        out = stock(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                    position_ids=batch.get("position_ids"), use_cache=False)
+        term = term + stock.config.router_aux_loss_coef * out.aux_loss
+    return term
 
 
 def _same_everywhere(value: float) -> bool:
@@ -127,9 +147,11 @@ def failures(mode: str) -> None:
 
 def measure(length: int, engine: str) -> dict:
     """This rank's exact CPU peak of a training step (AdamW) after the first, as the simulator
-    counts it: the lowest of three steps' peaks. gloo's thread drops a collective's buffers a
-    moment after ``wait()`` returns, and on a loaded machine (CI's two workers) a step's peak
-    once counted two collectives' (+389,120 bytes); the lowest of three counts at most one."""
+    counts it: the lowest of three steps' peaks; and the worker threads of the two gloo
+    groups the step communicates over (FSDP2's mesh, the Ulysses group). A gloo worker
+    thread drops the collective it ran (its input and output tensors) a moment after
+    ``wait()`` returns, so a peak may count finished collectives' buffers: at most one per
+    worker thread (the test bounds them with these counts)."""
     from longtrain.memory import MemoryTracker
     from longtrain.models.loading import build_from_config
     from longtrain.models.presets import preset_config
@@ -151,7 +173,17 @@ def measure(length: int, engine: str) -> dict:
                 steady.append(tracker.report().peak_device_bytes)
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, min(steady))
-    return {"peaks": peaks}
+    from longtrain.parallel.fsdp import world_mesh
+    from longtrain.strategy import applied_context
+
+    groups = {"fsdp2": world_mesh("cpu").get_group(), "ulysses": applied_context(model).sequence_parallel.comm.group}
+    return {"peaks": peaks, "gloo_threads": {name: _gloo_threads(group) for name, group in groups.items()}}
+
+
+def _gloo_threads(group) -> int:
+    """The worker threads of a gloo process group (``ProcessGroupGloo::runLoop``: each runs
+    one collective at a time and releases it, inputs and outputs, only after marking it done)."""
+    return group._get_backend(torch.device("cpu")).options._threads
 
 
 def main(out: str, cases: str) -> None:

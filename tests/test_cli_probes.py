@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -60,8 +59,11 @@ def finished(tmp_path_factory, data_file) -> Path:
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
-    """A BERT (masked LM) directory, a Llama directory without tokenizer files, and a
-    copy of it whose model.safetensors was cut short (a copy that stopped half way)."""
+    """A BERT (masked LM) directory, a Llama directory without tokenizer files, a copy of
+    it whose model.safetensors was cut short (a copy that stopped half way), and copies
+    whose config.json and weights disagree: hidden_size 64 for weights of 32, two layers
+    for weights of one, num_hidden_layers -1 or 0, and a norm weight of the wrong shape."""
+    from safetensors.torch import load_file, save_file
     from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("models")
@@ -72,7 +74,19 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
     shutil.copytree(root / "llama", root / "truncated")
     weights = root / "truncated" / "model.safetensors"
     os.truncate(weights, weights.stat().st_size // 2)
-    return {"bert": root / "bert", "llama": root / "llama", "truncated": root / "truncated"}
+    dirs = {"bert": root / "bert", "llama": root / "llama", "truncated": root / "truncated"}
+    for name, key, value in (("wider", "hidden_size", 64), ("deeper", "num_hidden_layers", 2),
+                             ("negative", "num_hidden_layers", -1), ("no_layers", "num_hidden_layers", 0)):
+        shutil.copytree(root / "llama", root / name)
+        config = json.loads((root / name / "config.json").read_text())
+        (root / name / "config.json").write_text(json.dumps({**config, key: value}))
+        dirs[name] = root / name
+    shutil.copytree(root / "llama", root / "misshapen")
+    tensors = load_file(str(root / "llama" / "model.safetensors"))
+    save_file({**tensors, "model.norm.weight": torch.ones(16)}, str(root / "misshapen" / "model.safetensors"),
+              metadata={"format": "pt"})
+    dirs["misshapen"] = root / "misshapen"
+    return dirs
 
 
 # (id, argv after `train --model tiny-llama --data D --seq-len 64 ...`, --out kind, exit code, words of the message)
@@ -118,6 +132,50 @@ PROBES = [
     ("plan row with its optimizer note", ["--strategy", "fpdt:chunk=32,mst · optimizer in host memory"], "fresh", 2,
      "pass --strategy fpdt:chunk=32,mst with --optimizer-offload"),
     ("plan row for several GPUs", ["--strategy", "fpdt:chunk=32:offload,mst+sp2"], "fresh", 2, "pass --sp 2"),
+    # --overwrite clears --out only once every check has passed, the --resume-from checkpoint's included.
+    ("overwrite, resume-from a missing checkpoint in --out",
+     ["--steps", "3", "--overwrite", "--resume-from", "{tmp}/run/checkpoints/step-00000008"], "finished", 2,
+     "lies inside --out {tmp}/run, which --overwrite clears before training; drop --overwrite"),
+    ("overwrite, resume-from a checkpoint in --out",
+     ["--steps", "3", "--overwrite", "--resume-from", "{tmp}/run/checkpoints/step-00000001"], "finished", 2,
+     "which --overwrite clears before training"),
+    ("overwrite, resume-from nothing", ["--steps", "3", "--overwrite", "--resume-from", "{tmp}/nothing"], "finished", 2,
+     "neither a checkpoint"),
+    ("overwrite, resume-from another run's checkpoint, changed identity",
+     ["--steps", "3", "--overwrite", "--resume-from", "{finished}", "--seed", "7"], "finished", 2,
+     "seed=0 but this run has seed=7"),
+    # A run whose checkpoints/latest is gone: its newest valid checkpoint is named, never started over.
+    ("resume without latest", ["--steps", "3", "--resume"], "unpointed", 2,
+     "the newest valid one is {tmp}/run/checkpoints/step-00000002 (step 2): pass --resume-from "
+     "{tmp}/run/checkpoints/step-00000002 instead of --resume"),
+    ("start without latest", ["--steps", "3"], "unpointed", 2,
+     "the newest valid one is {tmp}/run/checkpoints/step-00000002 (step 2): pass --resume-from"),
+    # config.json and the weights disagree: one line naming the tensors, before anything loads.
+    ("config wider than the weights", ["--model", "{wider}", "--tokenizer", "bytes"], "fresh", 2,
+     "model.embed_tokens.weight is 300×32 in model.safetensors but 300×64 by config.json"),
+    ("config deeper than the weights", ["--model", "{deeper}", "--tokenizer", "bytes"], "fresh", 2,
+     "hold 1 layer but its config.json describes 2"),
+    ("weights of the wrong shape", ["--model", "{misshapen}", "--tokenizer", "bytes"], "fresh", 2,
+     "model.norm.weight is 16 in model.safetensors but 32 by config.json"),
+    ("num_hidden_layers -1", ["--model", "{negative}", "--tokenizer", "bytes"], "fresh", 2,
+     "gives num_hidden_layers as -1, but a size must be positive"),
+    ("num_hidden_layers 0", ["--model", "{no_layers}", "--tokenizer", "bytes"], "fresh", 2,
+     "gives num_hidden_layers as 0, but a size must be positive"),
+    # Options that would be ignored.
+    ("lora-rank without lora", ["--lora-rank", "16"], "fresh", 2, "--lora-rank has no effect without --lora; add --lora"),
+    ("lora-rank at its default without lora", ["--lora-rank", "8"], "fresh", 2, "--lora-rank has no effect without --lora"),
+    ("lora-dropout without lora", ["--lora-dropout", "0.05"], "fresh", 2, "--lora-dropout has no effect without --lora"),
+    ("warmup beyond steps", ["--steps", "2", "--warmup-steps", "100"], "fresh", 2,
+     "--warmup-steps 100 is not below --steps 2: the learning rate would only rise from 1.0% to 2.0% of --lr"),
+    ("warmup as long as the run", ["--steps", "4", "--warmup-steps", "4"], "fresh", 2, "pass --warmup-steps below 4"),
+    ("loss on the assistant of text", ["--loss-on", "assistant"], "fresh", 2,
+     "--loss-on assistant puts the loss on chat records' assistant messages"),
+    # Names refused before torch loads (test_name_mistakes_are_refused_before_torch_loads).
+    ("engine unknown", ["--engine", "warp:chunk=64"], "fresh", 2, "unknown engine 'warp'"),
+    ("technique unknown", ["--strategy", "checkpoint,warp"], "fresh", 2, "unknown technique 'warp'"),
+    ("strategy file missing", ["--strategy", "{tmp}/none.yaml"], "fresh", 2, "no such file"),
+    ("dtype unknown", ["--dtype", "fp8"], "fresh", 2, "--dtype 'fp8' is not a dtype"),
+    ("model directory missing", ["--model", "{tmp}/no-model"], "fresh", 2, "no-model does not exist"),
 ]
 
 
@@ -134,10 +192,13 @@ def test_probe(name, argv, out_kind, code, message, tmp_path, data_file, finishe
         pytest.skip("tensorboard is installed here")
     _write_inputs(tmp_path)
     out = tmp_path / "run"
-    if out_kind == "finished":
+    if out_kind in ("finished", "unpointed"):
         shutil.copytree(finished, out)
-    fill = {"tmp": tmp_path, **model_dirs}
+    if out_kind == "unpointed":  # checkpoints/latest removed, the checkpoints kept
+        (out / "checkpoints" / "latest").unlink()
+    fill = {"tmp": tmp_path, "finished": finished, **model_dirs}
     args = [a.format(**fill) if isinstance(a, str) else a for a in argv]
+    message = message.format(**fill)
     before = snapshot(out), snapshot(tmp_path)
     full = tiny(data_file, *args) if "--out" in args else tiny(data_file, *args, "--out", out)
     got, stdout, stderr = cli(*full)
@@ -204,10 +265,12 @@ def test_a_finished_run_resumed_with_more_steps_continues_on_the_stated_schedule
     assert "resuming with --lr 0.001 (the checkpoint's run had 0.003)" in text
     steps = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
-    # The rule: lr(step) = --lr × WarmupCosine(--warmup-steps, --steps)(step), here still warming up.
+    # The rule: lr(step) = --lr × WarmupCosine(--warmup-steps, --steps)(step); the default warm-up of a run this short
+    # is a tenth of --steps (none), not 20 steps.
     from longtrain.train.trainer import WarmupCosine
 
-    assert steps[2]["lr"] == pytest.approx(1e-3 * WarmupCosine(20, 3)(2))
+    assert "--warmup-steps" not in text
+    assert steps[2]["lr"] == pytest.approx(1e-3 * WarmupCosine(0, 3)(2))
     assert json.loads((out / "summary.json").read_text())["steps"] == 3
     held_out = [r["eval"] for r in read_metrics(out / "metrics.jsonl") if "eval" in r]
     assert held_out and all(e["samples"] == 2 and e["loss"] > 0 for e in held_out)
@@ -507,21 +570,52 @@ def _strict(path: Path) -> list[dict]:
     return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
 
 
-def test_a_diverging_run_stops_at_its_first_non_finite_step_and_keeps_its_last_good_checkpoint(tmp_path, data_file):
+def test_a_diverging_run_stops_at_its_first_non_finite_step_and_names_no_checkpoint_whose_weights_blew_up(tmp_path, data_file):
+    """--lr 1e30: step 1 leaves finite but huge weights (checkpointed), step 2's loss is not
+    finite. That checkpoint is no way forward — resumed with a sane --lr it diverges again —
+    so the line names none and says to start again."""
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    code, _, err = cli(*tiny(data_file, "--steps", "8", "--save-every", "1", "--lr", "1e6", "--out", out))
+    code, _, err = cli(*tiny(data_file, "--steps", "8", "--save-every", "1", "--lr", "1e30", "--out", out))
     assert code == 2 and err.count("\n") == 1, err
-    assert "training diverged at step" in err and "is nan" in err and "lower --lr (now 1e+06)" in err and "--resume" in err
+    assert "training diverged at step 2" in err and "lower --lr (now 1e+30)" in err, err
+    assert "no checkpoint kept was saved while the run still trained sanely (the last, step 1, holds the weights that led " \
+           "here)" in err and "then start again with --overwrite (or --out NEW_DIR)" in err, err
     latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
     weights = load_file(str(latest / "weights.safetensors"))
-    assert all(bool(torch.isfinite(w).all()) for w in weights.values())
-    stopped = int(err.split("diverged at step ")[1].split(":")[0])
-    assert json.loads((latest / "manifest.json").read_text())["step"] == stopped - 1 < 8
+    assert all(bool(torch.isfinite(w).all()) for w in weights.values())  # nothing non-finite is ever written
+    assert json.loads((latest / "manifest.json").read_text())["step"] == 1
     assert not (out / "final").exists() and not (out / "summary.json").exists()
-    records = _strict(out / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, stopped))
+    assert [r["step"] for r in _strict(out / "metrics.jsonl")] == [1]
+    # What the old line advised (continue from "the last good checkpoint" with a lower --lr) diverges again.
+    code, _, err = cli(*tiny(data_file, "--steps", "8", "--save-every", "1", "--lr", "1e-3", "--out", out, "--resume"))
+    assert code == 2 and "training diverged at step 2" in err, err
+
+
+def test_after_a_divergence_the_checkpoint_named_is_the_newest_that_still_trained_sanely(tmp_path):
+    """Checkpoints at steps 1-3, the loss of step 3 already blown up (40 × the first), step 4
+    not finite: step 3's weights gave the non-finite loss, step 2's the blown-up one, so the
+    way forward is step 1 (``--resume-from`` it); with step 3 sane, the latest (``--resume``)."""
+    from longtrain.train import checkpoint as ckpt
+    from longtrain.train.divergence import diverged
+
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(tmp_path, step, {"weights.safetensors": lambda p: p.write_bytes(b"w")}, {}, keep=3)
+    config = TrainConfig(lr=0.5)
+    records = {1: {"loss": 5.0, "grad_norm": 1.0}, 2: {"loss": 5.5, "grad_norm": 2.0}, 3: {"loss": 200.0, "grad_norm": 9.0}}
+    said = str(diverged("the loss is nan", 4, config, tmp_path, torch.float32, records=records))
+    assert "the last checkpoint (step 3) holds weights that already trained badly" in said, said
+    assert f"the newest good one is {tmp_path / 'step-00000001'} (step 1)" in said
+    assert said.endswith(f"then continue with --resume-from {tmp_path / 'step-00000001'}") and "\n" not in said
+    records[3] = {"loss": 5.2, "grad_norm": 1.5}
+    records[4] = {"loss": 5.1, "grad_norm": 1.0}  # step 4 trained; its optimizer step left non-finite weights
+    said = str(diverged("the optimizer step left non-finite weights", 4, config, tmp_path, torch.float32, records=records))
+    assert f"{tmp_path / 'latest'} still names the last good checkpoint (step 3)" in said and "continue with --resume" in said
+    records[2] = {"loss": None, "grad_norm": None}  # logged as null: not finite
+    del records[4]
+    said = str(diverged("the loss is nan", 4, config, tmp_path, torch.float32, records={1: records[1], 2: records[2]}))
+    assert "no checkpoint kept was saved while the run still trained sanely" in said
 
 
 def test_float16_that_overflows_writes_no_checkpoint(tmp_path, data_file):
@@ -623,6 +717,59 @@ def test_a_planners_label_trains_and_simulates_as_printed(tmp_path, data_file):
     assert code == 0, err  # the same engine named twice, agreeing
 
 
+def test_every_plan_row_prints_train_flags_that_paste_whole():
+    """Each row of `longtrain plan` prints the options that train it (--strategy, and
+    --optimizer-offload where AdamW's state is in host memory), and the plan the whole
+    command line of its winner: pasted into `longtrain train`, they parse to the row's
+    strategy and optimizer place."""
+    import re
+    import shlex
+
+    from longtrain.cli import build_parser
+
+    argv = ["plan", "--model", "tiny-llama", "--seq-len", "2K", "--device-memory", "1GiB", "--host-memory", "1GB",
+            "--jobs", "1", "--exhaustive"]
+    code, table, err = cli(*argv)
+    assert code == 0, err
+    code, printed, err = cli(*argv, "--json")
+    assert code == 0, err
+    plan = json.loads(printed)
+    labels = [re.split(r"\s{2,}", line)[0] for line in table.splitlines() if line.startswith("--strategy ")]
+    assert labels == [shlex.join(row["flags"]) for row in plan["rows"]]
+    assert {row["optimizer_offload"] for row in plan["rows"]} == {False, True}
+    assert not [label for label in labels if "·" in label or "host memory" in label]
+    for row in plan["rows"]:
+        words = shlex.split(row["command"])
+        assert words[:2] == ["longtrain", "train"] and words[-len(row["flags"]):] == row["flags"]
+        args = build_parser().parse_args(words[1:])
+        assert (args.model, args.seq_len, args.optimizer_offload) == ("tiny-llama", 2048, row["optimizer_offload"])
+        assert _without_host_budgets(lt.Strategy.parse(args.strategy)) == \
+            _without_host_budgets(lt.Strategy.from_dict(row["strategy"])), row["command"]
+    best = next(row for row in plan["rows"] if row["fits"])
+    assert f"train it: {best['command']}" in table.splitlines()
+
+
+def test_simulate_takes_the_optimizer_offload_flag_train_and_plan_take():
+    """One name for AdamW's state in host memory: --optimizer-offload, as train and plan
+    spell it. The earlier `--optimizer adamw-offload` is read as it, with a one-line note."""
+    base = ["simulate", "--model", "tiny-llama", "--seq-len", "64", "--no-progress", "--json"]
+    code, printed, err = cli(*base, "--optimizer-offload")
+    assert code == 0 and not err, err
+    report = json.loads(printed)
+    assert report["optimizer"] == "adamw-offload" and report["peak"]["peak_host_bytes"] > 0
+    code, old, err = cli(*base, "--optimizer", "adamw-offload")
+    assert code == 0 and json.loads(old)["peak"] == report["peak"]
+    assert err.count("\n") == 1 and "--optimizer-offload" in err
+    code, table, err = cli(*base[:-1], "--optimizer-offload")
+    assert code == 0 and "optimizer adamw in host memory (--optimizer-offload)" in table
+    for wrong, message in [(["--optimizer", "sgd", "--optimizer-offload"], "needs --optimizer adamw"),
+                           (["--optimizer", "lion"], "invalid choice: 'lion' (choose from 'adamw', 'sgd', 'none')")]:
+        code, _, err = cli(*base, *wrong)
+        assert code == 2 and err.count("\n") == 1 and message in err, err
+    code, helped, _ = cli("simulate", "--help")
+    assert "--optimizer {adamw,sgd,none}" in helped and "--optimizer-offload" in helped and "adamw-offload" not in helped
+
+
 # ---- lengths beyond any configuration ----------------------------------------------------
 
 @pytest.mark.parametrize("command", [
@@ -635,18 +782,272 @@ def test_a_planners_label_trains_and_simulates_as_printed(tmp_path, data_file):
     ["simulate", "--model", "llama3-8b", "--seq-len", "1T", "--strategy", "mst", "--engine", "fpdt:offload=true",
      "--host-memory", "120GiB"],
 ])
-def test_a_length_beyond_any_configuration_is_refused_at_once(command, capsys):
+def test_a_length_beyond_any_configuration_is_refused_at_once(command, capsys, monkeypatch):
     """A trillion tokens: the token ids and what the strategies park are counted from the
     config (no chunk list, no small simulation): one line, exit code 2, naming the longest
-    length that could fit."""
-    main(command)  # once for the imports (torch, transformers, the model's modules), outside the timed call
-    capsys.readouterr()
-    started = time.perf_counter()
+    length that could fit. "At once" is checked by what runs, not by a clock: no model is
+    built on fake tensors (every simulation, a chunk curve's small ones included, enters
+    FakeTensorMode), no simulation process starts, and the time model schedules no step
+    (its per-chunk schedule alone would take minutes at this length) — each would fail here."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from longtrain.plan import planner, steps
+
+    entered = []
+
+    def refused(what):
+        def called(*args, **kwargs):
+            entered.append(what)
+            raise AssertionError(f"{what} before the refusal")
+        return called
+
+    monkeypatch.setattr(FakeTensorMode, "__enter__", refused("a fake-tensor simulation"))
+    monkeypatch.setattr(steps._Simulations, "start", refused("a simulation process"))
+    monkeypatch.setattr(planner, "step_time", refused("the time model's step schedule"))
     code = main(command)
-    seconds = time.perf_counter() - started
     err = capsys.readouterr().err.strip()
+    assert entered == []
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert seconds < 5, seconds
     assert "tokens" in err and "could fit" in err and "not simulated" in err
     longest = int(err.split("fit is " if "fit is " in err else "at most ")[1].split(" tokens")[0].replace(",", ""))
     assert 0 < longest < 2**40
+
+
+# ---- `longtrain families`: each check in a bounded child, the table where asked -------------
+
+def _allocates_past_any_limit(family):
+    """A family's check that asks for 64 GiB at once (reserved, never touched: an unbounded
+    child would get it without using the memory, and report the family exact)."""
+    from longtrain.families import FamilyResult
+
+    torch.empty(64 * 2**30, dtype=torch.uint8)
+    return FamilyResult(family, "exact", "DecoderAdapter")
+
+
+def _records_the_failure(family):
+    """As check_family does: an allocation refused inside a strategy's step is that cell's one line."""
+    from longtrain.families import FamilyResult
+
+    try:
+        torch.empty(64 * 2**30, dtype=torch.uint8)
+        cell = 0.0
+    except RuntimeError as error:
+        cell = "right-padded: RuntimeError: " + " ".join(str(error).split())
+    return FamilyResult(family, "inexact", "DecoderAdapter", cells={"backprop": 0.0, "checkpoint": cell})
+
+
+def _gib_above_this_process() -> int:
+    """A limit in whole GiB at least 1 GiB above this process's address space (which a forked
+    child inherits: the limit counts it), so the child has room for its own small work."""
+    size = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
+                if line.startswith("VmSize:"))
+    return size // 2**30 + 2
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the address space from /proc (Linux)")
+@pytest.mark.parametrize("check", [_allocates_past_any_limit, _records_the_failure])
+def test_a_family_past_the_memory_limit_is_reported_as_exceeding_it_in_one_line(check, tmp_path, monkeypatch):
+    from longtrain import families
+
+    monkeypatch.setattr(families.child, "check_family", check)  # the forked child runs it
+    gib = _gib_above_this_process()
+    result = families.check_in_process("llama", memory_limit=gib * 2**30)
+    assert (result.status, result.reason) == ("not built", f"exceeded the memory limit of {gib} GiB"), result
+    code, out, err = cli("families", "llama", "--memory-limit", f"{gib}GiB", "--out", tmp_path / "f.md")
+    assert code == 0, err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"[1/1] llama: not built: exceeded the memory limit of {gib} GiB (") and "resident)" in err, err
+    saved = json.loads((tmp_path / "f.json").read_text())
+    limit = "" if gib == 4 else f" --memory-limit {gib}GiB"  # the default is not repeated
+    assert saved["command"] == f"longtrain families llama --out {tmp_path / 'f.md'}{limit}"
+    assert [(r["family"], r["status"], r["reason"]) for r in saved["results"]] == \
+        [("llama", "not built", f"exceeded the memory limit of {gib} GiB")]
+    assert all(not isinstance(v, str) for v in saved["results"][0]["cells"].values())  # the refused allocation's line is gone
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the address space from /proc (Linux)")
+def test_a_family_check_within_the_limit_reports_its_verdict_and_peak(monkeypatch):
+    """The child's verdict comes back as it was given; its peak resident memory (wait4's
+    ru_maxrss) counts what it touched."""
+    from longtrain import families
+
+    def touches_256_mib(family):
+        block = torch.ones(256 * 2**20, dtype=torch.uint8)  # written: resident
+        return families.FamilyResult(family, "exact", "DecoderAdapter", cells={"backprop": float(block[0]) - 1})
+
+    monkeypatch.setattr(families.child, "check_family", touches_256_mib)
+    limit = _gib_above_this_process() * 2**30
+    result, peak = families.child._check_in_child("llama", 120.0, limit)
+    assert (result.status, result.cells) == ("exact", {"backprop": 0.0})
+    assert 256 * 2**20 < peak < limit
+
+
+def test_the_families_table_is_written_in_the_current_directory_by_default(tmp_path, monkeypatch):
+    """Not into a source checkout's docs/families.md: ./families.md and ./families.json unless
+    --out says otherwise (the project's own table: --out docs/families.md); --help says so,
+    and that families are checked one at a time under a memory limit."""
+    from longtrain import families
+
+    checked = families.FamilyResult("llama", "exact", "DecoderAdapter", cells={s: 0.0 for s in families.STRATEGIES})
+    monkeypatch.setattr(families.child, "check_family", lambda family: checked)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli("families", "llama")
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["families.json", "families.md"]
+    assert "table in families.md" in out
+    assert json.loads((tmp_path / "families.json").read_text())["command"] == "longtrain families llama"
+    assert "| `llama` | exact |" in (tmp_path / "families.md").read_text()
+    code, out, _ = cli("families", "--help")
+    text = " ".join(out.split())
+    assert code == 0 and "default: families.md in the current directory" in text and "One family at a time" in text
+    assert "--memory-limit" in text and "4GiB (default)" in text
+
+
+# ---- a run directory whose latest pointer is gone ------------------------------------------
+
+def test_a_run_without_its_latest_pointer_continues_from_the_newest_valid_checkpoint_it_names(tmp_path, data_file, finished):
+    """checkpoints/latest removed and the newest checkpoint corrupt: --resume names step 1
+    (the newest that verifies), never suggests --overwrite, changes nothing; following the
+    line continues the run."""
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    (out / "checkpoints" / "latest").unlink()
+    weights = out / "checkpoints" / "step-00000002" / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-3])
+    before = snapshot(out)
+    code, stdout, err = cli(*tiny(data_file, "--steps", "3", "--resume", "--out", out))
+    newest = out / "checkpoints" / "step-00000001"
+    assert code == 2 and err.count("\n") == 1 and not stdout, stdout + err
+    assert f"the newest valid one is {newest} (step 1): pass --resume-from {newest} instead of --resume" in err, err
+    assert "--overwrite" not in err and "no checkpoint to continue from" not in err
+    assert snapshot(out) == before
+    code, _, err = cli(*tiny(data_file, "--steps", "3", "--resume-from", newest, "--out", out))
+    assert code == 0, err
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1, 2, 3]
+    assert (out / "checkpoints" / "latest").read_text() == "step-00000003"
+
+
+# ---- the data a run trained on ------------------------------------------------------------
+
+def test_a_resume_on_other_data_at_the_same_path_is_refused_until_the_data_is_back(tmp_path):
+    data = tmp_path / "data.txt"
+    data.write_text(TEXT)
+    out = tmp_path / "run"
+    code, _, err = cli(*tiny(data, "--steps", "1", "--out", out))
+    assert code == 0, err
+    assert json.loads((out / "checkpoints" / "step-00000001" / "manifest.json").read_text())["meta"]["data"]["files"] == 1
+    data.write_text(TEXT.replace("fox", "cat"))  # same size, other words
+    before = snapshot(out)
+    code, _, err = cli(*tiny(data, "--steps", "2", "--resume", "--out", out))
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--data {data} is not the data checkpoint {out / 'checkpoints' / 'step-00000001'} was trained on (the same " \
+           "1 file of 2,800 bytes, but other names or contents); restore the data it trained on" in err, err
+    assert snapshot(out) == before
+    shutil.copy(tmp_path / "data.txt", tmp_path / "copy.txt")
+    data.write_text(TEXT)  # restored (a new modification time: the content is what counts)
+    code, _, err = cli(*tiny(data, "--steps", "2", "--resume", "--out", out))
+    assert code == 0, err
+
+
+def test_the_data_fingerprint_reads_the_ends_of_large_files(tmp_path):
+    from longtrain.train.records import fingerprint
+
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"a" * (3 << 20))
+    first = fingerprint(big)
+    assert first["bytes"] == 3 << 20 and first == fingerprint(big)
+    with open(big, "r+b") as f:
+        f.seek((3 << 20) - 10)
+        f.write(b"b")  # within the last MiB
+    assert fingerprint(big) != first
+    (tmp_path / "dir").mkdir()
+    shutil.copy(big, tmp_path / "dir" / "a.txt")
+    two = fingerprint(tmp_path / "dir")
+    (tmp_path / "dir" / "b.txt").write_text("more")
+    assert fingerprint(tmp_path / "dir")["files"] == 2 and fingerprint(tmp_path / "dir") != two
+
+
+# ---- chat records --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory) -> Path:
+    """A tiny byte-level BPE with a chat template that names the assistant role only."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "</s>", "<|end|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([TEXT] * 2, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="</s>")
+    hf.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' %}A: {% generation %}{{ m['content'] }}<|end|>"
+                        "{% endgeneration %}{% else %}{{ m['role'] }}: {{ m['content'] }}<|end|>{% endif %}{% endfor %}")
+    path = tmp_path_factory.mktemp("tokenizer") / "chat"
+    hf.save_pretrained(path)
+    return path
+
+
+def _chats(n: int, role: str = "assistant") -> list[str]:
+    return [json.dumps({"messages": [{"role": "user", "content": f"the quick brown fox {i}"},
+                                     {"role": role, "content": "jumps over the lazy dog " * 3}]}) for i in range(n)]
+
+
+def test_a_chat_with_an_unknown_role_is_refused_in_one_line(tmp_path, chat_tokenizer):
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(_chats(12) + _chats(1, role="assistent")) + "\n")
+    code, _, err = cli(*tiny(data, "--tokenizer", chat_tokenizer, "--steps", "1", "--out", tmp_path / "run"))
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"line 13 of {data}: message 2 of 'messages' has role 'assistent', which neither the usual roles" in err, err
+    assert "fix the role" in err and not (tmp_path / "run").exists()
+
+
+def test_text_mixed_with_chats_trains_and_says_where_each_has_its_loss(tmp_path, chat_tokenizer):
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("\n".join(_chats(12) + [json.dumps({"text": TEXT[:300]})] * 3) + "\n")
+    code, out, err = cli(*tiny(data, "--tokenizer", chat_tokenizer, "--steps", "1", "--out", tmp_path / "run"))
+    assert code == 0, err
+    notes = [line for line in out.splitlines() if "mixes" in line]
+    assert notes == [f"longtrain train: {data} mixes 3 text documents (the loss on every token) with 12 chat or "
+                     "prompt/completion records (the loss on the assistant's or completion's tokens); --loss-on all puts "
+                     "it on every token of both"], out
+
+
+# ---- names and the learning rate -----------------------------------------------------------
+
+def test_name_mistakes_are_refused_before_torch_loads(tmp_path):
+    """A bad --engine, --strategy, --dtype, --device or --model is refused from the text
+    alone: torch and transformers are never imported (no timing: the modules say it)."""
+    printed = in_a_fresh_interpreter(
+        "err = io.StringIO()\n"
+        "with contextlib.redirect_stderr(err):\n"
+        f"    codes = [main(['train', '--out', {str(tmp_path / 'run')!r}] + a) for a in (\n"
+        "        ['--engine', 'warp:chunk=8'], ['--strategy', 'checkpoint,warp'], ['--strategy', 'fpdt:chunk=9,warp+sp2'],\n"
+        "        ['--strategy', 'none.yaml'], ['--dtype', 'fp8'], ['--device', 'tpu:0'], ['--model', './no/such/dir'],\n"
+        "        ['--model', 'llama-9000'], ['--lora-rank', '4'], ['--warmup-steps', '300'])]\n"
+        "print(codes, err.getvalue().count('\\n'))")
+    assert printed == f"{[2] * 10} 10 []"
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_names_checked_before_torch_loads_are_the_registrys():
+    from longtrain import registry
+    from longtrain.models.loading import _DTYPES
+    from longtrain.strategy import _MOVED
+    from longtrain.train import config
+
+    builtin = lambda table: {n for n, e in table.items()  # noqa: E731 - tests may register toy ones
+                             if (getattr(e, "step", None) or e.install).__module__.startswith("longtrain.")}
+    assert set(config.ENGINES) == builtin(registry.engines())
+    assert set(config.TECHNIQUES) == builtin(registry.techniques())
+    assert set(config.MOVED_TECHNIQUES) == set(_MOVED)
+    assert list(config.DTYPES) == list(_DTYPES)
+
+
+def test_the_default_warmup_of_a_short_run_is_a_tenth_of_it():
+    from longtrain.train.config import warmup_steps
+
+    assert [warmup_steps(TrainConfig(steps=n)) for n in (1, 2, 9, 20, 21, 200)] == [0, 0, 0, 2, 20, 20]
+    assert warmup_steps(TrainConfig(steps=3, warmup_steps=2)) == 2
+    check_config(TrainConfig(steps=2))  # the default never trips the refusal of a warm-up as long as the run

@@ -564,7 +564,7 @@ def family_cuda_config(preset: str):
 @functools.lru_cache(maxsize=None)
 def family_reference(preset: str):
     """Stock Hugging Face in float64 on the CPU, experts run one by one."""
-    from longtrain.families import _build_pair
+    from longtrain.families.check import _build_pair
 
     stock, _ = _build_pair(family_cuda_config(preset))
     batch = _batch()

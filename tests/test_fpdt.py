@@ -64,35 +64,45 @@ def test_parking_kv_again_runs_no_output_projection():
 
 
 @pytest.mark.parametrize("preset,passes", [("tiny-llama", 2), ("tiny-gemma2", 3)])
-def test_the_recomputed_layer_does_not_compute_its_mlp_output(preset, passes, monkeypatch):
+def test_the_recomputed_layer_does_not_compute_its_mlp_output(preset, passes):
     """FPDT recomputes a layer only to backpropagate through it: the tiled MLP runs
     forward in the forward pass and in its own backward, not for the recomputed output
     (tokens through down_proj per layer = 2 × tokens) — except where a later op saves
-    that output (Gemma-2's post-feed-forward norm: 3 ×). An adapter that wrongly said
-    nothing saves it would get NaN gradients, not silently wrong ones."""
+    that output (Gemma-2's post-feed-forward norm: 3 ×). Which it is, is learned at each
+    layer's first recomputation (which computes the output): counted from the second step."""
+    from longtrain.engines.fpdt import _UNREAD_MLP_OUTPUTS
+
     tokens = []
     config = preset_config(preset, num_hidden_layers=2)
     seq = 96  # whole chunks: a chunk no longer than a tile runs its MLP untiled
-
-    def build():
-        model = build_from_config(config, torch.float32)
-        for name, module in model.named_modules():
-            if name.endswith("mlp.down_proj"):
-                module.register_forward_hook(lambda m, i, o: tokens.append(i[0].numel() // i[0].shape[-1]))
-        lt.apply(model, lt.Strategy(engine="fpdt", engine_options={"chunk": 32, "recompute_kv": False}, mst=lt.MsTOptions(mlp_chunk=16)))
-        return model
-
+    model = build_from_config(config, torch.float32)
+    for name, module in model.named_modules():
+        if name.endswith("mlp.down_proj"):
+            module.register_forward_hook(lambda m, i, o: tokens.append(i[0].numel() // i[0].shape[-1]))
+    lt.apply(model, lt.Strategy(engine="fpdt", engine_options={"chunk": 32, "recompute_kv": False}, mst=lt.MsTOptions(mlp_chunk=16)))
     batch = {"input_ids": torch.randint(0, config.vocab_size, (1, seq))}
-    model = build()
+    lt.step(model, batch)
+    assert sum(tokens) == (passes * seq + (32 if passes == 2 else 0)) * config.num_hidden_layers  # the first learns
+    assert {_UNREAD_MLP_OUTPUTS._safe[layer] for layer in model.model.layers} == {passes == 2}
+    tokens.clear()
+    model.zero_grad()
     lt.step(model, batch)
     assert sum(tokens) == passes * seq * config.num_hidden_layers
     assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters() if p.requires_grad)
-    if preset == "tiny-gemma2":
-        from longtrain.models.adapters.gemma2 import Gemma2Adapter
-        monkeypatch.setattr(Gemma2Adapter, "mlp_output_saved", False)
-        model = build()
-        lt.step(model, batch)
-        assert not all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
+
+
+def test_a_norm_after_the_mlp_is_found_in_the_graph():
+    """What the learning reads: a node between the layer's output and the MLP's that saves
+    a tensor (a norm after the MLP) — not an add, nor a product with a number."""
+    from longtrain.ops.unread_outputs import saved_between
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    mlp_out = x * 1.0
+    plain = x + mlp_out * 0.5
+    normed = x + torch.nn.functional.rms_norm(mlp_out, (8,), w)
+    assert not saved_between(plain.grad_fn, {mlp_out.grad_fn})
+    assert saved_between(normed.grad_fn, {mlp_out.grad_fn})
+    assert not saved_between(normed.grad_fn, {normed.grad_fn})
 
 
 def test_the_head_forms_its_logits_once_per_chunk_and_backpropagates_in_the_forward_pass():
@@ -786,3 +796,21 @@ def test_host_traffic_is_what_a_step_copies(preset, options, monkeypatch):
     traffic = host_traffic(config, 2, 150, 4, settings, kept_outputs=int(settings.keep_output))
     assert (traffic.kv, traffic.inputs) == (moved["kv"], moved["inputs"])
     assert moved["inputs"] > 0 and (moved["kv"] > 0) == settings.offload
+
+
+@pytest.mark.parametrize("family", ["olmo2", "glm4", "exaone4"])
+@pytest.mark.parametrize("strategy", ["fpdt:chunk=24,mst", "fpdt:chunk=24:offload:keep_output=1,mst"])
+def test_a_norm_after_the_mlp_keeps_fpdt_with_mst_exact(family, strategy):
+    """Post-norm families (``residual + norm(mlp(x))``): the norm saves the MLP's output, so
+    FPDT's recomputation computes it (a placeholder would be read: NaN gradients). Three
+    layers, a right-padded batch of 101 and 77 tokens."""
+    from longtrain.families import float64_throughout, tiny_config
+
+    config = tiny_config(family)
+    config.num_hidden_layers = 3
+    if getattr(config, "layer_types", None):
+        config.layer_types = (list(config.layer_types) * 3)[:3]
+    stock, ours = stock_and_ours(config)
+    with float64_throughout():
+        check_step(stock, ours, strategy, padded_batch(config.vocab_size, lengths=(101, 77)))
+    assert all(p.grad.isfinite().all() for p in ours.parameters() if p.grad is not None)

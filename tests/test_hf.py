@@ -511,3 +511,65 @@ def test_evaluation_adds_long_context_accuracies(tmp_path):
     assert any("eval_passkey_256" in entry for entry in trainer.state.log_history)
     with pytest.raises(lt.LongtrainError, match="long_context_eval takes a mapping with 'lengths'"):
         LongtrainTrainer(model=ours, args=training_args(tmp_path), train_dataset=data, long_context_eval={"depth": [0]})
+
+
+def moe_stock_and_ours():
+    """A tiny Qwen3-MoE with its load-balancing loss on (coefficient 0.02), experts one by one."""
+    from longtrain.families import tiny_config
+
+    config = tiny_config("qwen3_moe")
+    config.output_router_logits, config.router_aux_loss_coef = True, 0.02
+    config._experts_implementation = "eager"
+    return stock_and_ours(config)
+
+
+@pytest.mark.parametrize("mean", [False, True])
+def test_a_mixture_of_experts_balancing_loss_trains_as_the_stock_trainer(mean, tmp_path):
+    """The Trainer adds the model's own loss, LM + coef · aux, per micro-batch (divided by
+    the accumulation steps where it counts no num_items_in_batch): one optimizer step equals
+    stock's, float64 throughout (the stock balancing loss sums in float32 otherwise)."""
+    from longtrain.families import float64_throughout
+
+    stock, ours = moe_stock_and_ours()
+    before = {n: p.detach().clone() for n, p in stock.named_parameters()}
+    results = []
+    with float64_throughout():
+        for model, kwargs in ((stock, {}), (ours, {"strategy": "fpdt:chunk=16,mst"})):
+            data = Batches(MICRO_BATCHES)
+            cls = Trainer if not kwargs else LongtrainTrainer
+            trainer = cls(model=in_float64(model), args=training_args(tmp_path / str(len(results))), train_dataset=data,
+                          data_collator=data.collate, **kwargs)
+            results.append(train(trainer, mean))
+    (stock_params, stock_losses), (params, losses) = results
+    assert max_rel(params, stock_params, before) <= 1e-10
+    assert all(abs(a - b) <= 1e-10 * abs(b) for a, b in zip(losses, stock_losses))
+
+
+@needs_trl
+def test_a_mixture_of_experts_balancing_loss_trains_as_stock_trl(tmp_path, monkeypatch):
+    """TRL's SFTTrainer averages coef · aux over the accumulation steps and logs aux_loss;
+    wrap(SFTTrainer) does the same: one optimizer step equals stock's."""
+    from trl import SFTConfig, SFTTrainer
+
+    from longtrain.families import float64_throughout
+
+    monkeypatch.setattr("trl.trainer.utils._ChunkedLogProbFunction", Float64LogProb, raising=False)
+    stock, ours = moe_stock_and_ours()
+    before = {n: p.detach().clone() for n, p in stock.named_parameters()}
+    results = []
+    with float64_throughout():
+        for model, cls, kwargs in ((stock, SFTTrainer, {}), (ours, wrap(SFTTrainer), {"strategy": "seco:chunk=16,mst"})):
+            in_float64(model)
+            args = SFTConfig(output_dir=str(tmp_path / cls.__name__), use_cpu=True, bf16=False, report_to="none",
+                             disable_tqdm=True, gradient_accumulation_steps=2, max_steps=1, optim="sgd",
+                             learning_rate=0.5, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+                             seed=0, dataset_num_proc=None, packing=True, max_length=64, per_device_train_batch_size=1,
+                             activation_checkpointing=False)
+            trainer = cls(model=model, args=args, train_dataset=sft_data(False), processing_class=byte_tokenizer(),
+                          **kwargs)
+            params, losses = train(trainer)
+            results.append((params, losses, trainer.state.log_history[0]))
+    (stock_params, stock_losses, stock_log), (params, losses, log) = results
+    assert max_rel(params, stock_params, before) <= 1e-10
+    assert all(abs(a - b) <= 1e-10 * abs(b) for a, b in zip(losses, stock_losses))
+    assert log["aux_loss"] == pytest.approx(stock_log["aux_loss"], rel=1e-10)

@@ -100,18 +100,26 @@ def test_alpha_is_timed_without_the_first_steps_host_allocations(monkeypatch):
     training forward, which also page-locked the host buffers its parked tensors took
     (~1 s per few GB): 80 ms measured at 16K for ~20 ms of compute, so α came out 1.00
     and the copies did not hide. Here every host allocation takes 0.3 s; the measured
-    layer time must not contain one."""
-    import time
+    layer time must not contain one. The clock Memo reads is this test's (no wall clock,
+    so a loaded machine changes nothing): it moves 1 µs per reading and 0.3 s per host
+    allocation."""
+    from types import SimpleNamespace
 
     from longtrain.memory import chunk_store
+    from longtrain.techniques import memo as memo_module
 
-    slow = 0.3
+    slow, now = 0.3, [0.0]
     allocate = chunk_store.host_empty
 
+    def perf_counter():
+        now[0] += 1e-6
+        return now[0]
+
     def slow_host_empty(*args, **kwargs):
-        time.sleep(slow)
+        now[0] += slow
         return allocate(*args, **kwargs)
 
+    monkeypatch.setattr(memo_module, "time", SimpleNamespace(perf_counter=perf_counter))
     monkeypatch.setattr(chunk_store, "host_empty", slow_host_empty)
     _, ours = stock_and_ours("tiny-llama")
     lt.apply(ours, memo("auto", host_memory="1GiB"))

@@ -3,7 +3,6 @@ alive, CP-SAT, greedy and an online allocator on recorded traces; plans checked 
 by an independent sweep; the two-level solve of a whole-model trace; the arena."""
 
 import random
-import time
 
 import pytest
 import torch
@@ -35,9 +34,7 @@ def test_a_llama_layer_step_is_planned_between_the_bounds(strategy):
     blocks = _recorded_step(1, 1024, strategy)
     assert len(blocks) > 100
     greedy = P.best_fit(blocks)
-    started = time.perf_counter()
-    best = P.solve(blocks, time_limit=8, hint=greedy)
-    assert time.perf_counter() - started < 10
+    best = P.solve(blocks, time_limit=8, hint=greedy)  # (CP-SAT's own limit; no clock is asserted in tests)
     P.check_plan(blocks, best)
     P.check_plan(blocks, greedy)
     assert P.live_peak(blocks) <= best.peak <= greedy.peak <= P.first_fit_online(blocks).peak
@@ -45,9 +42,7 @@ def test_a_llama_layer_step_is_planned_between_the_bounds(strategy):
 
 def test_a_whole_model_trace_is_planned_in_two_levels():
     blocks = _recorded_step(4, 1024, lt.Strategy(memo=lt.MemoOptions(alpha=0.3, keep_last=1), mst=True))
-    started = time.perf_counter()
     plan = P.solve_bilevel(blocks, windows=16, time_limit=2)
-    assert time.perf_counter() - started < 60
     P.check_plan(blocks, plan)
     assert plan.peak >= P.live_peak(blocks) and plan.details["outer_blocks"] < len(blocks)
     best, greedy = P.plan_memory(blocks, bilevel_above=50)

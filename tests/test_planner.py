@@ -179,7 +179,8 @@ def test_the_whole_layer_search_finds_the_largest_count_that_fits(free_layers):
             raise lt.LongtrainError("refused")
         return 40 * GIB + max(0, count - free_layers) * GIB, 0, {}
 
-    row = planner.PlanRow("checkpoint,mst", {}, 40 * GIB, 44 * GIB, 0, True, None, 1.0, 1.0, 0.5)
+    row = planner.PlanRow(name="checkpoint,mst", strategy={}, device_bytes=40 * GIB, reserved_bytes=44 * GIB, host_bytes=0,
+                          fits=True, step_seconds=1.0, tokens_per_s=1.0, mfu=0.5)
     found = planner.most_whole_layers(row, lt.Strategy(checkpoint=True, mst=True), config, 4096, budget, planner.H100,
                                       1, 8 * 10**9, lambda line: None, simulated)
     best = max(k for k in range(33) if k != 31 and planner.reserved_bytes(lt.Strategy(checkpoint=True), budget,
@@ -203,6 +204,50 @@ def test_a_planned_step_is_the_full_simulation_at_its_length(keep):
     assert (device, host) == (full.device_peak_bytes, full.peak.peak_host_bytes)
 
 
+# The planner's kinds of candidate: on 12 layers (two top layers whole, and Memo keeping two on
+# the device: three repeats apart at each end, so the small simulations of 6 and 7 layers hold
+# more than the model and it is simulated whole; with the check, 6, 7 and 8 are extrapolated),
+# FPDT on 7 chunks of 16 tokens with its layer inputs parked (2 layers: chunks alone; both axes
+# at once, segments and AdamW in host memory are compared with the whole model in
+# tests/test_simulate_fast.py).
+PLANNED = {
+    "checkpoint, inputs parked": ("checkpoint:offload_inputs,mst", None, 12, 256, "none"),
+    "checkpoint, top layers whole": ("checkpoint:except_last=2,mst", None, 12, 256, "none"),
+    "memo": ("memo:host_memory=64MiB,mst", None, 12, 256, "none"),
+    "fpdt inputs parked": ("mst", "fpdt:chunk=16:offload_inputs=true", 2, 112, "none"),
+}
+
+
+@pytest.mark.parametrize("case", PLANNED)
+def test_the_planners_simulations_skip_the_checks_and_give_the_same_figures(case, monkeypatch):
+    """The planner extrapolates from the fit simulations alone (no check one repeat beyond
+    on each axis), and simulates the whole model where the small simulations along layers
+    would hold more layers than it: the same figures to the byte as simulate() with its
+    checks, from fewer (and smaller) simulations."""
+    from longtrain.plan import simulate as simulation
+
+    spec, engine, layers, tokens, optimizer = PLANNED[case]
+    config = preset_config("tiny-llama", num_hidden_layers=layers)
+    strategy = lt.Strategy.parse(spec, engine=engine)
+    sizes = []
+    once = simulation._simulate_once
+    monkeypatch.setattr(simulation, "_simulate_once", lambda config, tokens, *a, **k: (
+        sizes.append((config.num_hidden_layers, tokens)), once(config, tokens, *a, **k))[1])
+
+    def figures(**options):
+        sizes.clear()
+        report = simulate(config, tokens, strategy=strategy, optimizer=optimizer, dtype="float32", **options)
+        return (report.device_peak_bytes, report.peak.peak_host_bytes, report.peak.host_bytes_at_peak), list(sizes)
+
+    (checked, checked_sizes), (planned, planned_sizes) = figures(), figures(planning=True)
+    assert planned == checked  # (the extrapolation against the whole model: tests/test_simulate_fast.py)
+    assert sum(n * t for n, t in planned_sizes) < sum(n * t for n, t in checked_sizes)
+    if case in ("checkpoint, top layers whole", "memo"):  # three layers apart at the top (memo: keep_last=2)
+        assert planned_sizes == [(12, tokens)] and len(checked_sizes) == 3
+    else:  # one check simulation fewer per axis
+        assert len(planned_sizes) == len(checked_sizes) - 1
+
+
 def test_plan_ranks_what_fits_fastest_first_and_names_what_binds():
     roomy = plan("tiny-llama", 2048, device_memory=GIB, host_memory=GIB, exhaustive=True, optimizer_offload=False)
     assert roomy.best is not None and all(r.fits for r in roomy.rows)
@@ -212,6 +257,54 @@ def test_plan_ranks_what_fits_fastest_first_and_names_what_binds():
     assert tight.best is None and all("device memory: needs" in row.binds for row in tight.rows)
     assert "nothing fits 2,048 tokens" in tight.table()
     assert "fastest that fits" in roomy.table() and "tokens/s" in roomy.table()
+
+
+def test_a_plan_row_is_built_by_keyword_and_prints_the_train_options_that_run_it():
+    """A row names its strategy as --strategy reads it; AdamW's place is a field of its own,
+    never a note in the name: its flags and the plan's command line paste into train whole."""
+    with pytest.raises(TypeError):
+        planner.PlanRow("checkpoint,mst", {})  # keyword-built only
+    fpdt = lt.Strategy.parse("fpdt:chunk=32768:segment=6,mst")
+    offloaded = planner.PlanRow(name="fpdt:chunk=32768:segment=6,mst", strategy=fpdt.to_dict(), fits=True,
+                                optimizer_offload=True)
+    spread = planner.PlanRow(name="checkpoint,mst+sp2", strategy=lt.Strategy.parse("checkpoint,mst+sp2").to_dict(),
+                             fits=True)
+    assert offloaded.name == "fpdt:chunk=32768:segment=6,mst"
+    assert offloaded.flags() == ["--strategy", "fpdt:chunk=32768:segment=6,mst", "--optimizer-offload"]
+    assert spread.flags() == ["--strategy", "checkpoint,mst+sp2", "--sp", "2"]
+    one = planner.Plan(model="llama3-8b", seq_len=512 * K, device_memory=80 * GIB, host_memory=128 * GIB,
+                       optimizer="adamw", dtype="bfloat16", rows=[offloaded])
+    assert one.command() == ("longtrain train --model llama3-8b --seq-len 512K --strategy fpdt:chunk=32768:segment=6,mst "
+                             "--optimizer-offload")
+    two = planner.Plan(model="llama3-8b", seq_len=300_000, device_memory=80 * GIB, host_memory=128 * GIB,
+                       optimizer="sgd", dtype="bfloat16", rows=[spread], gpus=2, lora_rank=16)
+    assert two.command() == ("torchrun --nproc-per-node 2 -m longtrain.cli train --model llama3-8b --seq-len 300000 "
+                             "--strategy checkpoint,mst+sp2 --sp 2 --lora --lora-rank 16 --optimizer sgd")
+
+
+def test_a_refusal_quotes_the_whole_models_layers_and_host_budget():
+    """Memo refuses a step whose inputs and attention outputs exceed its host budget. The
+    simulation runs a few of the model's layers with a share of that budget: the refusal
+    a plan row (or simulate) quotes is the whole model's — its swapped layers and the
+    budget given — not the small simulation's; the row's verdict is that line."""
+    from longtrain.memory.units import format_bytes
+
+    config = preset_config("tiny-llama", num_hidden_layers=12)
+    tokens = K
+    hidden = tokens * config.hidden_size * 2
+    host = 15 * hidden  # holds the 12 inputs (the bound), not 10 inputs and attention outputs
+    strategy = lt.Strategy(memo={"host_memory": host}, mst=True)
+    with pytest.raises(lt.LongtrainError) as refused:
+        simulate_step(config, tokens, strategy, "bfloat16")
+    assert "10 layers × " in str(refused.value) and f"over the host budget of {format_bytes(host)}" in str(refused.value)
+
+    def refused_again():
+        raise refused.value
+
+    budget = planner.Budget(GIB, host, 0, 0, 0, "none")
+    memo = planner._evaluate("memo,mst", strategy, config, tokens, budget, planner.H100, 1, 0, refused_again)
+    assert memo.binds.startswith("memo keeps every layer's input and attention output in host memory: 10 layers × ")
+    assert f"over the host budget of {format_bytes(host)}" in memo.binds
 
 
 def test_plan_refuses_at_once_when_the_model_states_alone_do_not_fit():
@@ -225,7 +318,7 @@ def test_optimizer_in_host_memory_frees_the_device_and_fills_the_host():
     on_device = plan("tiny-llama", 2048, device_memory=GIB, host_memory=GIB, optimizer_offload=False, exhaustive=True)
     on_host = plan("tiny-llama", 2048, device_memory=GIB, host_memory=GIB, optimizer_offload=True, exhaustive=True)
     params = 320 * 64 * 2 + 2 * (4 * 64 * 64 + 3 * 64 * 176)  # roughly: what must move is several bytes per parameter
-    for a, b in zip(sorted(on_device.rows, key=lambda r: r.strategy_name), sorted(on_host.rows, key=lambda r: r.strategy_name)):
+    for a, b in zip(sorted(on_device.rows, key=lambda r: r.name), sorted(on_host.rows, key=lambda r: r.name)):
         if a.device_bytes is None or b.device_bytes is None:
             continue
         assert b.optimizer_offload and not a.optimizer_offload
@@ -273,19 +366,18 @@ def test_plan_command_line(capsys):
 
 def test_a_plan_simulated_in_worker_processes_is_the_plan_simulated_here():
     """`longtrain plan` simulates candidates in a process per core (an 8B candidate takes a
-    minute of one); the rows must not depend on where they were simulated."""
-    def rows(workers):
+    minute of one); the rows must not depend on where they were simulated, nor on how many
+    processes simulate: a candidate a second worker started ahead of the winner is skipped
+    as the one-worker plan skips it (the command line takes a worker per core)."""
+    def rows(workers, exhaustive=True):
         steps.clear_caches()
-        result = plan("tiny-llama", 2048, device_memory=2**30, host_memory=2**30, exhaustive=True, workers=workers)
-        return [(r.name, r.device_bytes, r.host_bytes, r.fits, r.step_seconds) for r in result.rows]
+        result = plan("tiny-llama", 2048, device_memory=2**30, host_memory=2**30, exhaustive=exhaustive, workers=workers)
+        return [(r.name, r.device_bytes, r.host_bytes, r.fits, r.step_seconds, r.simulated, r.notes) for r in result.rows]
 
     here = rows(1)
     assert len(here) >= 4 and rows(2) == here
-    # Once one fits, no more are started: at most the window of two already running (and the
-    # fitting checkpoint's row with layers left whole, which derives from it).
-    steps.clear_caches()
-    result = plan("tiny-llama", 2048, device_memory=2**30, host_memory=2**30, workers=2)
-    assert result.best is not None and sum(r.simulated for r in result.rows if "except_last" not in r.name) <= 2
+    alone = rows(1, exhaustive=False)
+    assert sum(simulated for *_, simulated, _ in alone) < len(alone) and rows(2, exhaustive=False) == alone
 
 
 @pytest.mark.parametrize("engine", ["fpdt:chunk=128:segment=2", "fpdt:chunk=128:offload=true:keep_output=1"])
@@ -432,7 +524,7 @@ def test_a_plan_for_mamba_ranks_the_adjoint_engine(capsys):
                  "--host-memory", "4GiB", "--no-optimizer-offload", "--jobs", "1"]) == 0
     out = capsys.readouterr().out
     assert "Python step per token and layer" in out and "estimated token_step" in out  # the stock scan
-    rows = [line.split()[0] for line in out.splitlines() if line.startswith(("adjoint", "checkpoint"))]
+    rows = [line.split()[1] for line in out.splitlines() if line.startswith("--strategy ")]
     assert sorted(rows) == ["adjoint", "adjoint:offload_inputs", "adjoint:recompute=false", "checkpoint,mst",
                             "checkpoint:offload_inputs,mst"]
     # No layer rebuilt; and the stock scan's Python step per token, charged at an estimated rate, last.
@@ -447,8 +539,8 @@ def test_parked_adjoint_inputs_are_planned_with_the_adjoint_engines_margin(capsy
     does: the plan reserves no more for it than for the adjoint engine keeping them."""
     assert main(["plan", "--model", "tiny-mamba", "--seq-len", "8K", "--device-memory", "1GiB", "--host-memory", "4GiB",
                  "--no-optimizer-offload", "--jobs", "1", "--engine", "adjoint", "--exhaustive"]) == 0
-    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()
-            if line.startswith("adjoint")}
+    rows = {line.split()[1]: line.split()[2:] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("--strategy adjoint")}
     plain, parked = (parse_bytes(" ".join(rows[name][:2])) for name in ("adjoint", "adjoint:offload_inputs"))
     assert 0 < parked <= plain and rows["adjoint:offload_inputs"][2:4] != ["0", "B"]
 
@@ -457,7 +549,7 @@ def test_plan_weighs_one_engine_when_asked(capsys):
     assert main(["plan", "--model", "tiny-mamba", "--seq-len", "2K", "--device-memory", "1GiB", "--host-memory", "4GiB",
                  "--no-optimizer-offload", "--jobs", "1", "--engine", "adjoint"]) == 0
     out = capsys.readouterr().out
-    assert "checkpoint" not in out and "fastest that fits: adjoint" in out
+    assert "checkpoint" not in out and "fastest that fits: --strategy adjoint" in out
     assert main(["plan", "--model", "tiny-llama", "--seq-len", "2K", "--device-memory", "1GiB", "--host-memory", "4GiB",
                  "--engine", "adjoint"]) == 2
     assert "--engine adjoint does not train llama models; engines a plan weighs for them: backprop, fpdt" in capsys.readouterr().err

@@ -80,11 +80,12 @@ CASES = {
     2: ["llama-gqa2,padded,backprop,2,full", "llama-gqa2,packed,checkpoint+mst,2,full", "mistral-mha3,padded,backprop,2,full",
         "mistral-mha3,packed,fpdt+offload+mst,2,full", "llama-gqa2,packed,seco+checkpoint,2,full",
         "gemma2,padded,fpdt+offload+mst,2,full", "llama-gqa2,padded,checkpoint+mst,2,lora",
-        "llama-gqa2,padded,checkpoint+mst/bf16,2,full", "llama-gqa2,padded,fpdt+offload+mst/bf16-params,2,full"],
+        "llama-gqa2,padded,checkpoint+mst/bf16,2,full", "llama-gqa2,padded,fpdt+offload+mst/bf16-params,2,full",
+        "qwen3-moe,padded,fpdt+offload+mst,2,full"],
     4: ["llama-gqa2,padded,backprop,4,full", "llama-gqa2,packed,fpdt+offload+mst,4,full",
         "qwen2-uneven,packed,checkpoint+mst,4,full", "qwen2-uneven,padded,fpdt+offload+mst,4,full",
         "qwen2-uneven,padded,seco+checkpoint,4,lora", "llama-gqa2,packed,fpdt+offload+mst,2,full",
-        "mistral-mha3,padded,checkpoint+mst,2,lora"],
+        "mistral-mha3,padded,checkpoint+mst,2,lora", "qwen3-moe,packed,checkpoint+mst,2,full"],
 }
 
 
@@ -133,23 +134,39 @@ def test_a_rank_that_dies_stops_the_others_within_the_collective_timeout(tmp_pat
 def test_the_simulated_share_of_one_rank_is_what_each_rank_holds(engine, length, tmp_path):
     """Exact CPU measurement of both ranks of a 2-process run (gloo, FSDP2) against the
     simulator's one-rank share (fake process group, fake tensors). Most runs equal it to the
-    byte. A collective's tensors are released by the C++ work object, which gloo's own thread
-    drops a moment after ``wait()`` returns, so a rank's peak sometimes still counts the last
-    collective's buffers (seen: +32,768 to +253,952 bytes). The largest such collective is one
-    layer's reduce-scatter: its input (the layer's unsharded gradients) and its output (this
-    rank's half), so the measured peak lies between the simulated one and that much above; each
-    rank reports the lowest of three steady steps' peaks (a loaded machine once left two
-    collectives' buffers in one step's)."""
+    byte. What a loaded machine can add is bounded, not guessed: a collective's tensors
+    (input and output) are released by the C++ work object, which the gloo worker thread that
+    ran it drops only after marking it done (``ProcessGroupGloo::runLoop``), a moment after
+    ``wait()`` returns — so a rank's peak may count finished collectives' buffers, but at
+    most one collective per worker thread of each group (a thread takes its next collective
+    only after dropping the last). The step communicates over two groups: FSDP2's mesh (a
+    unit's all-gather or reduce-scatter: the unit's unsharded bytes and this rank's shard)
+    and the Ulysses group (an all-to-all: one tensor of all heads over the tokens it
+    exchanges, sent and received). So the measured peak lies between the simulated one and
+    threads x the largest collective of each group above it, whatever the other rank's timing.
+    Each rank reports the lowest of three steady steps' peaks."""
     sys.path.insert(0, str(HERE))
     from sp_worker import strategy
 
     result, out = _torchrun(2, f"measure:{length}:{engine}", tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
-    peaks = json.loads(out.read_text())["peaks"]
-    simulated = lt.simulate("tiny-llama", length, strategy=strategy(engine, 2), dtype="float32", optimizer="adamw")
-    layer = build_from_config(preset_config("tiny-llama"), torch.float32).model.layers[0]
-    layer_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
-    in_flight = layer_bytes + layer_bytes // 2  # a reduce-scatter's input and this rank's output
+    measured = json.loads(out.read_text())
+    peaks, threads = measured["peaks"], measured["gloo_threads"]
+    degree = 2
+    simulated = lt.simulate("tiny-llama", length, strategy=strategy(engine, degree), dtype="float32", optimizer="adamw")
+    model = build_from_config(preset_config("tiny-llama"), torch.float32)
+
+    def unit_collective(unit) -> int:  # FSDP2 shards each parameter's dim 0, padded to a multiple of the degree
+        shard = sum(-(-p.shape[0] // degree) * (p.numel() // p.shape[0]) * p.element_size() for p in unit.parameters())
+        return degree * shard + shard  # unsharded (all-gather output, reduce-scatter input) and this rank's shard
+
+    units = [*model.model.layers, model.model.embed_tokens, model.model.norm, model.lm_head]
+    fsdp2 = max(unit_collective(unit) for unit in units)
+    config = model.config
+    exchanged = 64 if engine.startswith("fpdt64") else length // degree  # a rank's tokens per all-to-all (FPDT: a chunk)
+    head_dim = config.hidden_size // config.num_attention_heads
+    ulysses = 2 * exchanged * config.num_attention_heads * head_dim * 4  # queries or attention output, float32, both ways
+    in_flight = threads["fsdp2"] * fsdp2 + threads["ulysses"] * ulysses
     assert all(simulated.device_peak_bytes <= peak <= simulated.device_peak_bytes + in_flight for peak in peaks), \
         (peaks, simulated.device_peak_bytes, in_flight)
     single = lt.simulate("tiny-llama", length, strategy=lt.Strategy(checkpoint=True, mst=True), dtype="float32", optimizer="adamw")
@@ -157,6 +174,12 @@ def test_the_simulated_share_of_one_rank_is_what_each_rank_holds(engine, length,
 
 
 def test_torchrun_training_with_sp_resumes_bit_for_bit_and_refuses_another_degree(tmp_path):
+    """A 2-rank ``--sp 2`` run resumed from its step-2 checkpoint ends with the uninterrupted
+    run's weights bit for bit: both are fresh torchrun launches pinned alike (one intra-op
+    thread per rank, OMP_NUM_THREADS=1 in their environment, so no BLAS call splits its sums
+    by thread count; the same seed, data and ranks, on this machine), and the checkpoint
+    restores weights, optimizer state, schedule, RNG and data position. A run of another
+    degree is refused in one line."""
     from safetensors.torch import load_file
 
     launcher = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"

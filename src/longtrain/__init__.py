@@ -27,6 +27,7 @@ _LAZY = {
     "Strategy": "strategy",
     "apply": "strategy",
     "step": "strategy",
+    "router_aux_loss": "strategy",
     "CheckpointOptions": "techniques.checkpoint",
     "LigerOptions": "techniques.liger",
     "MemoOptions": "techniques.memo",

@@ -43,6 +43,28 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
+class _Given(argparse.Action):
+    """Store the value, and note in the namespace's ``given`` that the option was on the
+    command line (a value equal to the default counts): ``--lora-rank 8`` without
+    ``--lora`` is refused as ``--lora-rank 16`` is."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = set(getattr(namespace, "given", ())) | {self.dest}
+
+
+class _Choices(list):
+    """An option's choices, as listed in its help and errors, and ``earlier`` spellings it
+    still accepts (not listed)."""
+
+    def __init__(self, shown, earlier=()):
+        super().__init__(shown)
+        self.earlier = tuple(earlier)
+
+    def __contains__(self, value) -> bool:
+        return list.__contains__(self, value) or value in self.earlier
+
+
 def _tokens(text: str) -> int:
     from .memory.units import parse_tokens
 
@@ -72,7 +94,8 @@ def _add_train(sub) -> None:
     p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps in all; resuming with more continues the run")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (linear warm-up, then cosine to 10%% at --steps)")
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="steps of linear warm-up")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="steps of linear warm-up, below --steps "
+                   "(default: 20, or a tenth of --steps where --steps is 20 or fewer)")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="decoupled weight decay (0 or more)")
     p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "sgd"], help="AdamW (betas 0.9, 0.95) or SGD with momentum 0.9")
     p.add_argument("--strategy", default=d.strategy, help="techniques: none, checkpoint, mst, memo, a comma list with options (checkpoint,mst:loss_chunks=8), a strategy as "
@@ -89,9 +112,9 @@ def _add_train(sub) -> None:
                    "memory, update them on the CPU, stream gradients there during backward (full fine-tuning of 8B on one GPU)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of all weights (needs peft); final/ holds "
                    "the merged model, final/adapter the adapter for peft")
-    p.add_argument("--lora-rank", type=int, default=d.lora_rank, help="rank of the LoRA adapters")
-    p.add_argument("--lora-dropout", type=float, default=d.lora_dropout, help="dropout on the LoRA adapters' inputs "
-                   "(e.g. 0.05; every recomputation replays its masks)")
+    p.add_argument("--lora-rank", type=int, default=d.lora_rank, action=_Given, help="rank of the LoRA adapters (with --lora)")
+    p.add_argument("--lora-dropout", type=float, default=d.lora_dropout, action=_Given, help="dropout on the LoRA adapters' "
+                   "inputs (with --lora; e.g. 0.05; every recomputation replays its masks)")
     p.add_argument("--dtype", default=d.dtype, help="float32, bfloat16, float16 (not given: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of a preset's weights, the data order and the task")
@@ -107,7 +130,8 @@ def _add_train(sub) -> None:
                    "at each (best-fit); auto: best-fit for chat and prompt/completion records, concat for text")
     p.add_argument("--loss-on", default=d.loss_on, choices=["assistant", "all"],
                    help="--data chat and prompt/completion records: the loss on the assistant messages' or completion's tokens "
-                   "only (assistant), or on every token (all); text has it on every token")
+                   "only (assistant, the default), or on every token (all); text records have it on every token, and "
+                   "--loss-on assistant on data without chat or prompt/completion records is refused")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint (from step 0 "
                    "if it has none); a changed --steps, --lr, --warmup-steps or --weight-decay applies from there on")
     p.add_argument("--resume-from", default=None, help="continue from this checkpoint directory, or a run directory's latest")
@@ -129,9 +153,10 @@ def _prefer_expandable_segments() -> None:
 def _run_train(args) -> int:
     from .train.config import check_config, config_from_dict
 
+    _prefer_expandable_segments()  # an environment variable: torch not loaded
     config = config_from_dict(vars(args))
-    check_config(config)  # values first: a mistake is refused before torch loads (seconds)
-    _prefer_expandable_segments()
+    # Values, names and the model directory first: a mistake is refused before torch loads (seconds).
+    check_config(config, given=getattr(args, "given", set()))
     from .train.trainer import Trainer, format_summary
 
     trainer = Trainer(config)
@@ -155,8 +180,10 @@ def _add_simulate(sub) -> None:
     p.add_argument("--strategy", default="none", help="techniques: none, checkpoint, mst, a comma list with options, a strategy as "
                    "`longtrain plan` prints it (fpdt:chunk=8192:offload,mst), or a strategy .yaml/.json")
     p.add_argument("--engine", default=None, help="gradient engine with options: backprop, fpdt:chunk=8192:offload=true, seco:chunk=4096, spaco, adjoint:truncate=64")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw-offload", "sgd", "none"],
-                   help="adamw-offload: AdamW's state and fp32 master weights in host memory (train's --optimizer-offload)")
+    p.add_argument("--optimizer", default="adamw", choices=_Choices(["adamw", "sgd", "none"], earlier=["adamw-offload"]),
+                   help="the optimizer whose state the step holds (none: no optimizer step)")
+    p.add_argument("--optimizer-offload", action="store_true", help="AdamW's state and fp32 master weights in host "
+                   "memory, gradients streamed there during backward (as train --optimizer-offload)")
     p.add_argument("--sp", type=int, default=1, help="Ulysses sequence parallelism over P ranks: simulate one rank's share "
                    "(its tokens, its heads, 1/P of parameters, gradients and optimizer state)")
     p.add_argument("--layer-groups", type=int, default=1, help="the adjoint engine's layers split over R processes "
@@ -194,15 +221,21 @@ def _run_simulate(args) -> int:
         raise LongtrainError(f"--grad-accum must be positive, got {args.grad_accum}")
     if args.lora_rank <= 0:
         raise LongtrainError(f"--lora-rank must be positive, got {args.lora_rank}")
+    if args.optimizer == "adamw-offload":  # the earlier spelling of --optimizer-offload, read as it
+        print("longtrain simulate: note: --optimizer adamw-offload is now --optimizer-offload", file=sys.stderr)
+    elif args.optimizer_offload and args.optimizer != "adamw":
+        raise LongtrainError(f"--optimizer-offload keeps AdamW's state in host memory; it needs --optimizer adamw, "
+                             f"got --optimizer {args.optimizer}")
+    from .plan.progress import SimulationProgress
     from .plan.simulate import simulate
     from .strategy import Strategy
 
     strategy = Strategy.parse(args.strategy, engine=args.engine, sequence_parallel=args.sp if args.sp > 1 else None)
-    with _SimulationProgress(args.progress) as progress:
+    with SimulationProgress(args.progress) as progress:
         report = simulate(args.model, args.seq_len, batch_size=args.batch_size, strategy=strategy,
-                          optimizer=args.optimizer, dtype=args.dtype, grad_accum=args.grad_accum,
-                          lora_rank=args.lora_rank if args.lora else None, fragmentation=args.fragmentation,
-                          exact=args.exact, progress=progress, device_memory=args.device_memory,
+                          optimizer="adamw-offload" if args.optimizer_offload else args.optimizer, dtype=args.dtype,
+                          grad_accum=args.grad_accum, lora_rank=args.lora_rank if args.lora else None,
+                          fragmentation=args.fragmentation, exact=args.exact, progress=progress, device_memory=args.device_memory,
                           host_memory=args.host_memory, layer_groups=args.layer_groups if args.layer_groups > 1 else None)
     fits = None
     if args.device_memory is not None or args.host_memory is not None:
@@ -218,42 +251,6 @@ def _run_simulate(args) -> int:
         if fits is not None:
             print(verdict + " (allocated peaks; the allocator's fragmentation comes on top: longtrain plan adds it)")
     return 0 if fits is not False else 1
-
-
-class _SimulationProgress:
-    """Where a simulation reports its phases: on a terminal, one live line on stderr (tqdm,
-    its clock ticking); otherwise one line per phase on stderr; nothing when disabled."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled, self.bar, self._stop = enabled, None, None
-
-    def __enter__(self):
-        if self.enabled and sys.stderr.isatty():
-            import threading
-
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=None, file=sys.stderr, bar_format="simulate: {desc} [{elapsed}]", dynamic_ncols=True,
-                            leave=False)
-            self._stop = threading.Event()
-            threading.Thread(target=self._tick, daemon=True).start()
-        return self
-
-    def _tick(self) -> None:
-        while not self._stop.wait(1.0):
-            self.bar.refresh()
-
-    def __call__(self, line: str) -> None:
-        if self.bar is not None:
-            self.bar.set_description_str(line)
-        elif self.enabled:
-            print(f"longtrain simulate: {line}", file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self._stop.set()
-            self.bar.close()
-        return False
 
 
 def _bytes(text: str) -> int:
@@ -368,47 +365,24 @@ def _add_families(sub) -> None:
     p = sub.add_parser("families", help="check which model families train exactly on the installed transformers",
                        description="Build every decoder-only causal-LM family of the installed transformers tiny (float64) "
                                    "and compare one step of every engine and technique with stock autograd; write the "
-                                   "table (markdown and JSON).")
+                                   "table (markdown and JSON). One family at a time, each in a child process of its own "
+                                   "whose memory --memory-limit bounds: a family that needs more is reported as not built "
+                                   "(exceeded the memory limit), and the next one runs.")
     p.add_argument("families", nargs="*", help="model types to check (default: every decoder-only causal-LM family)")
-    p.add_argument("--out", default="docs/families.md", help="the markdown table (its .json beside it)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds one family's check may take")
+    p.add_argument("--out", default="families.md", help="the markdown table, its .json beside it (default: %(default)s "
+                   "in the current directory; the project's own table: --out docs/families.md)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds one family's check may take (default: %(default)g)")
+    p.add_argument("--memory-limit", type=_bytes, default=4 * 2**30, metavar="SIZE",
+                   help="the memory one family's check may use: its child process's address space (RLIMIT_AS), so "
+                   "its resident memory too: 4GiB (default), 8GiB")
     p.add_argument("--update", action="store_true", help="re-check the named families and keep the table's other rows")
     p.set_defaults(run=_run_families)
 
 
 def _run_families(args) -> int:
-    from pathlib import Path
+    from .families.command import run
 
-    import transformers
-
-    from .families import causal_families, check_in_process, merged, write_table
-
-    if args.timeout <= 0:
-        raise LongtrainError(f"--timeout must be positive, got {args.timeout:g}")
-    known = causal_families()
-    unknown = [f for f in args.families if f not in known]
-    if unknown:
-        raise LongtrainError(f"not a decoder-only causal-LM family of transformers {transformers.__version__}: "
-                             f"{', '.join(unknown)}; omit the names to check every family")
-    results = []
-    for i, family in enumerate(args.families or known, 1):
-        result = check_in_process(family, args.timeout)
-        print(f"[{i}/{len(args.families or known)}] {family}: {result.status} ({result.seconds:.1f} s)",
-              file=sys.stderr, flush=True)
-        results.append(result)
-    if args.update and not args.families:
-        raise LongtrainError("--update re-checks the families named; name them (or drop --update to check all)")
-    out = Path(args.out)
-    command = " ".join(["longtrain families", *args.families] + ([] if args.out == "docs/families.md" else ["--out", args.out])
-                       + ([] if args.timeout == 120.0 else ["--timeout", f"{args.timeout:g}"]))
-    if args.update:
-        results = merged(results, out.with_suffix(".json"))
-        earlier = json.loads(out.with_suffix(".json").read_text())["command"] if out.with_suffix(".json").is_file() else ""
-        command = f"{earlier}; {command} --update" if earlier else f"{command} --update"
-    write_table(results, out, transformers.__version__, command)
-    exact = [r.family for r in results if r.adapter and r.status == "exact"]
-    print(f"{len(exact)} supported families exact; table in {args.out}")
-    return 0
+    return run(args)
 
 
 def _add_eval(sub) -> None:

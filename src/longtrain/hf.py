@@ -41,7 +41,7 @@ from .engines.batch import count_label_tokens
 from .errors import LongtrainError
 from .models.adapters import describe_model
 from .models.layers import unwrap
-from .strategy import Strategy, applied_strategy, apply, step
+from .strategy import Strategy, applied_strategy, apply, router_aux_loss, step
 
 __all__ = ["LongtrainTrainer", "wrap"]
 
@@ -94,9 +94,25 @@ class _LongtrainTraining:
             return torch.zeros((), device=self.args.device)
         # The autocast Accelerate wraps the model's forward in (bf16=True), around longtrain's step.
         with self.compute_loss_context_manager(), self.accelerator.autocast():
-            loss = step(target, batch, num_label_tokens=count)
+            loss = step(target, batch, num_label_tokens=count, aux_loss_weight=self._aux_loss_weight(num_items_in_batch))
+        aux = router_aux_loss(target)
+        if aux is not None and getattr(self, "aux_loss_enabled", False):  # TRL logs the MoE balancing loss
+            self._metrics["train"]["aux_loss"].append(float(aux))
         self._maybe_empty_cache()
         return loss
+
+    def _aux_loss_weight(self, num_items_in_batch) -> float:
+        """The weight of a mixture of experts' ``coef · aux`` in this micro-batch's loss, as the
+        stock step weighs it: TRL's SFTTrainer averages it over the accumulation steps; the
+        Trainer adds the model's own loss (``LM + coef · aux``), divided by the accumulation
+        steps only where that loss is not yet scaled for accumulation."""
+        steps = self.current_gradient_accumulation_steps
+        if hasattr(self, "aux_loss_enabled"):  # TRL
+            return 1.0 / steps
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:
+            scaled = bool(self.model_accepts_loss_kwargs) and num_items_in_batch is not None
+        return 1.0 if scaled else 1.0 / steps
 
     def _loss_normaliser(self, labels: torch.Tensor, num_items_in_batch) -> int:
         """What this micro-batch's summed token loss is divided by, as stock divides it: the
@@ -339,8 +355,6 @@ def _check_trainer(trainer) -> None:
         (trainer.is_model_parallel,
          f"a model spread over several devices (device_map) is not supported; load it on one device (device_map=None), "
          f"or {_SP_HINT}"),
-        (getattr(trainer, "aux_loss_enabled", False),
-         "a mixture-of-experts load-balancing loss is not longtrain's loss; set router_aux_loss_coef=0"),
     ]
     _refuse_first(refusals)
 

@@ -30,10 +30,11 @@ from .engines.sequence_parallel import UlyssesOptions, distribute
 from .errors import LongtrainError
 from .models.adapters import adapter_for
 from .models.attention import use_longtrain_attention
+from .models.router_balance import install_router_balance
 from .ops.loss import IGNORE_INDEX
 from .parallel.distributed import collective_failures
 
-__all__ = ["Strategy", "applied_context", "applied_strategy", "apply", "engine_context", "pinned_host_bytes", "step"]
+__all__ = ["Strategy", "applied_context", "applied_strategy", "apply", "engine_context", "pinned_host_bytes", "router_aux_loss", "step"]
 
 
 def _make_options(kind: str, name: str, options_cls: type, value: Any) -> Any:
@@ -270,10 +271,10 @@ class Strategy:
                 reason = " ".join(str(exc).split())  # the parsers' messages span lines
                 raise LongtrainError(f"strategy file {spec} is not valid {'JSON' if spec.endswith('.json') else 'YAML'}: "
                                      f"{reason}") from None
-        if "·" in spec:  # a plan row's note, e.g. "fpdt:chunk=8192:offload,mst · optimizer in host memory"
+        if "·" in spec:  # an earlier plan's row note, e.g. "fpdt:chunk=8192:offload,mst · optimizer in host memory"
             strategy, note = (part.strip() for part in spec.split("·", 1))
             raise LongtrainError(f"'{note}' in --strategy {spec!r} is not part of a strategy: pass --strategy {strategy} "
-                                 "with --optimizer-offload (train) or --optimizer adamw-offload (simulate)")
+                                 "with --optimizer-offload")
         items = [] if spec == "none" else [n.strip() for n in spec.split(",") if n.strip()]
         techniques: dict[str, Any] = {}
         named: tuple[str, dict] | None = None
@@ -407,6 +408,7 @@ def apply(model, strategy: "Strategy | str | None"):
     context = EngineContext(strategy, adapter_for(model))
     _check_trainable(context)
     _route_attention(context)
+    context.router_balance = install_router_balance(context.adapter)  # before any technique wraps a layer
     install = functools.partial(_install, context)
     install("liger")  # fused RMSNorm, gated MLP and rotary kernels in place of the stock ops
     install("mst")  # the MLPs and the head in mini-sequences
@@ -495,17 +497,32 @@ def _check_vocabulary(context: EngineContext, batch) -> None:
                                  "tokenize with the model's own tokenizer")
 
 
-def step(model, batch: Mapping, strategy: Strategy | None = None, num_label_tokens: int | None = None):
+def router_aux_loss(model) -> torch.Tensor | None:
+    """The routers' load-balancing loss of ``model``'s last step (Hugging Face's ``aux_loss``,
+    before ``router_aux_loss_coef``; :func:`step`'s loss includes ``coef · aux_loss``), or
+    None where the step added none (a dense model, or ``output_router_logits`` off)."""
+    context = applied_context(model)
+    balance = None if context is None else context.router_balance
+    return None if balance is None else balance.last_aux_loss
+
+
+def step(model, batch: Mapping, strategy: Strategy | None = None, num_label_tokens: int | None = None, *,
+         aux_loss_weight: float = 1.0):
     """Run forward + backward for one micro-batch with the applied strategy's engine.
 
     ``batch`` holds ``input_ids`` (B, S) and optionally ``attention_mask``, ``labels``
     and ``position_ids`` (Hugging Face conventions: labels are *not* shifted, -100 is
     ignored; position ids that restart inside a row mark packed documents, which attend
     only within themselves). Gradients are accumulated on the parameters. The returned
-    loss is the sum of token losses divided by ``num_label_tokens`` — pass the
+    loss is the sum of token losses divided by ``num_label_tokens`` (plus, for a mixture
+    of experts whose config sets ``output_router_logits``, ``router_aux_loss_coef`` times
+    the micro-batch's load-balancing loss, as Hugging Face adds it) — pass the
     label-token count of the whole accumulation step so that the sum of the returned
     losses equals the mean loss stock Hugging Face computes for one batch holding all
     of them. By default, the count of this micro-batch is used.
+
+    ``aux_loss_weight`` multiplies that load-balancing term (a trainer that averages it over
+    accumulation steps passes 1/steps, as TRL does).
 
     A model with no strategy applied gets ``strategy`` (or plain backprop) applied when
     it changes no module (an engine alone); techniques need :func:`apply` first.
@@ -526,6 +543,8 @@ def step(model, batch: Mapping, strategy: Strategy | None = None, num_label_toke
             "build a fresh model to step with another strategy"
         )
     _check_vocabulary(context, batch)
+    if context.router_balance is not None:
+        context.router_balance.weight = aux_loss_weight
     engine = registry.engine(context.strategy.engine)
     sp = context.sequence_parallel
     if sp is None:

@@ -34,7 +34,7 @@ def forward_loss(context: EngineContext, batch, num_label_tokens: int | None = N
     adapter = context.adapter
     hidden = adapter.embed(shard.input_ids)
     position_embeddings = context.rotary_tables(shard, hidden)
-    attention = context.attention(WholeSequenceAttention(shard.mask))
+    attention = context.attention(WholeSequenceAttention(shard.mask, shard.rows))
     for layer in adapter.layers:
         hidden = adapter.run_layer(layer, hidden, position_embeddings, attention)
     hidden = adapter.final_norm(hidden)
@@ -44,6 +44,7 @@ def forward_loss(context: EngineContext, batch, num_label_tokens: int | None = N
 @register_engine("backprop", BackpropOptions, "plain autograd over the whole sequence", accepts=("checkpoint", "mst", "memo", "liger"),
                  sequence_parallel=True)
 def backprop_step(context: EngineContext, batch, num_label_tokens: int | None = None):
-    loss = forward_loss(context, batch, num_label_tokens)
+    with context.forward_pass():
+        loss = forward_loss(context, batch, num_label_tokens)
     loss.backward()
     return context.finish(loss)

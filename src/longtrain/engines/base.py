@@ -8,6 +8,7 @@ from it; nothing is read from attributes of the model.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +91,9 @@ class EngineContext:
     # machine's (half its physical memory); a simulation's is the simulated machine's
     # (--host-memory), None where none was named: unbounded.
     host_memory: int | None = field(default_factory=pinned_host_budget)
+    # A mixture of experts' routers, counted for the load-balancing loss where the config
+    # adds it (models/router_balance.py); None: the model has no routers.
+    router_balance: Any = None
 
     def __post_init__(self):
         if self.loss_head is None:
@@ -117,10 +121,21 @@ class EngineContext:
         """``inner`` behind the sequence-parallel all-to-alls, or as it is."""
         return inner if self.sequence_parallel is None else self.sequence_parallel.attention(inner)
 
+    def forward_pass(self):
+        """Around an engine's forward pass (the first over the step's tokens; recomputations
+        in its backward pass come after): a mixture of experts counts its routes here for
+        the load-balancing loss, whose gradient the backward pass then adds exactly."""
+        if self.router_balance is None:
+            return contextlib.nullcontext()
+        return self.router_balance.counting(self.sequence_parallel)
+
     def finish(self, loss: torch.Tensor) -> torch.Tensor:
         """The step's loss as every rank reports it (summed over sequence and data
-        parallel ranks), detached."""
+        parallel ranks), detached, with the routers' load-balancing loss where it is on."""
         loss = loss.detach()
+        if self.router_balance is not None:
+            share = 1.0 if self.sequence_parallel is None else 1.0 / self.sequence_parallel.degree
+            loss = self.router_balance.finish(loss, share)
         return loss if self.sequence_parallel is None else self.sequence_parallel.reduce_loss(loss)
 
     def rotary_tables(self, shard, probe: torch.Tensor):

@@ -43,6 +43,7 @@ class PreparedBatch:
     mask: SequenceMask  # packed documents and the padding attention must skip
     num_label_tokens: int  # the loss normalizer
     count_given: bool = False  # the caller passed num_label_tokens (else this batch's own count)
+    rows: torch.Tensor | None = None  # (B, S) the attention mask as given: 1 real token, 0 padding (None: all real)
 
     @property
     def length(self) -> int:
@@ -82,7 +83,7 @@ def prepare_batch(batch: Mapping, num_label_tokens: int | None = None) -> Prepar
     targets = shift_labels(labels)
     count = label_token_count(targets, num_label_tokens)
     seq_mask, positions = _settle_masking(input_ids, mask, targets, positions)
-    return PreparedBatch(input_ids, labels, targets, positions, seq_mask, count, num_label_tokens is not None)
+    return PreparedBatch(input_ids, labels, targets, positions, seq_mask, count, num_label_tokens is not None, mask)
 
 
 def _settle_masking(input_ids, attention_mask, targets, position_ids):
@@ -141,6 +142,7 @@ class Shard:
     rotary_positions: torch.Tensor  # position ids of the whole (padded) sequence: the rotary tables' input
     local_index: torch.Tensor | None = None  # this rank's tokens among the padded sequence (None: all of them)
     attention_bounds: list[tuple[int, int]] | None = None  # the token ranges attention sees at once per chunk
+    rows: torch.Tensor | None = None  # (B, S_local) 1 for this rank's real tokens, 0 for padding (None: all real)
 
     @property
     def length(self) -> int:
@@ -157,7 +159,8 @@ def shard_sequence(seq: PreparedBatch, sp=None, chunk: int | None = None, rank: 
     r, r+P, … of ``chunk`` tokens), after padding the sequence at its end to fill the
     layout with tokens that carry no loss — a dead end no real token attends to."""
     if sp is None:
-        return Shard(seq.input_ids, seq.targets, seq.position_ids, seq.mask, seq.num_label_tokens, seq.position_ids)
+        return Shard(seq.input_ids, seq.targets, seq.position_ids, seq.mask, seq.num_label_tokens, seq.position_ids,
+                     rows=seq.rows)
     layout = sp.layout(seq.length, chunk)
     pad = layout.padded - seq.length
     positions, segments, valid = seq.position_ids, seq.mask.segments, seq.mask.key_valid
@@ -169,10 +172,14 @@ def shard_sequence(seq: PreparedBatch, sp=None, chunk: int | None = None, rank: 
             segments = torch.cat([segments, segments[:, -1:].expand(-1, pad)], dim=1)
         if valid is not None:
             valid = torch.nn.functional.pad(valid, (0, pad), value=False)
+    rows = seq.rows
+    if pad:  # the layout's padding is no token of the batch
+        rows = torch.ones_like(seq.input_ids) if rows is None else rows
+        rows = torch.nn.functional.pad(rows, (0, pad), value=0)
     index = layout.local_positions(sp.rank, device=input_ids.device)
     bounds = layout.gathered_bounds() if chunk is not None else None
     return Shard(input_ids[:, index], targets[:, index], positions[:, index], SequenceMask(segments, valid),
-                 seq.num_label_tokens, positions, index, bounds)
+                 seq.num_label_tokens, positions, index, bounds, None if rows is None else rows[:, index])
 
 
 _RENAMED = {"Sequence": "PreparedBatch"}  # earlier names, still importable with a warning

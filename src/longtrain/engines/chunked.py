@@ -74,6 +74,9 @@ class ChunkAttention(AttentionCall):
     def __init__(self, run: "ChunkedRun", index: int, mode: str):
         self.run, self.index, self.mode = run, index, mode
         self.mask = run.shard.mask
+        if run.shard.rows is not None:
+            a, b = run.bounds[index]
+            self.rows = run.shard.rows[:, a:b]
 
     def attend(self, module, q, k, v, *, scale, window, softcap):
         return self.run.attend(self.index, self.mode, module, q, k, v, scale=scale, window=window, softcap=softcap)
@@ -129,6 +132,7 @@ class ChunkedRun:
     attention, which sees the gathered chunk ``shard.attention_bounds[i]``."""
 
     def __init__(self, context: EngineContext, shard: Shard, settings: ChunkSettings):
+        _refuse_neftune(context)
         self.context = context
         self.adapter = context.adapter
         self.layers = self.adapter.layers
@@ -380,6 +384,15 @@ def check_host_budget(context: EngineContext, shard: Shard, settings: ChunkSetti
             f"(batch {shard.input_ids.shape[0]}), the host budget is {format_bytes(budget)}{which}; "
             f"raise it ({engine}:host_memory=...), shorten the sequence, or offload less"
         )
+
+
+def _refuse_neftune(context: EngineContext) -> None:
+    """NEFTune (a Trainer's ``neftune_noise_alpha``, set on the embedding module when training
+    starts) scales its noise by the length of the sequence the embedding sees: a chunk's here."""
+    if getattr(context.adapter.embeddings(), "neftune_noise_alpha", None):
+        raise LongtrainError(f"NEFTune (neftune_noise_alpha) scales its noise by the whole sequence's length, and the "
+                             f"{context.strategy.engine} engine embeds chunk by chunk; train with backprop (checkpoint, "
+                             "mst, memo) or set neftune_noise_alpha=None")
 
 
 def check_chunkable(context: EngineContext, engine: str) -> None:

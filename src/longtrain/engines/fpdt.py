@@ -23,7 +23,8 @@ exact. The first layer's backward runs on through the chunk's embeddings.
 Device memory holds one chunk's working set plus what the store keeps on the device
 (nothing with ``offload`` and ``offload_inputs``). Compute is that of layer
 checkpointing — one extra forward, without the MLP's output (the recomputed layer is only
-backpropagated through: ``ops.tiled_mlp.outputs_unread``, where the adapter allows) — plus,
+backpropagated through: ``ops.tiled_mlp.outputs_unread``, where nothing after the MLP saves a tensor,
+which ``ops.unread_outputs`` learns per layer) — plus,
 with ``recompute_kv``, each layer's q/k/v projections once more. With ``keep_output`` (Memo's idea, the Memo paper §4)
 each chunk's attention output and LSE are parked too (beside its layer input), and the
 recomputation hands them to attention's backward instead of attending again: the
@@ -53,7 +54,7 @@ import torch
 from .. import validate
 from ..errors import LongtrainError
 from ..memory.units import parse_bytes
-from ..ops.tiled_mlp import outputs_unread
+from ..ops.unread_outputs import UnreadMLPOutputs
 from ..parallel.fsdp import gathered
 from ..registry import register_engine
 from .base import EngineContext
@@ -164,13 +165,15 @@ def _layer_input(run: ChunkedRun, layer: int, i: int) -> torch.Tensor:
     return run.adapter.embed(run.input_ids(i)) if layer == 0 else run.store.get(("x", layer, i))
 
 
+_UNREAD_MLP_OUTPUTS = UnreadMLPOutputs()  # per layer, learned at its first recomputation
+
+
 def backward_layer_major(run: ChunkedRun) -> None:
     """The layers' backward, from the gradients of the last layer's output that the
     forward parked (:func:`forward_layer_major` with ``train``)."""
     store, adapter, n = run.store, run.adapter, len(run.layers)
     parked = run.settings.offload_inputs
     chunks = range(len(run.bounds))
-    unread_mlp_outputs = contextlib.nullcontext if adapter.mlp_output_saved else outputs_unread
     # Layers from the top; in each, chunks from the last. The first layer's backward goes
     # on through the embeddings of its chunk, in the same pass.
     segment = run.settings.segment
@@ -200,8 +203,9 @@ def backward_layer_major(run: ChunkedRun) -> None:
                         x = store.pop(("x", layer, i)).detach().requires_grad_(True)
                     else:
                         x = adapter.embed(run.input_ids(i))
-                    with unread_mlp_outputs():  # the layer's output is only backpropagated through, never read
+                    with _UNREAD_MLP_OUTPUTS.recomputing(run.layers[layer]) as learn:  # only backpropagated through
                         out = run.run_layer(layer, x, i, "recompute")
+                        learn(out)
                 torch.autograd.backward(out, store.pop(("dy", i)))
                 sums.collect()
                 if layer > 0:
@@ -252,7 +256,7 @@ def fpdt_step(context: EngineContext, batch, num_label_tokens: int | None = None
     run = ChunkedRun(context, shard, settings)
     train = torch.is_grad_enabled()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), context.forward_pass():
             loss = forward_layer_major(run, train)
         if train:
             backward_layer_major(run)

@@ -180,7 +180,7 @@ class FPDTCosts(ChunkedCosts):
         super().describe(work, options)
         # The recomputed layer is only backpropagated through and skips the MLP's output
         # (ops.tiled_mlp.outputs_unread) unless a later op saves it.
-        work.recompute_reads_mlp = adapter_class(work.config.model_type).mlp_output_saved
+        work.recompute_reads_mlp = adapter_class(work.config.model_type).mlp_output_saved(work.config)
         work.inner = (options.segment - 1) / options.segment  # layers whose input backward recomputes
 
     def add_work(self, work: StepWork, options) -> None:

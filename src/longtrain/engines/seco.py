@@ -94,7 +94,7 @@ def forward_chunk_major(run: ChunkedRun) -> torch.Tensor:
     """SeCO's pass 1: the whole model on each chunk in turn, without gradients, parking
     every layer's K/V; returns the summed loss."""
     total = None
-    with torch.no_grad():
+    with torch.no_grad(), run.context.forward_pass():
         for i in range(len(run.bounds)):
             loss = _chunk_forward(run, i, "forward")
             total = loss if total is None else total + loss
@@ -115,10 +115,16 @@ def backward_chunk_major(run: ChunkedRun, grad_loss: torch.Tensor, own_factor: f
                 if run.settings.prefetch:
                     run.store.prefetch(("dk", len(run.layers) - 1, i))
                     run.store.prefetch(("dv", len(run.layers) - 1, i))
-                torch.autograd.backward(_chunk_forward(run, i, "recompute"), grad_loss * own_factor)
+                with _weighted_routes(run, own_factor):  # a router's balancing gradient, weighted as the chunk's loss
+                    torch.autograd.backward(_chunk_forward(run, i, "recompute"), grad_loss * own_factor)
                 sums.collect()
             for layer in range(len(run.layers)):
                 run.discard_kv(layer, i)
+
+
+def _weighted_routes(run: ChunkedRun, factor: float):
+    balance = run.context.router_balance
+    return contextlib.nullcontext() if balance is None or factor == 1.0 else balance.scaled(factor)
 
 
 def _chunk_forward(run: ChunkedRun, i: int, mode: str) -> torch.Tensor:

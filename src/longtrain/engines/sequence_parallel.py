@@ -59,7 +59,7 @@ class UlyssesAttention(AttentionCall):
     the all-to-alls: this rank's tokens and all heads in, the same out."""
 
     def __init__(self, inner: AttentionCall, sp: "SequenceParallel"):
-        self.inner, self.sp, self.mask = inner, sp, inner.mask
+        self.inner, self.sp, self.mask, self.rows = inner, sp, inner.mask, inner.rows
 
     def attend(self, module, q, k, v, *, scale, window, softcap):
         sp = self.sp
@@ -136,6 +136,14 @@ class SequenceParallel:
                 f"the ranks of a sequence-parallel group read different batches (rank 0: shape {seen[0][:2]}, rank "
                 f"{other}: shape {seen[other][:2]}); every rank of a group must step on the same batch"
             )
+
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over this group's ranks (statistics each rank took of its tokens)."""
+        if self.simulated:
+            return values
+        total = values.detach().clone()
+        dist.all_reduce(total, group=self.comm.group)
+        return total
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """This rank's share summed over all ranks: the loss of the whole step, everywhere."""

@@ -45,6 +45,9 @@ class AttentionCall:
     q (B, H, S, D), k, v (B, H_kv, S, D) and returns the output (B, H, S, D)."""
 
     mask: SequenceMask
+    # (B, T) of the tokens of the layer this call serves: 1 for a real token, 0 for padding
+    # (what statistics over real tokens count: a router's balancing loss); None: all real.
+    rows: torch.Tensor | None = None
 
     def attend(self, module, q, k, v, *, scale: float | None, window: int | None, softcap: float | None):
         raise NotImplementedError
@@ -60,8 +63,8 @@ class AttentionCall:
 class WholeSequenceAttention(AttentionCall):
     """Causal attention over the whole sequence (the ``backprop`` engine's call)."""
 
-    def __init__(self, mask: SequenceMask):
-        self.mask = mask
+    def __init__(self, mask: SequenceMask, rows: torch.Tensor | None = None):
+        self.mask, self.rows = mask, rows
         # Read from the mask once per step and shared by every layer: the documents (fused
         # calls per document) and the block decisions (masked blocks), each made when first needed.
         self._spans = UNREAD

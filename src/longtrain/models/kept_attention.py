@@ -158,6 +158,7 @@ class KeepOutputAttention(AttentionCall):
 
     def __init__(self, inner: AttentionCall, kept: KeptOutputs, key: Hashable, refusal: str | None = None):
         self.inner, self.kept, self.key, self.refusal, self.mask = inner, kept, key, refusal, inner.mask
+        self.rows = inner.rows
 
     def attend(self, module, q, k, v, *, scale, window, softcap):
         try:

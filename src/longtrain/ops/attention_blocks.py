@@ -194,7 +194,8 @@ def _fused(fn, kernel: str, *args):
 
 def _expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
     """K or V (B, Hkv, S, D) -> (B, Hkv·G, S, D), each head repeated for its G query heads."""
-    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+    # output_size: the result's head count is known, so no kernel (nor fake-tensor op) derives it
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1, output_size=t.shape[1] * groups)
 
 
 def _reduce_kv(t: torch.Tensor, groups: int) -> torch.Tensor:

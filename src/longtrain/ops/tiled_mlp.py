@@ -29,9 +29,11 @@ one its own backward needs. The placeholder has x's shape (a feed-forward block 
 back to the residual width) and the dtype of its last linear (autocast's where autocast
 casts x, else x's); a mismatch would stop autograd with an error, not bend a gradient.
 Only valid where no later op of the layer saves the MLP output or anything computed
-from it (the adapter's ``mlp_output_saved`` says so), and where the MLP draws no random
+from it (a norm after the MLP, as in Gemma-2 and OLMo-2, does: :mod:`.unread_outputs`
+learns it per layer from the autograd graph), and where the MLP draws no random
 numbers (a later dropout would draw from another state): with dropout in the MLP the
-output is computed.
+output is computed. :func:`watched_outputs` collects the autograd nodes of the outputs
+computed in a block, for that learning.
 
 Random numbers (dropout in the MLP, LoRA's ``lora_dropout``): the tiles draw in order
 from the generator states the forward started them from, and the backward sets those
@@ -51,6 +53,8 @@ reads those weights in the tile; otherwise autograd forms that tile's gradients 
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Callable, Sequence
 
 import torch
@@ -58,7 +62,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from ..thread_flag import ThreadFlag
-from . import _autocast, replay
+from . import _autocast, replay, token_rows
 from .gemm import add_product
 from .tiles import tile_starts
 
@@ -66,12 +70,24 @@ __all__ = ["outputs_unread", "tiled_mlp"]
 
 
 _unread = ThreadFlag()  # raised by outputs_unread() on the thread running the forward
+_watch = threading.local()  # .nodes: where watched_outputs() collects computed outputs' autograd nodes
 
 
 def outputs_unread():
     """Tiled MLPs run forward in this block will only be backpropagated through, their
     output values never read (module docstring)."""
     return _unread.raised()
+
+
+@contextlib.contextmanager
+def watched_outputs():
+    """Yields a list that collects the autograd node of every tiled MLP output computed
+    (not a placeholder) in the block, on this thread."""
+    before, _watch.nodes = getattr(_watch, "nodes", None), []
+    try:
+        yield _watch.nodes
+    finally:
+        _watch.nodes = before
 
 
 class _Mailbox:
@@ -94,6 +110,7 @@ class _TiledMLPGrad(torch.autograd.Function):
     def forward(ctx, fn, chunk_tokens, mailbox, module, x, *params):
         ctx.fn, ctx.chunk_tokens, ctx.mailbox, ctx.module, ctx.params = fn, chunk_tokens, mailbox, module, params
         ctx.autocast = _autocast.capture(x.device)
+        ctx.rows = token_rows.capture()  # which rows are real tokens, for ops that count them
         ctx.save_for_backward(x)  # the only tensor kept for backward
         return x.new_zeros(())
 
@@ -110,10 +127,11 @@ class _TiledMLPGrad(torch.autograd.Function):
         # Without autocast (which casts inside each linear), the plain linears' weight
         # gradients are formed here, one GEMM per tile into the sum (:mod:`.gemm`).
         with _LinearCalls(ctx.module if not ctx.autocast[1] else None, wanted) as linears, \
-                replay.restoring(ctx.mailbox.states):  # each tile draws what its forward drew
+                replay.restoring(ctx.mailbox.states), token_rows.restore(ctx.rows):  # each tile draws what its forward drew
             for start in tile_starts(flat.shape[0], ctx.chunk_tokens, flat):
                 rows = slice(start, start + ctx.chunk_tokens)
-                grad_piece = _tile_backward(ctx, flat[rows], grad_flat[rows], want_x, wanted, linears, sums)
+                with token_rows.tile(start):
+                    grad_piece = _tile_backward(ctx, flat[rows], grad_flat[rows], want_x, wanted, linears, sums)
                 if want_x:
                     grad_x[rows] = grad_piece
                 del grad_piece  # (each tile's intermediates are freed before the next recomputes its own)
@@ -309,7 +327,7 @@ def _run_tiles(fn, x: torch.Tensor, tiles, scopes: replay.TileScopes) -> torch.T
     flat = x.reshape(-1, x.shape[-1])
     out = None
     for start, stop, key, positions in tiles:
-        with scopes.scope(key, positions):
+        with scopes.scope(key, positions), token_rows.tile(start):
             y = fn(flat[start:stop])
         if out is None:
             out = y.new_empty((flat.shape[0], y.shape[-1]))
@@ -358,4 +376,8 @@ def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, param
     # An MLP that draws random numbers runs even where its output goes unread: what a later
     # op of the layer draws must start where the forward's did.
     unread = _unread.on and not (module is not None and replay.active_dropout(module) > 0)
-    return _TiledMLPOutput.apply(fn, tiles, mailbox, x.detach(), token, unread)
+    out = _TiledMLPOutput.apply(fn, tiles, mailbox, x.detach(), token, unread)
+    watching = getattr(_watch, "nodes", None)
+    if watching is not None and not unread:
+        watching.append(out.grad_fn)
+    return out

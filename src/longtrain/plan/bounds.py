@@ -26,6 +26,7 @@ __all__ = [
     "longest_where",
     "parked_bytes",
     "parked_split",
+    "refuse_lengths_that_cannot_fit",
     "reserved_bytes",
 ]
 
@@ -173,3 +174,30 @@ def reserved_bytes(strategy: Strategy, budget: Budget, device: int) -> int:
     optimizer state) with that state, and what a step allocates and frees times the
     allocator's fragmentation margin."""
     return int(budget.persistent + _margin(strategy) * (device + budget.device_state - budget.persistent))
+
+
+def refuse_lengths_that_cannot_fit(config, seq_len: int, strategy: Strategy, dtype: torch.dtype, batch: int,
+                                   device_memory: int | None, host_memory: int | None) -> None:
+    """Refuse at once a length whose token ids and parked activations alone — counted from
+    the config (:func:`least_bytes`), not simulated — exceed the
+    machine named, naming the longest length that could fit beside the weights."""
+    item = torch.tensor([], dtype=dtype).element_size()
+    gpus = strategy.sequence_parallel.degree if strategy.sequence_parallel is not None else 1
+
+    def over(tokens: int, weights: int = 0) -> list[str]:
+        device, host = least_bytes(config, tokens, strategy, item, batch, gpus)
+        return [f"{need} of {where} memory, {format_bytes(have)} named"
+                for where, need, have in (("device", format_bytes(weights + device), device_memory),
+                                          ("host", format_bytes(host), host_memory))
+                if have is not None and (weights + device if where == "device" else host) > have]
+
+    if not over(seq_len):
+        return
+    weights = _state_bytes(config, "none", dtype)[0] * item // gpus  # frozen under LoRA, there all the same
+    longest = longest_where(lambda tokens: not over(tokens, weights), seq_len)
+    raise LongtrainError(
+        f"{seq_len:,} tokens cannot fit: under strategy {strategy.spec}, the token ids and what the step parks "
+        f"alone need at least {'; '.join(over(seq_len))} (counted, not simulated); "
+        + (f"at most {longest:,} tokens could fit beside the weights" if longest else
+           "no length fits beside the weights")
+        + (f" ({batch} per batch)" if batch > 1 else ""))

@@ -312,6 +312,7 @@ class _Fitted:
     chunks: Axis | None
     seq_len: int = 0
     kept: Callable[[int], tuple[int, int, int]] | None = None  # :func:`_kept_outputs_apart`
+    checked: bool = True  # one repeat beyond the fit simulated on each axis, and matched
 
     def peaks(self, u: int, v: int):
         """(device peak, host peak, label of the device peak) at ``u`` layer and ``v`` chunk repeats."""
@@ -355,23 +356,35 @@ class _Fitted:
         _check_host_budget(strategy, report, seq_len)
         parts = []
         if layers is not None:
-            parts.append(f"{layers.value(a)}, {layers.value(a + 1)} layers (checked at {layers.value(a + 2)})")
+            parts.append(f"{layers.value(a)}, {layers.value(a + 1)} layers"
+                         + (f" (checked at {layers.value(a + 2)})" if self.checked else ""))
         if axis is not None:
-            parts.append(f"{axis.value(b):,}, {axis.value(b + 1):,} tokens (checked at {axis.value(b + 2):,}; "
-                         f"{'chunks' if chunk_of(strategy) else 'blocks'} of {axis.unit:,})")
+            parts.append(f"{axis.value(b):,}, {axis.value(b + 1):,} tokens ("
+                         + (f"checked at {axis.value(b + 2):,}; " if self.checked else "")
+                         + f"{'chunks' if chunk_of(strategy) else 'blocks'} of {axis.unit:,})")
         method = f"extrapolated from {len(sims)} small simulations: " + " × ".join(parts) + "; --exact: the whole model"
         return _Simulated(report, parameters, trainable, notes, method)
 
 
-def _fit(config, seq_len: int, strategy: Strategy, run, say, kept=None, whole_layers: bool = False) -> _Fitted | None:
+def _fit(config, seq_len: int, strategy: Strategy, run, say, kept=None, whole_layers: bool = False,
+         planning: bool = False) -> _Fitted | None:
     """The small simulations the full-scale figures are extrapolated from, fitted and
     checked (module docstring), or None when there is nothing to extrapolate or the
     pattern never settled. ``kept``: :func:`_kept_outputs_apart`'s correction.
-    ``whole_layers``: every layer in every simulation (:func:`_budget_stops_layers`)."""
+    ``whole_layers``: every layer in every simulation (:func:`_budget_stops_layers`).
+    ``planning`` (the planner's simulations): the fit simulations alone, without the
+    check one repeat beyond on each axis — the figures come from the fit simulations
+    either way (tests/test_planner.py compares both) — and None, the whole model to be
+    simulated, where along layers alone the small simulations would hold more layers than
+    the model (the cheaper simulation then, and the reference)."""
     layers = None if whole_layers else layer_axis(config, strategy)
     chunks = chunk_axis(config, seq_len, strategy)
     if layers is None and chunks is None:
         return None
+    if planning and chunks is None and layers.value(layers.first) + layers.value(layers.first + 1) >= _layers(config):
+        say("the small simulations would hold more layers than the model: simulating the whole model")
+        return None
+    check = not planning
     places = (_layer_period(config, strategy), _depth(strategy))
     sims: dict[tuple[int, int], _Simulated] = {}
 
@@ -395,16 +408,22 @@ def _fit(config, seq_len: int, strategy: Strategy, run, say, kept=None, whole_la
         b = chunks.first if chunks is not None else 0
         fit = [(a + i, b + j) for i in (0, 1) for j in (0, 1)
                if (i == 0 or layers is not None) and (j == 0 or chunks is not None)]
-        layer_check = (a + 2, b + (chunks is not None)) if layers is not None else None
-        chunk_check = (a + (layers is not None), b + 2) if chunks is not None else None
-        simulate_at(fit + [p for p in (layer_check, chunk_check) if p is not None])
+        layer_check = (a + 2, b + (chunks is not None)) if layers is not None and check else None
+        chunk_check = (a + (layers is not None), b + 2) if chunks is not None and check else None
+        try:
+            simulate_at(fit + [p for p in (layer_check, chunk_check) if p is not None])
+        except LongtrainError:
+            # A refusal speaks of the small model (its layers, its share of a host budget):
+            # the whole model is simulated, refused in its own figures (or not at all).
+            say("a small simulation was refused: simulating the whole model")
+            return None
         # The places kept (the ends, shared by every fit simulation) must hold each fit
         # simulation's own peaks — none in the middle — and, extrapolated, the check
         # simulations' peaks.
         unsettled = {p for p in fit + [layer_check, chunk_check]
                      if p is not None and not _reproduces(sims, fit, a, b, p, exactly=p in fit)}
         if not unsettled:
-            return _Fitted(sims, fit, a, b, layers, chunks, seq_len, kept)
+            return _Fitted(sims, fit, a, b, layers, chunks, seq_len, kept, check)
         fit_failed = any(p in fit for p in unsettled)
         shift_layers = layers is not None and (layer_check in unsettled or fit_failed)
         shift_chunks = chunks is not None and (chunk_check in unsettled or fit_failed)

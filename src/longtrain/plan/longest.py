@@ -166,7 +166,7 @@ def _parked_bound(config, strategy: Strategy, budget: Budget, item: int, batch: 
 
 @dataclass
 class ContextLimit:
-    name: str
+    name: str  # the strategy as --strategy reads it; AdamW's place is optimizer_offload
     tokens: int  # the longest context that fits (whole chunks for FPDT), 0 if none
     binds: str  # what stops it one step beyond
     step_seconds: float | None  # predicted at that length
@@ -194,10 +194,10 @@ def max_context(model, *, device_memory: int, host_memory: int, optimizer: str =
             offloaded = budget.optimizer == "adamw-offload"
             if offloaded:
                 strategy = host_budgets_beside_optimizer(strategy, host_memory - budget.host_state)
-            name = label + (" · optimizer in host memory" if offloaded else "")
-            say(f"longest context of {name}")
-            tokens, binds = longest_context(config, strategy, budget, dtype, lora_rank=lora_rank, label=name, progress=say)
+            shown = label + (" --optimizer-offload" if offloaded else "")
+            say(f"longest context of {shown}")
+            tokens, binds = longest_context(config, strategy, budget, dtype, lora_rank=lora_rank, label=shown, progress=say)
             seconds = step_time(config, tokens, strategy, rates, optimizer_offload=offloaded,
                                 trainable=params).seconds if tokens else None
-            limits.append(ContextLimit(name, tokens, binds, seconds, offloaded))
+            limits.append(ContextLimit(label, tokens, binds, seconds, offloaded))
     return sorted(limits, key=lambda r: -r.tokens)

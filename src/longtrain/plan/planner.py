@@ -26,13 +26,17 @@ fit is not simulated. The rest are simulated fastest-predicted first; once one f
 the slower ones are listed as such without simulating them (``exhaustive=True``
 simulates them all), ``workers`` at a time in processes of their own. Each simulation
 covers the whole length (:func:`simulate_step`: the simulator extends per-phase peaks
-itself, seconds to half a minute per 8B candidate); simulations are cached in the process.
-``longest=True`` adds, per simulated strategy, the longest context it reaches (a search:
-:mod:`longtrain.plan.longest`).
+itself from its fit simulations, seconds to half a minute per 8B candidate); simulations
+are cached in the process. A fitting checkpointed row's search for top layers left whole
+runs in a worker of its own, beside the others. Each row names its strategy as
+``--strategy`` reads it and AdamW's place apart (:meth:`PlanRow.flags`; :meth:`Plan.command`
+the whole ``longtrain train`` line). ``longest=True`` adds, per simulated strategy, the
+longest context it reaches (a search: :mod:`longtrain.plan.longest`).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Callable
 
 import torch
@@ -49,7 +53,7 @@ from .candidates import (CHUNKS, _leaves_layers_whole, _rebuilt, candidates, hos
                          outputs_kept_within)
 from .longest import longest_context
 from .report import Plan, PlanRow
-from .steps import _Simulations, chunk_curve_of, simulate_step
+from .steps import _Simulations, chunk_curve_of, config_from_json, simulate_step
 from .time_model import H100, MachineRates, step_time
 
 # plan() and its row, and what the planner is made of, re-exported from their modules.
@@ -104,8 +108,9 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
     params, budgets = budgets_for(config, device_memory=device_memory, host_memory=host_memory, optimizer=optimizer,
                                   dtype=torch_dtype, lora_rank=lora_rank, gpus=gpus, optimizer_offload=optimizer_offload)
     name = model if isinstance(model, str) else getattr(config, "name_or_path", "") or config.model_type
-    result = Plan(name, seq_len, device_memory, host_memory, optimizer, str(torch_dtype).replace("torch.", ""), [],
-                  gpus, lora_rank, rates_name, adapter_class(config.model_type).untimed_work)
+    result = Plan(model=name, seq_len=seq_len, device_memory=device_memory, host_memory=host_memory, optimizer=optimizer,
+                  dtype=str(torch_dtype).replace("torch.", ""), rows=[], gpus=gpus, lora_rank=lora_rank,
+                  rates_name=rates_name, untimed=adapter_class(config.model_type).untimed_work, batch=batch)
     sp = {"degree": gpus} if gpus > 1 else None
     jobs = []
     kind = adapter_class(config.model_type)
@@ -124,10 +129,13 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
             raise LongtrainError(f"--engine {engine} does not train {config.model_type} models; engines a plan weighs "
                                  f"for them: {', '.join(serving)}")
         usual, every = ({label: s for label, s in found.items() if s.engine == engine} for found in (usual, every))
-    fallback = {label for label, strategy in every.items()
-                if label not in usual and strategy.engine_options.chunk < seq_len}
-    many = set()  # the candidates' names with over 32 chunks
+    # In the candidates' order (a set's would change with the process's string hashing, and so
+    # the order of the rows they tie in).
+    fallback = [label for label, strategy in every.items()
+                if label not in usual and strategy.engine_options.chunk < seq_len]
+    jobs_beyond = []  # candidates with over 32 chunks: after the others
     for label, strategy in {**usual, **{label: every[label] for label in fallback}}.items():
+        beyond = label in fallback
         if sp is not None:
             if not all(registry.technique(name).sequence_parallel for name in strategy.techniques):
                 continue
@@ -146,26 +154,27 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
             seconds = float("inf") if _bound(config, seq_len, fitted_strategy, budget, item, batch, gpus) else \
                 step_time(config, seq_len, fitted_strategy, rates, batch=batch, optimizer_offload=offloaded,
                           trainable=params).seconds
-            name = (label.replace(part, fitted_part) if part else label) + (" · optimizer in host memory" if offloaded else "")
-            if label in fallback:
-                many.add(name)
-            jobs.append((seconds, name, fitted_strategy, budget))
-    jobs.sort(key=lambda job: (job[1] in many, job[0]))
+            name = label.replace(part, fitted_part) if part else label
+            (jobs_beyond if beyond else jobs).append((seconds, name, fitted_strategy, budget))
+    jobs = sorted(jobs, key=lambda job: job[0]) + sorted(jobs_beyond, key=lambda job: job[0])
+    many = set(range(len(jobs) - len(jobs_beyond), len(jobs)))  # their indices
     bounds = [_bound(config, seq_len, strategy, budget, item, batch, gpus) for _, _, strategy, budget in jobs]
     if jobs and all(bound is not None for bound in bounds):
-        raise LongtrainError(_beyond_reach(config, seq_len, jobs, bounds, item, batch, gpus, device_memory, host_memory))
+        shown = [(seconds, _shown(name, budget), strategy, budget) for seconds, name, strategy, budget in jobs]
+        raise LongtrainError(_beyond_reach(config, seq_len, shown, bounds, item, batch, gpus, device_memory, host_memory))
     to_simulate = [i for i, bound in enumerate(bounds) if bound is None]
     winner = None
+    searches = []  # (where its row goes, what gives the row with top layers left whole, or None)
     with _Simulations(workers) as simulations:
         for i, (_, label, strategy, budget) in enumerate(jobs):
             offloaded = budget.optimizer == "adamw-offload"
             args = (config, seq_len, strategy, dtype, batch, budget.optimizer, lora_rank)
             if bounds[i] is not None:
-                row = PlanRow(label, strategy.to_dict(), None, None, None, False, bounds[i], None, None, None,
-                              optimizer_offload=offloaded, simulated=False)
-            elif winner is not None and not exhaustive and not simulations.started(args):
-                row = PlanRow(label, strategy.to_dict(), None, None, None, False, None, None, None, None,
-                              notes={"skipped": f"over 32 chunks, and {winner} fits" if label in many
+                row = PlanRow(name=label, strategy=strategy.to_dict(), binds=bounds[i], optimizer_offload=offloaded,
+                              simulated=False)
+            elif winner is not None and not exhaustive:  # started ahead or not: the answer must not depend on --jobs
+                row = PlanRow(name=label, strategy=strategy.to_dict(),
+                              notes={"skipped": f"over 32 chunks, and {winner} fits" if i in many
                                      else f"predicted slower than {winner}, which fits"},
                               optimizer_offload=offloaded, simulated=False)
             else:
@@ -176,7 +185,7 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
                     _, other, other_strategy, other_budget = jobs[j]
                     if simulations.start((config, seq_len, other_strategy, dtype, batch, other_budget.optimizer,
                                           lora_rank)):
-                        say(f"simulating {other} at {seq_len:,} tokens")
+                        say(f"simulating {_shown(other, other_budget)} at {seq_len:,} tokens")
                 row = _evaluate(label, strategy, config, seq_len, budget, rates, batch, params,
                                 lambda: simulations.result(args))
                 if longest and row.device_bytes is not None:
@@ -184,17 +193,37 @@ def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer
                                                                      lora_rank=lora_rank, start=seq_len, label=label,
                                                                      progress=say)
                 if row.fits and winner is None:
-                    winner = label
+                    winner = row.label
             result.rows.append(row)
             if row.fits and _leaves_layers_whole(strategy) and not longest:
-                whole = most_whole_layers(row, strategy, config, seq_len, budget, rates, batch, params, say,
-                                          lambda candidate: simulate_step(config, seq_len, candidate, dtype, batch,
-                                                                          budget.optimizer, lora_rank))
-                if whole is not None:
-                    result.rows.append(whole)
+                # A sequential search of its own: in a worker, beside the other fitting rows' searches.
+                if workers > 1:
+                    say(f"searching how many top layers {_shown(label, budget)} leaves whole at {seq_len:,} tokens")
+                    searches.append((len(result.rows), simulations.call(
+                        _whole_layers_elsewhere, row, strategy.to_json(), json.dumps(config.to_dict(), default=str),
+                        seq_len, budget, rates, batch, params, dtype, lora_rank).result))
+                else:
+                    whole = most_whole_layers(row, strategy, config, seq_len, budget, rates, batch, params, say,
+                                              lambda candidate: simulate_step(config, seq_len, candidate, dtype, batch,
+                                                                              budget.optimizer, lora_rank))
+                    searches.append((len(result.rows), lambda whole=whole: whole))
+        for where, search in reversed(searches):
+            whole = search()
+            if whole is not None:
+                result.rows.insert(where, whole)
     result.rows.sort(key=lambda r: (not r.fits, not r.simulated,
                                     r.step_seconds if r.fits else (r.reserved_bytes or float("inf"))))
     return result
+
+
+def _whole_layers_elsewhere(row: PlanRow, strategy_json: str, config_json: str, seq_len: int, budget: Budget, rates,
+                            batch: int, params: int, dtype: str, lora_rank) -> PlanRow | None:
+    """:func:`most_whole_layers` of a fitting row, as a worker process runs it (the config
+    and strategy as JSON)."""
+    config, strategy = config_from_json(config_json), Strategy.from_json(strategy_json)
+    return most_whole_layers(row, strategy, config, seq_len, budget, rates, batch, params, lambda _: None,
+                             lambda candidate: simulate_step(config, seq_len, candidate, dtype, batch, budget.optimizer,
+                                                             lora_rank))
 
 
 def most_whole_layers(row: PlanRow, strategy: Strategy, config, seq_len, budget: Budget, rates, batch, params,
@@ -220,7 +249,7 @@ def most_whole_layers(row: PlanRow, strategy: Strategy, config, seq_len, budget:
     def evaluate(count: int) -> None:
         options, item = registry.technique(name).costs.with_whole_layers(name, strategy.techniques[name], count)
         label = row.name.replace(name, item, 1)
-        say(f"simulating {label} at {seq_len:,} tokens")
+        say(f"simulating {_shown(label, budget)} at {seq_len:,} tokens")
         candidate = _rebuilt(strategy, **{name: options})
         tried[count] = _evaluate(label, candidate, config, seq_len, budget, rates, batch, params,
                                  lambda: simulated(candidate))
@@ -251,14 +280,19 @@ def most_whole_layers(row: PlanRow, strategy: Strategy, config, seq_len, budget:
     return tried[good] if good else None
 
 
+def _shown(label: str, budget: Budget) -> str:
+    """A candidate as progress lines name it: its --strategy value, with --optimizer-offload
+    where AdamW's state lives in host memory."""
+    return label + (" --optimizer-offload" if budget.optimizer == "adamw-offload" else "")
+
+
 def _evaluate(label, strategy, config, seq_len, budget: Budget, rates, batch, params, simulated) -> PlanRow:
     """The plan's row of one candidate; ``simulated()`` gives its simulate_step figures."""
     offloaded = budget.optimizer == "adamw-offload"
     try:
         device, host, notes = simulated()
     except LongtrainError as exc:  # e.g. memo: the inputs and attention outputs alone exceed the host budget
-        return PlanRow(label, strategy.to_dict(), None, None, None, False, str(exc), None, None, None,
-                       optimizer_offload=offloaded)
+        return PlanRow(name=label, strategy=strategy.to_dict(), binds=str(exc), optimizer_offload=offloaded)
     reserved = reserved_bytes(strategy, budget, device)
     device += budget.device_state
     binds = []
@@ -268,6 +302,7 @@ def _evaluate(label, strategy, config, seq_len, budget: Budget, rates, batch, pa
         binds.append(f"host memory: needs {format_bytes(host)}, {format_bytes(host - budget.host_memory)} over")
     predicted = step_time(config, seq_len, strategy, rates, notes=notes, batch=batch, optimizer_offload=offloaded,
                           trainable=params)
-    return PlanRow(label, strategy.to_dict(), device, reserved, host, not binds, "; ".join(binds) or None,
-                   predicted.seconds, batch * seq_len / predicted.seconds, predicted.mfu(rates.peak), notes,
+    return PlanRow(name=label, strategy=strategy.to_dict(), device_bytes=device, reserved_bytes=reserved, host_bytes=host,
+                   fits=not binds, binds="; ".join(binds) or None, step_seconds=predicted.seconds,
+                   tokens_per_s=batch * seq_len / predicted.seconds, mfu=predicted.mfu(rates.peak), notes=notes,
                    optimizer_offload=offloaded)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 from dataclasses import dataclass, field
 
 from ..memory.units import format_bytes
@@ -14,6 +15,7 @@ __all__ = [
     "Plan",
     "PlanRow",
     "format_table",
+    "format_tokens",
 ]
 
 
@@ -27,27 +29,59 @@ def format_table(rows: list[tuple]) -> str:
     return "\n".join(out)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PlanRow:
-    name: str
+    """One candidate weighed. ``name`` is the strategy as ``--strategy`` reads it (``+spN``
+    under sequence parallelism); where AdamW's state lives is ``optimizer_offload``, a field
+    of its own: :meth:`flags` joins them into what the row prints, and nothing reads the
+    name apart again."""
+
+    name: str  # the strategy as --strategy reads it, e.g. "fpdt:chunk=8192:offload,mst" or "checkpoint,mst+sp2"
     strategy: dict
-    device_bytes: int | None  # simulated allocated peak, optimizer state included
-    reserved_bytes: int | None  # with the fragmentation margin: what must fit the device
-    host_bytes: int | None
-    fits: bool
-    binds: str | None  # what does not fit, and by how much
-    step_seconds: float | None
-    tokens_per_s: float | None
-    mfu: float | None
+    device_bytes: int | None = None  # simulated allocated peak, optimizer state included
+    reserved_bytes: int | None = None  # with the fragmentation margin: what must fit the device
+    host_bytes: int | None = None
+    fits: bool = False
+    binds: str | None = None  # what does not fit, and by how much
+    step_seconds: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
     notes: dict = field(default_factory=dict)
     longest: int | None = None
     longest_binds: str | None = None
-    optimizer_offload: bool = False  # AdamW's state and fp32 master weights in host memory
+    optimizer_offload: bool = False  # AdamW's state and fp32 master weights in host memory (--optimizer-offload)
     simulated: bool = True  # False: judged by its lower bound, or skipped as slower than what fits
 
     @property
-    def strategy_name(self) -> str:
-        return self.name.split(" · ")[0]
+    def gpus(self) -> int:
+        """Processes the sequence is split over (``+spN``: ``--sp N`` under torchrun)."""
+        sp = self.strategy.get("sequence_parallel") if isinstance(self.strategy, dict) else None
+        return sp["degree"] if isinstance(sp, dict) and sp.get("degree") else 1
+
+    def flags(self) -> list[str]:
+        """The ``longtrain train`` options that run this row: ``--strategy NAME``, with
+        ``--optimizer-offload`` where AdamW's state lives in host memory and ``--sp N``
+        under sequence parallelism."""
+        flags = ["--strategy", self.name]
+        if self.optimizer_offload:
+            flags.append("--optimizer-offload")
+        if self.gpus > 1:
+            flags += ["--sp", str(self.gpus)]
+        return flags
+
+    @property
+    def label(self) -> str:
+        """:meth:`flags` as one string, as the table prints it: pastes whole after
+        ``longtrain train --model M --seq-len N``."""
+        return shlex.join(self.flags())
+
+
+def format_tokens(tokens: int) -> str:
+    """A token count as ``--seq-len`` reads it, shortest first: 524288 -> '512K'."""
+    for suffix, unit in (("M", 2**20), ("K", 2**10)):
+        if tokens >= unit and tokens % unit == 0:
+            return f"{tokens // unit}{suffix}"
+    return str(tokens)
 
 
 @dataclass
@@ -63,14 +97,40 @@ class Plan:
     lora_rank: int | None = None
     rates_name: str = "h100"
     untimed: str | None = None  # work of the model the time model does not count (its adapter's untimed_work)
+    batch: int = 1
 
     @property
     def best(self) -> PlanRow | None:
         fitting = [r for r in self.rows if r.fits]
         return fitting[0] if fitting else None
 
+    def command(self, row: PlanRow | None = None) -> str:
+        """The whole command line that trains ``row`` (default: the best), to paste as it is:
+        ``longtrain train --model M --seq-len N`` with the row's :meth:`~PlanRow.flags` and the
+        plan's own settings (LoRA, optimizer, dtype, batch); under ``torchrun`` for ``+spN``."""
+        row = row or self.best
+        if row is None:
+            raise ValueError("nothing fits: no command to train")
+        launch = ["longtrain", "train"] if row.gpus == 1 else \
+            ["torchrun", "--nproc-per-node", str(row.gpus), "-m", "longtrain.cli", "train"]
+        args = launch + ["--model", self.model, "--seq-len", format_tokens(self.seq_len)] + row.flags()
+        if self.lora_rank:
+            args += ["--lora", "--lora-rank", str(self.lora_rank)]
+        if self.optimizer == "sgd":  # (the state `none` counts has no training counterpart)
+            args += ["--optimizer", "sgd"]
+        if self.dtype != "bfloat16":
+            args += ["--dtype", self.dtype]
+        if self.batch != 1:
+            args += ["--batch-size", str(self.batch)]
+        return shlex.join(args)
+
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The plan as data; each row also with its ``flags`` (train's options for it) and its
+        whole ``command`` line."""
+        data = dataclasses.asdict(self)
+        for row, out in zip(self.rows, data["rows"]):
+            out["flags"], out["command"] = row.flags(), self.command(row)
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -80,7 +140,7 @@ class Plan:
         per = " per GPU" if self.gpus > 1 else ""
         if best is not None:
             gpus = "1 GPU" if self.gpus == 1 else f"{self.gpus} GPUs"
-            return (f"fastest that fits: {best.name} — predicted {best.step_seconds:.3g} s per step on {gpus} at the "
+            return (f"fastest that fits: {best.label} — predicted {best.step_seconds:.3g} s per step on {gpus} at the "
                     f"{self.rates_name} rates ({best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu:.0%}); device "
                     f"{format_bytes(best.reserved_bytes)} of {format_bytes(self.device_memory)}{per} with the fragmentation "
                     f"margin, host {format_bytes(best.host_bytes)} of {format_bytes(self.host_memory)}")
@@ -88,15 +148,15 @@ class Plan:
         if not simulated:
             return f"nothing fits {self.seq_len:,} tokens: " + "; ".join(sorted({r.binds for r in self.rows if r.binds}))
         closest = min(simulated, key=lambda r: r.reserved_bytes)
-        return f"nothing fits {self.seq_len:,} tokens: closest is {closest.name}, where {closest.binds}"
+        return f"nothing fits {self.seq_len:,} tokens: closest is {closest.label}, where {closest.binds}"
 
     def table(self) -> str:
-        head = ("strategy", "device (reserved)", "host", "fits", "step s", "tokens/s", "MFU")
+        head = ("train with", "device (reserved)", "host", "fits", "step s", "tokens/s", "MFU")
         longest = any(r.longest for r in self.rows)
         rows = [head + (("longest context",) if longest else ())]
         for r in self.rows:
             fits = "yes" if r.fits else ("no" if r.binds else "–")
-            row = (r.name, format_bytes(r.reserved_bytes) if r.reserved_bytes else "–",
+            row = (r.label, format_bytes(r.reserved_bytes) if r.reserved_bytes else "–",
                    format_bytes(r.host_bytes) if r.host_bytes is not None else "–", fits,
                    f"{r.step_seconds:.3g}" if r.step_seconds else "–", f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "–",
                    f"{r.mfu:.0%}" if r.mfu else "–")
@@ -106,7 +166,7 @@ class Plan:
         what = f"LoRA rank {self.lora_rank}" if self.lora_rank else f"full fine-tuning, {self.optimizer}"
         title = (f"{self.model}: {self.seq_len:,} tokens, {self.dtype}, {what}; {self.gpus} GPU(s) of "
                  f"{format_bytes(self.device_memory)}, host {format_bytes(self.host_memory)}")
-        limits = [f"  {r.name}: {r.binds}" for r in self.rows if r.binds]
+        limits = [f"  {r.label}: {r.binds}" for r in self.rows if r.binds]
         skipped = [r for r in self.rows if not r.simulated and not r.binds]
         lines = [title, format_table(rows), ""]
         if limits:
@@ -114,7 +174,8 @@ class Plan:
         if skipped:
             lines += [f"{len(skipped)} candidate(s) not simulated ({skipped[0].notes['skipped']}); "
                       "--exhaustive simulates them", ""]
-        return "\n".join(lines + [
-            self.verdict(), "memory simulated (device × the allocator's measured fragmentation margin); "
+        train = [f"train it: {self.command()}"] if self.best is not None else []
+        return "\n".join(lines + [self.verdict()] + train + [
+            "memory simulated (device × the allocator's measured fragmentation margin); "
             f"step time from the time model at the {self.rates_name} rates (longtrain.plan.time_model)"
             + (f"; it does not count {self.untimed}" if self.untimed else "")])

@@ -46,7 +46,7 @@ from ..optimizers import make_optimizer
 from ..parallel.distributed import simulated_world
 from ..parallel.layer_groups import busiest_group
 from ..strategy import Strategy, applied_context, apply, step
-from .bounds import _state_bytes, least_bytes, longest_where
+from .bounds import refuse_lengths_that_cannot_fit
 from .extrapolate import (ChunkCurve, _budget_stops_layers, _fit, _kept_outputs_apart, _layers, _Simulated,
                           _stable_phases, chunk_of)
 from .report import format_table
@@ -303,11 +303,12 @@ class SimulationReport:
         rows.append(("total at device peak", format_bytes(self.peak.peak_device_bytes), format_bytes(self.peak.host_bytes_at_peak)))
         rows.append(("host peak", "", format_bytes(self.peak.peak_host_bytes)))
         strategy_name = Strategy.from_dict(self.strategy).spec
+        optimizer = "adamw in host memory (--optimizer-offload)" if self.optimizer == "adamw-offload" else self.optimizer
         lora = (f", LoRA rank {self.lora_rank} ({self.trainable_parameters / 1e6:.1f}M trainable)"
                 if self.lora_rank else "")
         head = (
             f"{self.model}: {self.parameters / 1e9:.2f}B parameters{lora}, seq_len {self.seq_len}, batch {self.batch_size}, "
-            f"strategy {strategy_name}, optimizer {self.optimizer}, {self.dtype}"
+            f"strategy {strategy_name}, optimizer {optimizer}, {self.dtype}"
         )
         if self.layer_groups:
             head += (f"; the busiest of {self.layer_groups} layer groups (its layers with the embedding and the head; "
@@ -351,6 +352,7 @@ def simulate(
     device_memory: int | str | None = None,
     host_memory: int | str | None = None,
     layer_groups: int | None = None,
+    planning: bool = False,
 ) -> SimulationReport:
     """Simulated steady-state peak of one training step at full scale (no allocation).
 
@@ -379,6 +381,8 @@ def simulate(
 
     ``layer_groups``: the adjoint engine's layers over that many processes; the busiest
     rank (:func:`~longtrain.parallel.layer_groups.busiest_group`) as one process.
+    ``planning``: the planner's figures, from the fit simulations without the checks
+    beyond them (:func:`~longtrain.plan.extrapolate._fit`).
     """
     if lora_rank is not None and (isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank <= 0):
         raise LongtrainError(f"lora_rank must be a positive integer, got {lora_rank!r}")
@@ -396,7 +400,7 @@ def simulate(
         config = busiest_group(config, layer_groups)
     simulated = on_machine(strategy, host_memory)  # what a run there resolves its default budgets to
     if device_memory is not None or host_memory is not None:
-        _refuse_lengths_that_cannot_fit(config, seq_len, simulated, torch_dtype, batch_size, device_memory, host_memory)
+        refuse_lengths_that_cannot_fit(config, seq_len, simulated, torch_dtype, batch_size, device_memory, host_memory)
     run, warm_start = _runner(strategy, batch_size=batch_size, optimizer=optimizer, dtype=torch_dtype,
                               lora_rank=lora_rank, iterations=iterations, grad_accum=grad_accum)
     say = progress or (lambda _: None)
@@ -406,7 +410,7 @@ def simulate(
         item = torch.tensor([], dtype=torch_dtype).element_size()
         fitted = _fit(config, seq_len, simulated, functools.partial(run, warm_start=warm_start), say,
                       _kept_outputs_apart(config, simulated, batch_size, torch_dtype),
-                      whole_layers=_budget_stops_layers(config, seq_len, simulated, batch_size, item))
+                      whole_layers=_budget_stops_layers(config, seq_len, simulated, batch_size, item), planning=planning)
         result = fitted.simulated(simulated) if fitted is not None else None
     if result is None:
         trace = [] if fragmentation else None
@@ -457,36 +461,10 @@ def on_machine(strategy: Strategy, host_memory: int | None) -> Strategy:
                     **{name: resolved(options) for name, options in strategy.techniques.items()})
 
 
-def _refuse_lengths_that_cannot_fit(config, seq_len: int, strategy: Strategy, dtype: torch.dtype, batch: int,
-                                    device_memory: int | None, host_memory: int | None) -> None:
-    """Refuse at once a length whose token ids and parked activations alone — counted from
-    the config (:func:`~longtrain.plan.bounds.least_bytes`), not simulated — exceed the
-    machine named, naming the longest length that could fit beside the weights."""
-    item = torch.tensor([], dtype=dtype).element_size()
-    gpus = strategy.sequence_parallel.degree if strategy.sequence_parallel is not None else 1
-
-    def over(tokens: int, weights: int = 0) -> list[str]:
-        device, host = least_bytes(config, tokens, strategy, item, batch, gpus)
-        return [f"{need} of {where} memory, {format_bytes(have)} named"
-                for where, need, have in (("device", format_bytes(weights + device), device_memory),
-                                          ("host", format_bytes(host), host_memory))
-                if have is not None and (weights + device if where == "device" else host) > have]
-
-    if not over(seq_len):
-        return
-    weights = _state_bytes(config, "none", dtype)[0] * item // gpus  # frozen under LoRA, there all the same
-    longest = longest_where(lambda tokens: not over(tokens, weights), seq_len)
-    raise LongtrainError(
-        f"{seq_len:,} tokens cannot fit: under strategy {strategy.spec}, the token ids and what the step parks "
-        f"alone need at least {'; '.join(over(seq_len))} (counted, not simulated); "
-        + (f"at most {longest:,} tokens could fit beside the weights" if longest else
-           "no length fits beside the weights")
-        + (f" ({batch} per batch)" if batch > 1 else ""))
-
-
 def chunk_curve(model: str | PretrainedConfig, strategy: Strategy | str, *, batch_size: int = 1,
                 optimizer: str = "adamw", dtype: str | torch.dtype = "bfloat16", lora_rank: int | None = None,
-                iterations: int | None = None, progress: Callable[[str], None] | None = None) -> ChunkCurve | None:
+                iterations: int | None = None, progress: Callable[[str], None] | None = None,
+                planning: bool = False) -> ChunkCurve | None:
     """The peaks of ``strategy``'s chunked engine at every length of whole chunks from a
     few small simulations (a minute for an 8B model): what a search for the longest
     context evaluates instead of a simulation per length. None where the figures are not
@@ -507,7 +485,7 @@ def chunk_curve(model: str | PretrainedConfig, strategy: Strategy | str, *, batc
     run, warm_start = _runner(strategy, batch_size=batch_size, optimizer=optimizer, dtype=torch_dtype,
                               lora_rank=lora_rank, iterations=iterations, grad_accum=1)
     fitted = _fit(config, seq_len, strategy, functools.partial(run, warm_start=warm_start), progress or (lambda _: None),
-                  _kept_outputs_apart(config, strategy, batch_size, torch_dtype))
+                  _kept_outputs_apart(config, strategy, batch_size, torch_dtype), planning=planning)
     if fitted is None or fitted.chunks is None:
         return None
     return ChunkCurve(chunk, fitted.chunks.first + 3, strategy, fitted)

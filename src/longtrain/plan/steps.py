@@ -17,6 +17,7 @@ __all__ = [
     "cached_curves",
     "chunk_curve_of",
     "clear_caches",
+    "config_from_json",
     "simulate_elsewhere",
     "simulate_step",
 ]
@@ -56,7 +57,8 @@ def chunk_curve_of(config, strategy: Strategy, dtype: str, batch: int = 1, optim
     key = _key(config, 0, strategy, dtype, batch, optimizer, lora_rank)
     if key not in _CURVES:
         _CURVES[key] = chunk_curve(config, strategy, batch_size=batch, optimizer=optimizer, dtype=dtype,
-                                   lora_rank=lora_rank, iterations=_iterations(optimizer), progress=progress)
+                                   lora_rank=lora_rank, iterations=_iterations(optimizer), progress=progress,
+                                   planning=True)
     return _CURVES[key]
 
 
@@ -90,17 +92,22 @@ def _simulate_step(config, seq_len, strategy: Strategy, dtype, batch, optimizer,
             return device, host, curve.notes
     config = copy.deepcopy(config)
     report = simulate(config, seq_len, batch_size=batch, strategy=strategy, optimizer=optimizer, dtype=dtype,
-                      iterations=_iterations(optimizer), lora_rank=lora_rank)
+                      iterations=_iterations(optimizer), lora_rank=lora_rank, planning=True)
     return report.device_peak_bytes, report.peak.peak_host_bytes, dict(report.notes)
+
+
+def config_from_json(config_json: str):
+    """A model config from its ``to_dict()`` as JSON (how a worker process receives it)."""
+    from transformers import AutoConfig
+
+    data = json.loads(config_json)
+    return AutoConfig.for_model(data.pop("model_type"), **data)
 
 
 def simulate_elsewhere(config_json: str, seq_len: int, strategy_json: str, dtype, batch, optimizer, lora_rank):
     """simulate_step in a worker process (plan's ``jobs``), and the chunk curves it made on
     the way: the parent caches them, so ``--longest`` searches them without simulating again."""
-    from transformers import AutoConfig
-
-    data = json.loads(config_json)
-    config = AutoConfig.for_model(data.pop("model_type"), **data)
+    config = config_from_json(config_json)
     before = set(_CURVES)
     result = _simulate_step(config, seq_len, Strategy.from_json(strategy_json), dtype, batch, optimizer, lora_rank)
     return result, {key: curve and curve.peaks_only() for key, curve in _CURVES.items() if key not in before}
@@ -126,23 +133,30 @@ class _Simulations:
     def started(self, args) -> bool:
         return _key(*args) in self.futures or _key(*args) in _SIMULATIONS
 
+    def _pool(self):
+        if self.executor is None:
+            import concurrent.futures
+            import multiprocessing
+
+            # spawn: a fresh interpreter, not a fork of one that may hold threads.
+            self.executor = concurrent.futures.ProcessPoolExecutor(
+                self.workers, mp_context=multiprocessing.get_context("spawn"))
+        return self.executor
+
     def start(self, args) -> bool:
         """Start simulating ``args`` (simulate_step's) in a worker; False if started or known already."""
         if self.started(args):
             return False
         if self.workers > 1:
-            if self.executor is None:
-                import concurrent.futures
-                import multiprocessing
-
-                # spawn: a fresh interpreter, not a fork of one that may hold threads.
-                self.executor = concurrent.futures.ProcessPoolExecutor(
-                    self.workers, mp_context=multiprocessing.get_context("spawn"))
             config, seq_len, strategy, *rest = args
             config_json = json.dumps(config.to_dict(), default=str)
-            self.futures[_key(*args)] = self.executor.submit(simulate_elsewhere, config_json, seq_len,
-                                                             strategy.to_json(), *rest)
+            self.futures[_key(*args)] = self._pool().submit(simulate_elsewhere, config_json, seq_len,
+                                                            strategy.to_json(), *rest)
         return True
+
+    def call(self, fn, *args):
+        """A future of ``fn(*args)`` run in a worker (``fn`` and its arguments picklable)."""
+        return self._pool().submit(fn, *args)
 
     def result(self, args) -> tuple[int, int, dict]:
         key = _key(*args)

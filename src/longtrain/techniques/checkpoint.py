@@ -216,6 +216,7 @@ class _KeepingAttention(AttentionCall):
 
     def __init__(self, inner: AttentionCall, kept: KeptAttention, slot: _LayerSlot):
         self.inner, self.kept, self.slot, self.key, self.mask = inner, kept, slot, slot.key, inner.mask
+        self.rows = inner.rows
         self.backward = None  # the kernels' backward; None: this layer recomputes attention
         self.previous: _KeepingAttention | None = None  # the layer below, whose replay comes next
         self._calls = 0

@@ -169,8 +169,15 @@ class MemoLayers:
         self._early: dict[int, list] | None = {} if self.alpha is None else None  # what layers before α kept
         self._shortfall: list[tuple] | None = None  # buffers those layers will lack at α (_warm_pool)
         self._later_shapes: dict[tuple, list] = {}  # what each layer saves on its later tokens, by call shape
+        # Whether a layer draws random numbers outside dropout modules (functional dropout in
+        # its forward): learned from its first forward in training, which records its draws.
+        self._draws_outside: dict[int, bool] = {}
         if self.alpha is not None:
             context.notes["memo_alpha"] = self.alpha
+
+    def _may_draw(self, index: int, layer) -> bool:
+        """Whether layer ``index``'s forward may draw random numbers (and so is recorded)."""
+        return replay.active_dropout(layer) > 0 or (layer.training and self._draws_outside.get(index, True))
 
     def _store(self, device: torch.device) -> ChunkStore:
         if self.store is None or self.store.device != device:
@@ -211,13 +218,16 @@ class MemoLayers:
         args, kwargs = _with_hidden(args, kwargs, hidden, _KeptOutputAttention(call, record))
         replays = split < tokens and not _is_fake(hidden)
         before = replay.capture(hidden) if replays else None
-        recording = replay.recording(draws) if replays and replay.active_dropout(layer) > 0 else contextlib.nullcontext()
+        recording = replay.recording(draws) if replays and self._may_draw(index, layer) else contextlib.nullcontext()
         with torch.autograd.graph.saved_tensors_hooks(record.pack, record.unpack), recording:
             out = layer_forward(*args, **kwargs)
         record.finish_forward()
+        if replays and layer.training and index not in self._draws_outside and replay.active_dropout(layer) == 0:
+            self._draws_outside[index] = not draws.empty  # learned from its first recorded forward
         if before is not None and draws.empty and not replay.same_states(before, replay.capture(hidden)):
-            raise LongtrainError(f"memo: layer {index} drew random numbers outside a dropout module, which a "
-                                 "recomputation of part of its tokens cannot replay; use memo:alpha=1 or checkpoint")
+            raise LongtrainError(f"memo: layer {index} drew random numbers that its first training forward did not "
+                                 "(a dropout switched on since?), which a recomputation of part of its tokens cannot "
+                                 "replay; build a fresh model with the dropout set, or use memo:alpha=1 or checkpoint")
         if offload and self.alpha is not None and not measuring:
             self._check_host_budget(index, self.store.host_bytes - host_before)
         if measuring:
@@ -256,9 +266,11 @@ class MemoLayers:
         """What layer ``index`` saves when it runs on tokens ``[split, S)`` alone, slot by
         slot: from one shape-only run per call shape (:func:`_saved_shapes_on_later_tokens`)."""
         kind = hidden.device.type if hidden.device.type in ("cuda", "cpu") else "cpu"
-        # Whatever changes what the layer saves: the call's shape, autocast, train/eval
-        # mode and dropout, which parameters train.
-        key = (index, tuple(hidden.shape), split, hidden.dtype, hidden.requires_grad, torch.is_autocast_enabled(kind),
+        # Whatever changes what the layer saves: the call's shape and its other tensors' (rotary
+        # tables are (1, S, d) for shared positions, (B, S, d) for packed rows), autocast,
+        # train/eval mode and dropout, which parameters train.
+        others = tuple(tuple(t.shape) for t in tree_flatten((rest_args, kwargs))[0] if isinstance(t, torch.Tensor))
+        key = (index, tuple(hidden.shape), others, split, hidden.dtype, hidden.requires_grad, torch.is_autocast_enabled(kind),
                torch.get_autocast_dtype(kind), tuple(m.training for m in layer.modules()),
                tuple(p.requires_grad for p in layer.parameters()), replay.active_dropout(layer))
         if key not in self._later_shapes:

@@ -53,15 +53,19 @@ class MsTOptions:
         validate.flag("mst", "head", self.head)
 
 
-def _tiled_forward(original, module: nn.Module, chunk: int, x: torch.Tensor) -> torch.Tensor:
+def _tiled_forward(original, module: nn.Module, chunk: int, copy_input: bool, x: torch.Tensor) -> torch.Tensor:
     params = [p for p in module.parameters() if p.requires_grad]
-    return tiled_mlp(functools.partial(_as_one_row, original), x, params, chunk, module=module)
+    return tiled_mlp(functools.partial(_as_one_row, original, copy_input), x, params, chunk, module=module)
 
 
-def _as_one_row(mlp, tokens: torch.Tensor) -> torch.Tensor:
-    """The MLP on a tile of tokens (T, H) seen as a batch of one row (1, T, H): a mixture
-    of experts reads (batch, sequence, hidden) where a dense MLP takes any leading shape."""
-    return mlp(tokens.unsqueeze(0)).squeeze(0)
+def _as_one_row(mlp, copy_input: bool, tokens: torch.Tensor) -> torch.Tensor:
+    """The MLP on tokens (..., H) seen as a batch of one row (1, N, H): a mixture of
+    experts reads (batch, sequence, hidden) where a dense MLP takes any leading shape.
+    ``copy_input``: the MLP writes its input in place (Mixtral's router jitter), which here
+    is a view of the tensor the tiled MLP keeps for its backward, so it gets a copy."""
+    row = tokens.reshape(1, -1, tokens.shape[-1])
+    out = mlp(row.clone() if copy_input else row)
+    return out.reshape(*tokens.shape[:-1], out.shape[-1])
 
 
 def default_mlp_chunk(context) -> int:
@@ -104,7 +108,7 @@ def install_mst(context, options: MsTOptions) -> None:
             continue
         mlp = adapter.mlp(layer)
         if mlp is not None:  # SSM-ResNet layers have no MLP
-            mlp.forward = functools.partial(_tiled_forward, mlp.forward, mlp, chunk)
+            mlp.forward = functools.partial(_tiled_forward, mlp.forward, mlp, chunk, adapter.mlp_writes_input())
 
 
 _RENAMED = {"MsT": "MsTOptions"}  # earlier names, still importable with a warning

@@ -24,7 +24,9 @@ __all__ = [
     "LATEST",
     "MANIFEST",
     "checkpoint_step",
+    "checkpoints_on_disk",
     "latest_checkpoint",
+    "newest_valid_checkpoint",
     "remove_leftovers",
     "resolve_checkpoint",
     "save_checkpoint",
@@ -182,6 +184,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
     for root in (path / "checkpoints", path):
         if (root / LATEST).is_file():
             return latest_checkpoint(root)
+    for root in (path / "checkpoints", path):
+        newest = newest_valid_checkpoint(root)
+        if newest is not None:  # checkpoints, but no pointer to the latest
+            raise LongtrainError(f"--resume-from {path} holds checkpoints but no {LATEST} pointer naming one; the newest "
+                                 f"valid one is {newest} (step {checkpoint_step(newest)}): pass --resume-from {newest}")
     raise LongtrainError(f"--resume-from {path} is neither a checkpoint (no {MANIFEST}) nor a run with one "
                          f"(no checkpoints/{LATEST}); pass a run directory or one of its checkpoints/{PREFIX}* directories")
 
@@ -193,8 +200,33 @@ def latest_checkpoint(root: str | Path) -> Path | None:
         return None
     path = Path(root) / pointer.read_text().strip()
     if not path.is_dir():
-        raise LongtrainError(f"{pointer} names {path.name}, which is missing; pass --resume-from with an existing checkpoint directory")
+        newest = newest_valid_checkpoint(root)
+        fix = (f"the newest valid checkpoint is {newest} (step {checkpoint_step(newest)}): pass --resume-from {newest}"
+               if newest is not None else "no other valid checkpoint is there: start again with --overwrite or --out NEW_DIR")
+        raise LongtrainError(f"{pointer} names {path.name}, which is missing; {fix}")
     return path
+
+
+def checkpoints_on_disk(root: str | Path) -> list[Path]:
+    """The ``step-*`` directories under ``root`` with a readable manifest, newest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(step, p) for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
+             and (step := checkpoint_step(p)) is not None]
+    return [p for _, p in sorted(found, key=lambda pair: pair[0], reverse=True)]
+
+
+def newest_valid_checkpoint(root: str | Path) -> Path | None:
+    """The newest checkpoint under ``root`` whose files match their manifest (whatever
+    ``latest`` says), or None: where the pointer was lost, what --resume-from can take."""
+    for path in checkpoints_on_disk(root):
+        try:
+            verify_checkpoint(path)
+        except LongtrainError:
+            continue
+        return path
+    return None
 
 
 def verify_checkpoint(path: str | Path) -> dict:

@@ -179,6 +179,8 @@ class TokenWindows:
             raise LongtrainError(f"--packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
         documents = read_documents(Path(path), tokenizer, loss_on)
         _check_not_unknown(documents, tokenizer, path)
+        self.documents = len(documents)
+        self.structured = sum(d.structured for d in documents)  # chat and prompt/completion records among them
         self.packing = _packing(packing, documents, path)
         self.labelled = self.positions = None
         if self.packing == "concat":

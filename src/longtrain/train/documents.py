@@ -35,6 +35,8 @@ __all__ = [
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' test for a template's assistant marks
 ALL, ASSISTANT = "all", "assistant"
+# The roles chat templates commonly take; another must be named (quoted) in the template itself.
+ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 
 
 @dataclass
@@ -101,6 +103,7 @@ def _messages(value, record: Record, field: str) -> list[dict]:
 def _chat(record: Record, tokenizer, loss_on: str) -> Document:
     messages = _messages(record.value["messages"], record, "messages")
     template = ChatTemplate(tokenizer, record)
+    template.check_roles(messages, "messages")
     if loss_on == ALL:
         return Document(template.tokenize(template.render(messages)), None, structured=True)
     if not any(m["role"] == "assistant" for m in messages):
@@ -127,6 +130,8 @@ def _prompt_completion(record: Record, tokenizer, loss_on: str) -> Document:
     prompt = _messages(prompt, record, "prompt")
     completion = _messages(completion, record, "completion")
     template = ChatTemplate(tokenizer, record)
+    template.check_roles(prompt, "prompt")
+    template.check_roles(completion, "completion")
     head, whole = template.render(prompt, generation_prompt=True), template.render(prompt + completion)
     if not whole.startswith(head):
         raise LongtrainError(f"the chat template renders {record.where}'s prompt differently alone and before its completion, "
@@ -154,8 +159,20 @@ class ChatTemplate:
             raise LongtrainError(f"{record.where} holds chat messages but {which} has no chat template; pass --tokenizer DIR "
                                  "of a tokenizer with one (chat_template.jinja or tokenizer_config.json's chat_template), "
                                  "or give the records as 'text'")
+        self.source = source
         self.marks_assistant = bool(GENERATION_BLOCK.search(source))
         self.fast = bool(getattr(self.hf, "is_fast", False))
+
+    def check_roles(self, messages: list[dict], field: str) -> None:
+        """Refuse a message whose role is neither a usual one (:data:`ROLES`) nor named in
+        the template: a misspelt 'assistant' would train as context, and templates that
+        test roles one by one leave an unknown one out of the text without a word."""
+        for number, message in enumerate(messages, start=1):
+            role = message["role"]
+            if role not in ROLES and f"'{role}'" not in self.source and f'"{role}"' not in self.source:
+                raise LongtrainError(f"{self.record.where}: message {number} of '{field}' has role {role!r}, which neither "
+                                     f"the usual roles ({', '.join(ROLES[:5])}, ...) nor the chat template name; fix the "
+                                     "role (the loss goes on 'assistant' messages), or use a template that takes it")
 
     def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
         return self.apply(messages, tokenize=False, add_generation_prompt=generation_prompt)

@@ -8,7 +8,6 @@ tokenizer can tell (a length too short for the task) is checked before the model
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ..errors import LongtrainError
-from .config import MAX_SEED, MAX_SEQ_LEN
+from .config import MAX_SEED, MAX_SEQ_LEN, model_config_json
 
 __all__ = [
     "DEFAULT_DEPTHS",
@@ -112,28 +111,14 @@ def check_settings(lengths, depths, samples: int, task: str, seed: int) -> None:
 
 def _model_facts(spec: str) -> tuple[int | None, bool]:
     """A model's ``max_position_embeddings`` (None where it has none) and whether it comes
-    with a tokenizer, read from files alone; a directory that is no causal LM is refused."""
-    from ..models.presets import preset_fields, resolve_preset
+    with a tokenizer, read from files alone; a directory that is no causal LM, or whose
+    config gives a size that is none, is refused."""
+    from ..models.presets import preset_fields
 
-    if not os.path.isdir(spec):
-        if resolve_preset(spec) is None and (os.sep in spec or spec.startswith(".")):
-            raise LongtrainError(f"model directory {spec} does not exist; check the path")
-        _, fields = preset_fields(spec)  # refuses an unknown preset in one line
+    config = model_config_json(spec, "evaluates")
+    if config is None:  # a preset
+        _, fields = preset_fields(spec)
         return fields.get("max_position_embeddings"), True
-    path = Path(spec) / "config.json"
-    if not path.is_file():
-        raise LongtrainError(f"{spec} is a directory without config.json; point --model at a Hugging Face model directory")
-    try:
-        config = json.loads(path.read_text())
-        if not isinstance(config, dict):
-            raise ValueError("it is not a JSON object")
-    except (OSError, ValueError) as exc:
-        raise LongtrainError(f"cannot read the model config {path}: {exc}; point --model at a Hugging Face model directory") from None
-    names = config.get("architectures") or []
-    if config.get("is_encoder_decoder") or (names and not any(str(n).endswith(("ForCausalLM", "LMHeadModel")) for n in names)):
-        what = names[0] if names else f"{config.get('model_type', 'encoder-decoder')} model"
-        raise LongtrainError(f"{spec} holds a {what}, not a causal (decoder-only) language model; longtrain evaluates "
-                             "causal LMs (Llama, Qwen, Mistral, Gemma, Phi, ...): point --model at one of those")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     max_positions = config.get("max_position_embeddings", text.get("max_position_embeddings"))
     has_tokenizer = any((Path(spec) / name).is_file() for name in _TOKENIZER_FILES)

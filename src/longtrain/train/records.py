@@ -13,6 +13,7 @@ one is refused in one line naming it.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Iterator
 
 from ..errors import LongtrainError
 
-__all__ = ["Record", "data_sources", "read_records"]
+__all__ = ["Record", "data_sources", "fingerprint", "fingerprint_change", "read_records"]
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text"}
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
@@ -178,3 +179,53 @@ def _saved_rows(datasets, path: Path):
                                  "pass --data the split's own folder")
         saved = saved["train" if "train" in saved else splits[0]]
     return saved
+
+
+_SAMPLE = 1 << 20  # bytes hashed at each end of a file
+
+
+def _files(path: Path) -> list[Path]:
+    """The files --data PATH is read from: each source, a save_to_disk folder's files all."""
+    files = []
+    for source in data_sources(path):
+        files += sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
+    return files
+
+
+def fingerprint(path: str | Path) -> dict:
+    """What ``--data PATH`` holds, cheaply enough for data of many GB: for each file it is
+    read from (a ``save_to_disk`` folder's files all), its path relative to PATH, its size
+    and the SHA-256 of its first and last MiB (the whole file up to 2 MiB), all hashed
+    together. A file added, removed, renamed or resized, or changed within its first or
+    last MiB, changes it; an edit that keeps the size inside a larger file's middle does
+    not, and neither does a new modification time alone (a copy of the same data).
+    ``{"files": n, "bytes": total, "sha256": hex}``, kept in each checkpoint: a resume on
+    other data is refused."""
+    path = Path(path)
+    root = path if path.is_dir() else path.parent
+    digest, total, files = hashlib.sha256(), 0, _files(path)
+    for file in files:
+        try:
+            size = file.stat().st_size
+            with open(file, "rb") as f:
+                head = f.read(_SAMPLE if size > 2 * _SAMPLE else size)
+                if size > 2 * _SAMPLE:
+                    f.seek(size - _SAMPLE)
+                    head += f.read(_SAMPLE)
+        except OSError as exc:
+            raise LongtrainError(f"cannot read data file {file}: {exc.strerror or exc}") from None
+        digest.update(f"{file.relative_to(root).as_posix()}\0{size}\0".encode())
+        digest.update(hashlib.sha256(head).digest())
+        total += size
+    return {"files": len(files), "bytes": total, "sha256": digest.hexdigest()}
+
+
+def fingerprint_change(then: dict, now: dict) -> str:
+    """How two fingerprints differ, in words: "1 file of 2,800 bytes then, 1 file of 3,000 bytes now"."""
+    def size(fp: dict) -> str:
+        n = fp.get("files", 0)
+        return f"{n} file{'' if n == 1 else 's'} of {fp.get('bytes', 0):,} bytes"
+
+    if (then.get("files"), then.get("bytes")) == (now.get("files"), now.get("bytes")):
+        return f"the same {size(now)}, but other names or contents"
+    return f"{size(then)} then, {size(now)} now"

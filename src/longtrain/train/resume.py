@@ -19,13 +19,14 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import LongtrainError
 from . import checkpoint as ckpt
-from .config import TrainConfig, option
+from .config import TrainConfig, option, warmup_steps
+from .records import fingerprint_change
 from .run_dir import checkpoints_dir
 from .schedule import make_scheduler
 
 __all__ = [
-    "checkpoint_files", "continue_schedule", "finite_weights", "identity", "load", "resume_point", "save", "settings",
-    "trainable_parameters",
+    "check_checkpoint", "checkpoint_files", "continue_schedule", "finite_weights", "identity", "load", "resume_point", "save",
+    "settings", "trainable_parameters",
 ]
 
 
@@ -76,14 +77,18 @@ def _fingerprint(model) -> dict:
 
 
 def identity(config: TrainConfig) -> dict:
-    """The settings a resumed run must share with its checkpoint (TrainConfig.IDENTITY)."""
-    return {k: getattr(config, k) for k in TrainConfig.IDENTITY}
+    """The settings a resumed run must share with its checkpoint (TrainConfig.IDENTITY);
+    --loss-on not given is the "assistant" it means (and checkpoints always recorded)."""
+    values = {k: getattr(config, k) for k in TrainConfig.IDENTITY}
+    values["loss_on"] = values["loss_on"] or "assistant"
+    return values
 
 
 def settings(config: TrainConfig, dtype: torch.dtype) -> dict:
     """The settings a resumed run may change (TrainConfig.ADJUSTABLE), as this run has them."""
     values = {k: getattr(config, k) for k in TrainConfig.ADJUSTABLE}
-    values["dtype"] = str(dtype).replace("torch.", "")  # the one in effect, not "default"
+    values["warmup_steps"] = warmup_steps(config)  # the one in effect, not "default"
+    values["dtype"] = str(dtype).replace("torch.", "")  # likewise
     return values
 
 
@@ -95,8 +100,10 @@ def checkpoint_files(ranks) -> tuple[str, str]:
 
 
 def save(checkpoints: Path, config: TrainConfig, ranks, *, model, optimizer, scheduler, strategy, dtype: torch.dtype,
-         step: int, samples_seen: int) -> Path:
-    """Checkpoint the run at ``step`` in ``checkpoints`` (every rank calls it); its directory."""
+         step: int, samples_seen: int, data: dict | None = None) -> Path:
+    """Checkpoint the run at ``step`` in ``checkpoints`` (every rank calls it); its directory.
+    ``data``: the fingerprint of --data (:func:`longtrain.train.records.fingerprint`), which
+    a resume must match."""
     trainable = trainable_parameters(model)
     weights_file, state_file = checkpoint_files(ranks)
 
@@ -126,20 +133,24 @@ def save(checkpoints: Path, config: TrainConfig, ranks, *, model, optimizer, sch
         "parameters": _fingerprint(model),
         "processes": ranks.world_size,
     }
+    if data is not None:
+        meta["data"] = data
     return ckpt.save_checkpoint(
         checkpoints, step, {weights_file: weights, state_file: state}, meta,
         keep=config.keep_checkpoints, ranks=ranks,
     )
 
 
-def load(path: Path, config: TrainConfig, ranks, *, model, optimizer, dtype: torch.dtype):
-    """Restore the checkpoint at ``path`` into ``model``, ``optimizer`` and the RNGs,
-    refusing one of another run; ``(scheduler, step, samples_seen)`` to continue with."""
+def check_checkpoint(path: Path, config: TrainConfig, ranks, *, model, data: dict | None = None) -> dict:
+    """Refuse, in one line, the checkpoint at ``path`` if it is corrupt or of another run:
+    other settings, model, process count or data (``data``: this run's fingerprint of
+    --data), or a step beyond --steps; its metadata. Reads the manifest and checksums,
+    not the tensors: a run checks before it touches its --out."""
     meta = ckpt.verify_checkpoint(path)
     saved_identity = meta.get("identity", {})
-    defaults = TrainConfig()
+    defaults = identity(TrainConfig())
     for key, value in identity(config).items():
-        was = saved_identity.get(key, getattr(defaults, key))  # a setting newer than the checkpoint had its default
+        was = saved_identity.get(key, defaults[key])  # a setting newer than the checkpoint had its default
         if was != value:
             raise LongtrainError(
                 f"checkpoint {path} was written with {key}={was!r} but this run has {key}={value!r}; "
@@ -155,6 +166,22 @@ def load(path: Path, config: TrainConfig, ranks, *, model, optimizer, dtype: tor
     if meta["step"] > config.steps:
         raise LongtrainError(f"checkpoint {path} is at step {meta['step']}, beyond --steps {config.steps}; "
                              f"pass --steps {meta['step']} or more")
+    saved_data = meta.get("data")  # checkpoints written before fingerprints were kept have none
+    if saved_data is not None and data is not None and saved_data != data:
+        raise LongtrainError(
+            f"--data {config.data} is not the data checkpoint {path} was trained on ({fingerprint_change(saved_data, data)}); "
+            "restore the data it trained on to resume, or train on this data in a new --out"
+        )
+    return meta
+
+
+def load(path: Path, config: TrainConfig, ranks, *, model, optimizer, dtype: torch.dtype, data: dict | None = None,
+         meta: dict | None = None):
+    """Restore the checkpoint at ``path`` into ``model``, ``optimizer`` and the RNGs,
+    refusing one of another run (:func:`check_checkpoint`, skipped where ``meta`` is what
+    it returned for ``path``); ``(scheduler, step, samples_seen)`` to continue with."""
+    if meta is None:
+        meta = check_checkpoint(path, config, ranks, model=model, data=data)
     weights_file, state_file = checkpoint_files(ranks)
     try:
         weights = load_file(str(path / weights_file))
@@ -199,18 +226,19 @@ def continue_schedule(optimizer, config: TrainConfig, dtype: torch.dtype, ranks,
               flush=True)
     if changed.keys() & {"lr", "warmup_steps", "steps"}:
         print(f"longtrain train: the learning rate continues at {scheduler.get_last_lr()[0]:.3g} "
-              f"(warm-up {c.warmup_steps} steps, cosine to 10% of --lr {c.lr:g} at step {c.steps})", flush=True)
+              f"(warm-up {warmup_steps(c)} steps, cosine to 10% of --lr {c.lr:g} at step {c.steps})", flush=True)
     return scheduler
 
 
-def resume_point(out: Path, config: TrainConfig, ranks) -> Path | None:
+def resume_point(out: Path, config: TrainConfig, ranks, say: bool = True) -> Path | None:
     """The checkpoint to continue from: --resume-from's, or with --resume the run's
-    latest (none yet: the run starts from step 0, which is all there is to continue)."""
+    latest (none yet: the run starts from step 0, which is all there is to continue;
+    ``say`` says so)."""
     if config.resume_from:
         return ckpt.resolve_checkpoint(config.resume_from)
     if config.resume:
         path = ckpt.latest_checkpoint(checkpoints_dir(out))
-        if path is None and ranks.main:
+        if path is None and say and ranks.main:
             print(f"longtrain train: {out} holds no checkpoint yet; starting from step 0", flush=True)
         return path
     return None

@@ -38,12 +38,23 @@ def check_output_dir(out: Path, config: TrainConfig) -> None:
         raise LongtrainError(f"--out {out} cannot be a run directory: {blocker} is a file; pass --out a directory path")
     if c.overwrite:
         return
-    if (checkpoints / ckpt.LATEST).is_file() and not (c.resume or c.resume_from):
+    latest = (checkpoints / ckpt.LATEST).is_file()
+    if latest and not (c.resume or c.resume_from):
         step = ckpt.checkpoint_step(checkpoints / (checkpoints / ckpt.LATEST).read_text().strip())
         at = f"step {step}" if step is not None else "unreadable"
         raise LongtrainError(f"{out} already holds a run (last checkpoint: {at}); pass --resume to continue it, "
                              "--out NEW_DIR to start another beside it, or --overwrite to replace it")
-    if (out / "final").exists() and not (checkpoints / ckpt.LATEST).is_file() and not c.resume_from:
+    if not latest and not c.resume_from and ckpt.checkpoints_on_disk(checkpoints):
+        # Checkpoints without the pointer to the latest (removed by hand?): never started over them.
+        newest = ckpt.newest_valid_checkpoint(checkpoints)
+        if newest is None:
+            raise LongtrainError(f"{out} holds checkpoints, none of them complete, and no {checkpoints / ckpt.LATEST}; "
+                                 "pass --out NEW_DIR to start another run beside it, or --overwrite to replace it")
+        others = "" if c.resume else ", --out NEW_DIR to start another run beside it, or --overwrite to replace it"
+        raise LongtrainError(f"{out} holds checkpoints but no {checkpoints / ckpt.LATEST} naming the one to continue from; "
+                             f"the newest valid one is {newest} (step {ckpt.checkpoint_step(newest)}): pass --resume-from "
+                             f"{newest}{' instead of --resume' if c.resume else ''} to continue from it{others}")
+    if (out / "final").exists() and not latest and not c.resume_from:
         raise LongtrainError(f"{out} holds a trained model (final/) but no checkpoint to continue from; "
                              "pass --out NEW_DIR, or --overwrite to replace it")
 

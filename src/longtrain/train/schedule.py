@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .config import TrainConfig
+from .config import TrainConfig, warmup_steps
 
 __all__ = ["WarmupCosine", "make_scheduler"]
 
@@ -31,4 +31,4 @@ class WarmupCosine:
 def make_scheduler(optimizer, config: TrainConfig, last_epoch: int = -1) -> torch.optim.lr_scheduler.LambdaLR:
     """``optimizer``'s schedule under ``config`` (--warmup-steps, --steps), at step
     ``last_epoch + 1`` (a resumed run sets each group's ``initial_lr`` first)."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(config.warmup_steps, config.steps), last_epoch=last_epoch)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup_steps(config), config.steps), last_epoch=last_epoch)

@@ -9,18 +9,20 @@ before anything is loaded.
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import torch
 
 from ..errors import LongtrainError
 from ..models.adapters import adapter_class, describe_model
-from ..models.loading import add_lora, build_from_config, is_model_dir, load_config, load_pretrained
+from ..models.loading import add_lora, build_from_config, check_safetensors, is_model_dir, load_config, load_pretrained
 from ..models.presets import packaged_checkpoint
 from ..strategy import Strategy
 from .config import TrainConfig
 from .tokenizer import load_tokenizer
 
-__all__ = ["build_model", "choose_strategy", "planned_strategy", "resolve_device", "trained_weights"]
+__all__ = ["build_model", "check_weights_fit", "choose_strategy", "planned_strategy", "resolve_device", "trained_weights"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -78,7 +80,14 @@ def build_model(config: TrainConfig, dtype: torch.dtype):
         )
     torch.manual_seed(config.seed)
     if pretrained:
-        model = load_pretrained(pretrained, dtype)
+        check_weights_fit(pretrained, model_config)
+        try:
+            model = load_pretrained(pretrained, dtype)
+        except RuntimeError as exc:  # what check_weights_fit cannot see (.bin weights): transformers' size report
+            if "mismatched" not in str(exc) and "size mismatch" not in str(exc):
+                raise
+            raise LongtrainError(f"the weights in {pretrained} do not fit its config.json (transformers: "
+                                 f"{' '.join(str(exc).split())[:300]}); {_FIT_FIX}") from None
         adapter.allow_positions(model.config, describe_model(model_config).max_positions or 0)
     else:
         model = build_from_config(model_config, dtype)
@@ -86,6 +95,51 @@ def build_model(config: TrainConfig, dtype: torch.dtype):
     if config.lora:
         model = add_lora(model, config.lora_rank, dropout=config.lora_dropout)
     return model, tokenizer
+
+
+_FIT_FIX = ("set config.json's sizes to those the weights were saved with, or point --model at the directory the "
+            "weights came from")
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim")
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+
+
+def _shape(shape) -> str:
+    return "×".join(map(str, shape)) or "a scalar"
+
+
+def check_weights_fit(path: str, model_config) -> None:
+    """Refuse, in one line naming the tensors, a model directory whose ``*.safetensors``
+    weights do not fit the model its ``config.json`` describes: a tensor of another shape,
+    or layers the weights hold and the config does not (or the reverse) — read from the
+    files' headers and a model built on the meta device, before anything is loaded.
+    Names the two describe differently (a family whose loader renames or fuses tensors)
+    are left to the loader."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        return
+    stored: dict[str, tuple[tuple[int, ...], str]] = {}
+    for file in files:
+        check_safetensors(file)  # a damaged file named in one line
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                stored[name] = (tuple(f.get_slice(name).get_shape()), file.name)
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in build_from_config(model_config).state_dict().items()}
+    wrong = [(name, stored[name], shape) for name, shape in expected.items() if name in stored and stored[name][0] != shape]
+    sizes = ", ".join(f"{k} {getattr(model_config, k)}" for k in _SIZE_FIELDS if getattr(model_config, k, None) is not None)
+    if wrong:
+        name, (shape, file), wanted = wrong[0]
+        more = f", and {len(wrong) - 1} more tensor{'s' if len(wrong) > 2 else ''}" if len(wrong) > 1 else ""
+        raise LongtrainError(f"the weights in {path} do not fit its config.json: {name} is {_shape(shape)} in {file} but "
+                             f"{_shape(wanted)} by config.json ({sizes}){more}; {_FIT_FIX}")
+    held = {int(m.group(1)) for name in stored if (m := _LAYER.search(name))}
+    described = {int(m.group(1)) for name in expected if (m := _LAYER.search(name))}
+    if held and described and held != described:
+        raise LongtrainError(f"the weights in {path} hold {len(held)} layer{'s' if len(held) != 1 else ''} but its "
+                             f"config.json describes {len(described)} ({sizes}); {_FIT_FIX}")
 
 
 def planned_strategy(config: TrainConfig, device: torch.device, compute_dtype: torch.dtype) -> Strategy:

@@ -43,9 +43,10 @@ from .data import TokenWindows, collate
 from .divergence import any_rank, diverged, not_finite
 from .final import log_final_evaluation, plot_run, save_final
 from .lock import RunLock, check_not_in_use
-from .metrics import MetricsLog, check_tensorboard
+from .metrics import MetricsLog, check_tensorboard, read_metrics
 from .passkey import PasskeyTask
 from .ranks import Ranks, check_distributed_engine
+from .records import fingerprint
 from .run_dir import check_output_dir, checkpoints_dir, prepare_output_dir
 from .schedule import WarmupCosine, make_scheduler
 from .setup import build_model, choose_strategy, resolve_device, trained_weights
@@ -120,11 +121,22 @@ class Trainer:
         else:
             self.task = None
             self.data = TokenWindows(config.data, self.tokenizer, config.seq_len, seed=config.seed, packing=config.packing,
-                                     held_out=config.eval_samples, loss_on=config.loss_on)
+                                     held_out=config.eval_samples, loss_on=config.loss_on or "assistant")
+        note = self._check_loss_on()
         if config.packing == "auto":  # the packing the data settled on is what a resumed run must share
             self.config = config = dataclasses.replace(config, packing=self.data.packing if self.task is None else "concat")
+        self.data_fingerprint = fingerprint(config.data) if config.data is not None else None
 
-        # Only now, with the model and data known to be good, touch the output directory.
+        # The checkpoint to continue from, checked (checksums, settings, model, data) before --out is touched.
+        self._resume_from = resume.resume_point(self.out, config, self.ranks, say=False)
+        self._resume_meta = None
+        if self._resume_from is not None:
+            self._resume_meta = resume.check_checkpoint(self._resume_from, config, self.ranks, model=self.model,
+                                                        data=self.data_fingerprint)
+        if note and self.ranks.main:
+            print(f"longtrain train: {note}", flush=True)
+
+        # Only now, with the model, data and checkpoint known to be good, touch the output directory.
         try:
             if self.ranks.main:
                 prepare_output_dir(self.out, config, self._lock)
@@ -140,6 +152,24 @@ class Trainer:
         self.samples_seen = 0
         self.history: list[dict] = []
 
+    def _check_loss_on(self) -> str | None:
+        """Refuse --loss-on assistant where no record has assistant tokens (text trains on
+        every token); a note, where text and chat or prompt/completion records are mixed,
+        saying where each has its loss."""
+        c = self.config
+        if self.task is not None:
+            return None
+        structured, text = self.data.structured, self.data.documents - self.data.structured
+        if c.loss_on == "assistant" and not structured:
+            raise LongtrainError(f"--loss-on assistant puts the loss on chat records' assistant messages (or completions), "
+                                 f"but {c.data} holds only text, which has its loss on every token; drop --loss-on, or "
+                                 "give chat ('messages') or prompt/completion records")
+        if (c.loss_on or "assistant") == "assistant" and structured and text:
+            return (f"{c.data} mixes {text} text document{'s' if text != 1 else ''} (the loss on every token) with "
+                    f"{structured} chat or prompt/completion record{'s' if structured != 1 else ''} (the loss on the "
+                    "assistant's or completion's tokens); --loss-on all puts it on every token of both")
+        return None
+
     # ---- checkpoints and divergence ------------------------------------------------------
     def save(self) -> Path:
         """Checkpoint this step (train/resume.py); weights left non-finite stop the run instead."""
@@ -147,15 +177,29 @@ class Trainer:
             raise self._diverged("the optimizer step left non-finite weights")
         return resume.save(self.checkpoints, self.config, self.ranks, model=self.model, optimizer=self.optimizer,
                            scheduler=self.scheduler, strategy=self.strategy, dtype=self.dtype, step=self.step_index,
-                           samples_seen=self.samples_seen)
+                           samples_seen=self.samples_seen, data=self.data_fingerprint)
 
     def load(self, path: Path) -> None:
-        """Continue from the checkpoint at ``path`` (train/resume.py), refusing one of another run."""
+        """Continue from the checkpoint at ``path`` (train/resume.py), refusing one of another
+        run (checked already where it is the one the constructor checked)."""
+        meta = self._resume_meta if path == self._resume_from else None
         self.scheduler, self.step_index, self.samples_seen = resume.load(
-            path, self.config, self.ranks, model=self.model, optimizer=self.optimizer, dtype=self.dtype)
+            path, self.config, self.ranks, model=self.model, optimizer=self.optimizer, dtype=self.dtype,
+            data=self.data_fingerprint, meta=meta)
 
     def _diverged(self, what: str, step: int | None = None) -> LongtrainError:
-        return diverged(what, self.step_index if step is None else step, self.config, self.checkpoints, self.compute_dtype)
+        return diverged(what, self.step_index if step is None else step, self.config, self.checkpoints, self.compute_dtype,
+                        records=self._step_records())
+
+    def _step_records(self) -> dict[int, dict]:
+        """The run's step metrics by step: metrics.jsonl's (earlier runs of this --out too), this run's over them."""
+        records = {}
+        try:  # past this step: an earlier run's, not yet dropped from the log
+            records = {r["step"]: r for r in read_metrics(self.out / "metrics.jsonl") if "loss" in r and r["step"] <= self.step_index}
+        except (OSError, ValueError):  # no log here (another rank's disk), or none yet
+            pass
+        records.update({r["step"]: r for r in self.history})
+        return records
 
     # ---- the loop ------------------------------------------------------------------------
     def _micro_batches(self) -> list[dict]:
@@ -210,7 +254,7 @@ class Trainer:
 
     def _train(self) -> dict:
         c = self.config
-        resume_from = resume.resume_point(self.out, c, self.ranks)
+        resume_from = resume.resume_point(self.out, c, self.ranks)  # again, now that --out is locked
         if resume_from is not None:
             self.load(resume_from)
         if self.step_index >= c.steps:  # resumed at its last step (load refuses a later one)

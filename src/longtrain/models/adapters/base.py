@@ -56,11 +56,6 @@ class DecoderAdapter:
 
     families: ClassVar[tuple[str, ...]] = ()
     has_attention: ClassVar[bool] = True
-    # Whether an op after the MLP saves its output (or something computed from it) for
-    # backward, as Gemma-2's post-feed-forward norm does; where none does, the MLP output
-    # only joins the residual stream and a recomputation that is only backpropagated
-    # through need not compute it (ops.tiled_mlp.outputs_unread).
-    mlp_output_saved: ClassVar[bool] = False
     # Weight matrices of the MLP: 3 when gated (gate, up, down), 2 otherwise (up, down).
     mlp_matrices: ClassVar[int] = 3
     # Simulated whole, never extrapolated along its layers (models small enough to).
@@ -74,6 +69,15 @@ class DecoderAdapter:
     def scan_per_token(cls, config) -> bool:
         """Whether the model's own step runs a Python step per token and layer (the time
         model charges ``token_step`` for each)."""
+        return False
+
+    @classmethod
+    def mlp_output_saved(cls, config) -> bool:
+        """Whether an op after the MLP saves its output (or something computed from it) for
+        backward, as a norm after the MLP does; where none does, a recomputation that is
+        only backpropagated through skips the MLP's output. The time model's reading: the
+        engines learn it from each layer's graph (:mod:`longtrain.ops.unread_outputs`), and
+        ``longtrain families`` checks the two agree."""
         return False
 
     @classmethod
@@ -144,15 +148,16 @@ class DecoderAdapter:
             config.max_position_embeddings = max(config.max_position_embeddings or 0, length)
 
     def check_trainable(self) -> None:
-        """Refuse, in one line, what no engine trains exactly for this model: a router
-        load-balancing loss (a function of whole-sequence routing statistics, which
-        longtrain's losses do not add)."""
-        if getattr(self.config, "output_router_logits", False) and getattr(self.config, "router_aux_loss_coef", 0):
-            raise LongtrainError(
-                f"this {self.config.model_type} config adds the router's load-balancing loss "
-                f"(output_router_logits=True, router_aux_loss_coef={self.config.router_aux_loss_coef:g}), which "
-                "longtrain's engines do not compute; set output_router_logits=False to train with the language-model "
-                "loss alone")
+        """Refuse, in one line, what no engine trains exactly for this model: attention
+        that sees later tokens (Gemma's ``use_bidirectional_attention``, for embedding
+        models), which longtrain's causal kernels would train as causal."""
+        if not self.has_attention:
+            return
+        if any(getattr(module, "is_causal", True) is False for layer in self.layers for module in layer.modules()):
+            flag = " (use_bidirectional_attention=True)" if getattr(self.config, "use_bidirectional_attention", False) else ""
+            raise LongtrainError(f"this {self.config.model_type} model's attention is bidirectional{flag}; longtrain trains "
+                                 "causal language models: set use_bidirectional_attention=False in its config, or train "
+                                 "it without longtrain")
 
     @functools.cached_property
     def description(self) -> ModelDescription:
@@ -176,6 +181,21 @@ class DecoderAdapter:
 
     def head(self) -> Head:
         return Head(self.base.get_output_embeddings())
+
+    def routers(self) -> list[tuple[nn.Module, nn.Module]]:
+        """``(layer, router)`` for every router of a mixture of experts: the modules whose
+        output (logits, routing weights, expert indices) the model records as its
+        ``router_logits`` (empty for a dense model)."""
+        recorder = (getattr(self.base, "_can_record_outputs", None) or {}).get("router_logits")
+        target = getattr(recorder, "target_class", None)
+        if target is None or getattr(recorder, "index", 0) != 0:
+            return []
+        return [(layer, module) for layer in self.layers for module in layer.modules() if isinstance(module, target)]
+
+    def mlp_writes_input(self) -> bool:
+        """Whether the MLP changes its input in place in training (a tiled MLP then hands
+        each tile a copy: its input is kept for the backward)."""
+        return False
 
     def attention_dropout(self) -> float:
         """The dropout probability the model applies to attention weights in training

@@ -13,7 +13,10 @@ __all__ = ["Gemma2Adapter"]
 @register_adapter
 class Gemma2Adapter(DecoderAdapter):
     families = ("gemma2", "gemma3_text")
-    mlp_output_saved = True  # its post-feed-forward norm saves the MLP output
+
+    @classmethod
+    def mlp_output_saved(cls, config) -> bool:
+        return True  # its post-feed-forward norm saves the MLP output
 
     def head(self) -> Head:
         return Head(self.base.get_output_embeddings(), softcap=self.config.final_logit_softcapping)

@@ -65,14 +65,14 @@ class Mamba2Recurrence(MambaRecurrence):
         dt = torch.clamp(dt, min=mixer.time_step_limit[0], max=mixer.time_step_limit[1]).float()
         x = x.reshape(rows, length, heads, head_dim).float()
         a = torch.exp(-torch.exp(mixer.A_log.float()) * dt)[..., None, None]
-        b_in = b_in.reshape(rows, length, groups, 1, n).float().repeat_interleave(heads // groups, dim=2)
+        b_in = b_in.reshape(rows, length, groups, 1, n).float().repeat_interleave(heads // groups, dim=2, output_size=heads)
         b = (x * dt[..., None])[..., None] * b_in
         return residual, a, b, (c.reshape(rows, length, groups, n).float(), x, gate)
 
     def readout(self, inputs: tuple, h: torch.Tensor) -> torch.Tensor:
         c, x, gate = inputs
         mixer = self.mixer
-        c = c.repeat_interleave(h.shape[2] // c.shape[2], dim=2)
+        c = c.repeat_interleave(h.shape[2] // c.shape[2], dim=2, output_size=h.shape[2])
         y = torch.matmul(h.to(c.dtype), c[..., None]).squeeze(-1) + mixer.D[:, None] * x
         y = mixer.norm(y.reshape(*y.shape[:2], -1), gate)
         return mixer.out_proj(y.to(gate.dtype))

@@ -36,6 +36,9 @@ class MixtralAdapter(DecoderAdapter):
 
     families = ("mixtral",)
 
+    def mlp_writes_input(self) -> bool:
+        return bool(getattr(self.config, "router_jitter_noise", 0))  # multiplies its input by noise in place
+
     @classmethod
     def layer_feed_forward(cls, config, index: int) -> FeedForward:
         return FeedForward(config.intermediate_size, experts=config.num_local_experts, active=config.num_experts_per_tok)
