@@ -606,7 +606,7 @@ def test_after_a_divergence_the_checkpoint_named_is_the_newest_that_still_traine
     records = {1: {"loss": 5.0, "grad_norm": 1.0}, 2: {"loss": 5.5, "grad_norm": 2.0}, 3: {"loss": 200.0, "grad_norm": 9.0}}
     said = str(diverged("the loss is nan", 4, config, tmp_path, torch.float32, records=records))
     assert "the last checkpoint (step 3) holds weights that already trained badly" in said, said
-    assert f"the newest good one is {tmp_path / 'step-00000001'} (step 1)" in said
+    assert f"the newest good checkpoint is {tmp_path / 'step-00000001'} (step 1)" in said
     assert said.endswith(f"then continue with --resume-from {tmp_path / 'step-00000001'}") and "\n" not in said
     records[3] = {"loss": 5.2, "grad_norm": 1.5}
     records[4] = {"loss": 5.1, "grad_norm": 1.0}  # step 4 trained; its optimizer step left non-finite weights

@@ -126,6 +126,45 @@ def test_the_load_balancing_loss_switched_on_after_apply_is_added_at_the_next_st
     assert lt.router_aux_loss(ours) is None
 
 
+def test_a_failed_step_leaves_no_balancing_counts_behind():
+    """A step that fails after its forward pass began drops the routes it counted: the next
+    step equals stock, and no stale counts wait for another forward."""
+    from conftest import check_step, padded_batch, stock_and_ours
+
+    from longtrain.families import float64_throughout
+    from longtrain.families.check import _stock_loss
+    from longtrain.strategy import applied_context
+
+    config = tiny_config("qwen3_moe")
+    config._experts_implementation = "eager"
+    config.output_router_logits, config.router_aux_loss_coef = True, 0.02
+    stock, ours = stock_and_ours(config)
+    lt.apply(ours, "checkpoint,mst")
+    batch = padded_batch(config.vocab_size, lengths=(37, 29))
+    norm = ours.model.norm.forward  # after every router has counted its tokens
+    ours.model.norm.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("out of memory"))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        lt.step(ours, batch)
+    assert applied_context(ours).router_balance.ledger is None
+    ours.model.norm.forward = norm
+    ours.zero_grad(set_to_none=True)
+    with float64_throughout():
+        check_step(stock, ours, "checkpoint,mst", batch, reference=_stock_loss)
+
+
+def test_a_balancing_loss_longtrain_cannot_add_is_refused_in_one_line(monkeypatch):
+    from longtrain.models.adapters.base import DecoderAdapter
+
+    config = tiny_config("qwen3_moe")
+    config.output_router_logits, config.router_aux_loss_coef = True, 0.02
+    model = build_from_config(config, torch.float32)
+    monkeypatch.setattr(DecoderAdapter, "routers", lambda self: [])
+    with pytest.raises(LongtrainError, match=r"asks for its routers' load-balancing loss .* set output_router_logits=False"):
+        lt.apply(model, "checkpoint")
+    model.config.output_router_logits = False
+    lt.apply(model, "checkpoint")
+
+
 @pytest.mark.parametrize("family", ["gemma3_text", "gemma2", "gemma"])
 def test_bidirectional_attention_is_refused_in_one_line(family):
     config = tiny_config(family)

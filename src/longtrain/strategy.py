@@ -547,8 +547,13 @@ def step(model, batch: Mapping, strategy: Strategy | None = None, num_label_toke
         context.router_balance.weight = aux_loss_weight
     engine = registry.engine(context.strategy.engine)
     sp = context.sequence_parallel
-    if sp is None:
-        return engine.step(context, batch, num_label_tokens)
-    with collective_failures("the sequence-parallel step"):
-        sp.check_same_batch(batch)
-        return engine.step(context, batch, num_label_tokens)
+    try:
+        if sp is None:
+            return engine.step(context, batch, num_label_tokens)
+        with collective_failures("the sequence-parallel step"):
+            sp.check_same_batch(batch)
+            return engine.step(context, batch, num_label_tokens)
+    except BaseException:
+        if context.router_balance is not None:
+            context.router_balance.abandon()
+        raise

@@ -86,7 +86,7 @@ class BalanceLedger:
         if self.counts is None:
             return None
         per_expert = self.counts / self.rows
-        return torch.sum(per_expert * (self.probs / self.rows).unsqueeze(0)) * self.experts
+        return torch.sum(per_expert * (self.probs / self.rows)) * self.experts
 
 
 class _BalanceGradient(torch.autograd.Function):
@@ -155,6 +155,11 @@ class RouterBalance:
         finally:
             ledger.scale = before
 
+    def abandon(self) -> None:
+        """A step failed: its counts are dropped, so that no later forward counts into them
+        nor backward adds their gradient."""
+        self.ledger = None
+
     def finish(self, loss: torch.Tensor, share: float = 1.0) -> torch.Tensor:
         """The step's loss with ``coef · aux · share`` added (``share``: this rank's part
         of a sequence-parallel group's loss, which the group's ranks sum); the ledger's
@@ -193,9 +198,12 @@ def _layer_with_rows(original, *args, **kwargs):
 
 def install_router_balance(adapter) -> RouterBalance | None:
     """Patch ``adapter``'s routers and their layers (before any technique wraps a layer, so
-    that recomputations pass through too); None where the model has no routers."""
+    that recomputations pass through too); None where the model has no routers. A config
+    that asks for the balancing loss of routers this cannot find, or whose experts it
+    cannot tell, is refused in one line (the loss would be dropped)."""
     routers = adapter.routers()
     if not routers:
+        _refuse_if_asked(adapter.config, "its routers are not recorded where Hugging Face records router_logits")
         return None
     # The experts and how many a token takes, as the model's loss reads them: the description's,
     # or the router's own where the adapter describes no experts (a family tried with the
@@ -205,9 +213,18 @@ def install_router_balance(adapter) -> RouterBalance | None:
     experts = feed_forward.experts if feed_forward else getattr(router, "num_experts", None)
     top_k = feed_forward.active if feed_forward else getattr(router, "top_k", None)
     if not experts or not top_k:
+        _refuse_if_asked(adapter.config, "neither the model's description nor its router gives the experts and top-k")
         return None
     balance = RouterBalance(adapter.config, experts, top_k)
     for layer, router in routers:
         router.forward = functools.partial(balance.route, router.forward)
         layer.forward = functools.partial(_layer_with_rows, layer.forward)
     return balance
+
+
+def _refuse_if_asked(config, why: str) -> None:
+    """Where the config asks for the balancing loss longtrain cannot add: one line."""
+    if getattr(config, "output_router_logits", False) and float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0):
+        raise LongtrainError(f"this {config.model_type} model asks for its routers' load-balancing loss "
+                             f"(output_router_logits=True), which longtrain cannot add: {why}; set "
+                             "output_router_logits=False, or train it without longtrain")

@@ -103,7 +103,7 @@ _POSITIVE = ("seq_len", "batch_size", "grad_accum", "steps", "eval_samples", "lo
 _NON_NEGATIVE = ("warmup_steps", "eval_every", "seed")
 _CHOICES = {"optimizer": ("adamw", "sgd"), "task_loss": ("task", "all"), "packing": ("auto", "concat", "documents", "best-fit"),
             "loss_on": ("assistant", "all", None)}
-# Options that only mean something with another: (field, the field it needs, the option to add).
+# Options that only mean something with --lora.
 _LORA_OPTIONS = ("lora_rank", "lora_dropout")
 
 

@@ -84,8 +84,8 @@ def diverged(what: str, step: int, config: TrainConfig, checkpoints: Path, compu
         kept = f"{pointer} still names the last good checkpoint (step {at})"
         then = "then continue with --resume"
     elif good is not None:
-        kept = (f"the last checkpoint (step {at}) holds weights that already trained badly; the newest good one is {good} "
-                f"(step {ckpt.checkpoint_step(good)})")
+        last = f"the last checkpoint (step {at}) holds weights that already trained badly; " if at is not None else ""
+        kept = f"{last}the newest good checkpoint is {good} (step {ckpt.checkpoint_step(good)})"
         then = f"then continue with --resume-from {good}"
     elif at is not None or ckpt.checkpoints_on_disk(checkpoints):
         kept = ("no checkpoint kept was saved while the run still trained sanely"

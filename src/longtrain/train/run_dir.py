@@ -45,7 +45,7 @@ def check_output_dir(out: Path, config: TrainConfig) -> None:
         raise LongtrainError(f"{out} already holds a run (last checkpoint: {at}); pass --resume to continue it, "
                              "--out NEW_DIR to start another beside it, or --overwrite to replace it")
     if not latest and not c.resume_from and ckpt.checkpoints_on_disk(checkpoints):
-        # Checkpoints without the pointer to the latest (removed by hand?): never started over them.
+        # Checkpoints without the pointer to the latest: never started over them.
         newest = ckpt.newest_valid_checkpoint(checkpoints)
         if newest is None:
             raise LongtrainError(f"{out} holds checkpoints, none of them complete, and no {checkpoints / ckpt.LATEST}; "
