@@ -104,6 +104,19 @@ def test_a_norm_after_the_mlp_is_found_in_the_graph():
     assert saved_between(normed.grad_fn, {mlp_out.grad_fn})
     assert not saved_between(normed.grad_fn, {normed.grad_fn})
 
+    class KeepsInATuple(torch.autograd.Function):  # a custom op keeping its input as a ctx attribute
+        @staticmethod
+        def forward(ctx, t):
+            ctx.kept = (t,)
+            return t * 2.0
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2.0
+
+    custom = x + KeepsInATuple.apply(mlp_out)
+    assert saved_between(custom.grad_fn, {mlp_out.grad_fn})
+
 
 def test_the_head_forms_its_logits_once_per_chunk_and_backpropagates_in_the_forward_pass():
     """The head's logits are computed once per chunk, training or not: its forward, which

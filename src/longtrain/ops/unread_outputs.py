@@ -12,7 +12,7 @@ tensor, later recomputations of that layer skip the output. A layer whose MLP ra
 tile (no tiled output to find) is learned at a later recomputation.
 
 A node's saved tensors are its ``_saved_*`` attributes (C++ nodes), or its
-``saved_tensors`` and tensor attributes (custom Functions); a one-element saved tensor (a scalar operand)
+``saved_tensors`` and tensor attributes, in lists and tuples too (custom Functions); a one-element saved tensor (a scalar operand)
 cannot carry the MLP's output, any other counts, even where it is independent of it (a
 dropout's mask): the MLP output is then computed, which is exact either way.
 """
@@ -85,11 +85,8 @@ def saved_between(top, ends: set) -> bool:
 
 def _saves_tensors(node) -> bool:
     if hasattr(node, "_raw_saved_tensors"):  # a custom Function's context: saved, or kept as attributes
-        saved = [*node.saved_tensors, *vars(node).values()]
+        kept = [*node.saved_tensors, *vars(node).values()]
     else:
-        saved = []
-        for name in dir(node):
-            if name.startswith("_saved_"):
-                value = getattr(node, name)
-                saved.extend(value if isinstance(value, (list, tuple)) else [value])
+        kept = [getattr(node, name) for name in dir(node) if name.startswith("_saved_")]
+    saved = [t for value in kept for t in (value if isinstance(value, (list, tuple)) else [value])]
     return any(isinstance(t, torch.Tensor) and t.numel() > 1 for t in saved)
