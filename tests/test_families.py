@@ -126,6 +126,24 @@ def test_the_load_balancing_loss_switched_on_after_apply_is_added_at_the_next_st
     assert lt.router_aux_loss(ours) is None
 
 
+@pytest.mark.parametrize("strategy", ["checkpoint,mst", "fpdt:chunk=16,mst", "seco:chunk=16,checkpoint,mst"])
+def test_the_balancing_loss_is_exact_with_backward_on_another_thread(strategy):
+    """On CUDA autograd runs the backward on its own thread: the routers' token rows (a
+    thread-local context) must reach the tiled MLP's and the recomputed layers' backward there."""
+    from conftest import check_step, padded_batch, stock_and_ours
+
+    from longtrain.families import float64_throughout
+    from longtrain.families.check import _stock_loss
+
+    config = tiny_config("qwen3_moe")
+    config._experts_implementation = "eager"
+    config.output_router_logits, config.router_aux_loss_coef = True, 0.02
+    stock, ours = stock_and_ours(config)
+    with float64_throughout():
+        check_step(stock, ours, strategy, padded_batch(config.vocab_size, lengths=(37, 29)), another_thread=True,
+                   reference=_stock_loss)
+
+
 def test_a_failed_step_leaves_no_balancing_counts_behind():
     """A step that fails after its forward pass began drops the routes it counted: the next
     step equals stock, and no stale counts wait for another forward."""
