@@ -36,8 +36,8 @@ class ToyCosts(EngineCosts):
 
 @pytest.fixture
 def toy_engine():
-    registry.register_engine("toy", ToyOptions, "backprop, claiming extra work (a test's toy)", accepts=("mst",),
-                             costs=ToyCosts())(backprop_step)
+    registry.register(registry.EngineSpec("toy", ToyOptions, backprop_step, "backprop, claiming extra work (a test's toy)",
+                                          accepts=("mst",), costs=ToyCosts()))
     yield "toy"
     registry.unregister_engine("toy")
 

@@ -1,10 +1,13 @@
-"""Registries of techniques and gradient engines.
+"""The registry of gradient engines and model techniques.
 
-A technique (layer checkpointing, mini-sequence MLP, ...) or an engine (plain backprop,
-FPDT, SeCO, ...) is added by writing one module that calls :func:`register_technique`
-or :func:`register_engine` and importing it from its package's ``__init__``; nothing
-else in the tree needs to change. The strategy (which imports those packages) looks
-names up here. This module imports neither, so the import graph has no cycle.
+Each engine is a package ``longtrain/engines/<name>/`` and each technique a package
+``longtrain/techniques/<name>/``: ``options.py`` (the options dataclass), ``schedule.py``
+(an engine's step) or ``install.py`` (a technique's patching), ``costs.py`` (what plans
+and simulations ask of it) and an ``__init__.py`` that builds one frozen
+:class:`EngineSpec` or :class:`TechniqueSpec` and calls :func:`register`. Adding one is
+that folder plus one import line in its kind's ``__init__``; nothing else changes. The
+strategy looks names up here; this module imports neither package, so the import graph
+has no cycle.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from .errors import LongtrainError
 
 
 @dataclass(frozen=True)
-class Technique:
+class TechniqueSpec:
     """A model transformation installed by :func:`longtrain.apply`.
 
     ``options`` is a dataclass holding the technique's knobs (it may have no fields);
@@ -42,7 +45,7 @@ class Technique:
 
 
 @dataclass(frozen=True)
-class Engine:
+class EngineSpec:
     """A gradient engine: ``step(context, batch, num_label_tokens) -> loss``.
 
     The engine runs forward and backward for one micro-batch, leaves gradients
@@ -68,54 +71,25 @@ class Engine:
     layer_groups: Callable[[Any, int, int], Any] | None = None
 
 
-__all__ = ["Technique", "Engine", "register_technique", "register_engine", "technique", "engine", "techniques",
-           "engines", "unregister_engine", "unregister_technique"]
+__all__ = ["EngineSpec", "TechniqueSpec", "register", "technique", "engine", "techniques", "engines", "unregister_engine",
+           "unregister_technique"]
 
-_TECHNIQUES: dict[str, Technique] = {}
-_ENGINES: dict[str, Engine] = {}
-
-
-def _check_options_class(options: type) -> None:
-    if not dataclasses.is_dataclass(options):
-        raise TypeError(f"{options!r} must be a dataclass")
+_TECHNIQUES: dict[str, TechniqueSpec] = {}
+_ENGINES: dict[str, EngineSpec] = {}
 
 
-def register_technique(name: str, options: type, summary: str,
-                       excludes: dict[str, str] | None = None, costs: TechniqueCosts | None = None,
-                       sequence_parallel: bool = True):
-    """Decorator registering ``install(model, options)`` as technique ``name`` (see
-    :class:`Technique` for the other fields)."""
-    _check_options_class(options)
-
-    def wrap(install):
-        if name in _TECHNIQUES:
-            raise ValueError(f"technique {name!r} is registered twice")
-        _TECHNIQUES[name] = Technique(name, options, install, summary, dict(excludes or {}),
-                                      costs or TechniqueCosts(), sequence_parallel)
-        return install
-
-    return wrap
+def register(spec: EngineSpec | TechniqueSpec) -> EngineSpec | TechniqueSpec:
+    """Register an engine's or a technique's spec under its name (once)."""
+    if not dataclasses.is_dataclass(spec.options):
+        raise TypeError(f"{spec.options!r} must be a dataclass")
+    table, kind = (_ENGINES, "engine") if isinstance(spec, EngineSpec) else (_TECHNIQUES, "technique")
+    if spec.name in table:
+        raise ValueError(f"{kind} {spec.name!r} is registered twice")
+    table[spec.name] = spec
+    return spec
 
 
-def register_engine(name: str, options: type, summary: str, accepts: tuple[str, ...] = (),
-                    conflicts: dict[str, str] | None = None, check: Callable[[Any], None] | None = None,
-                    sequence_parallel: bool = False, costs: EngineCosts | None = None,
-                    layer_groups: Callable[[Any, int, int], Any] | None = None):
-    """Decorator registering ``step(context, batch, num_label_tokens)`` as engine ``name``
-    (see :class:`Engine` for ``accepts``, ``conflicts`` and ``check``)."""
-    _check_options_class(options)
-
-    def wrap(step):
-        if name in _ENGINES:
-            raise ValueError(f"engine {name!r} is registered twice")
-        _ENGINES[name] = Engine(name, options, step, summary, tuple(accepts), dict(conflicts or {}), check,
-                                sequence_parallel, costs or EngineCosts(), layer_groups)
-        return step
-
-    return wrap
-
-
-def technique(name: str) -> Technique:
+def technique(name: str) -> TechniqueSpec:
     try:
         return _TECHNIQUES[name]
     except KeyError:
@@ -124,7 +98,7 @@ def technique(name: str) -> Technique:
         ) from None
 
 
-def engine(name: str) -> Engine:
+def engine(name: str) -> EngineSpec:
     try:
         return _ENGINES[name]
     except KeyError:
@@ -143,9 +117,9 @@ def unregister_technique(name: str) -> None:
     _TECHNIQUES.pop(name, None)
 
 
-def techniques() -> dict[str, Technique]:
+def techniques() -> dict[str, TechniqueSpec]:
     return dict(_TECHNIQUES)
 
 
-def engines() -> dict[str, Engine]:
+def engines() -> dict[str, EngineSpec]:
     return dict(_ENGINES)

@@ -419,7 +419,7 @@ def apply(model, strategy: "Strategy | str | None"):
     if strategy.sequence_parallel is not None:
         distribute(context)  # join the group, shard parameters over all ranks (FSDP2)
     # (an engine's layer groups split the layers over processes once they are known:
-    # registry.Engine.layer_groups, called by the trainer)
+    # registry.EngineSpec.layer_groups, called by the trainer)
     object.__setattr__(model, _CONTEXT_ATTR, context)  # the one documented place (see above)
     return model
 

@@ -56,7 +56,7 @@ from ..ops.linear_scan import adjoint_states
 from ..ops.replay import active_dropout
 from ..parallel.layer_groups import LayerGroup, shard_model
 from ..costs import EngineCosts, StepWork
-from ..registry import register_engine
+from ..registry import EngineSpec, register
 from .batch import prepare_batch
 
 __all__ = ["AdjointOptions", "AdjointStats", "adjoint_step", "truncated_adjoint_states"]
@@ -420,10 +420,6 @@ class AdjointCosts(EngineCosts):
 _OWN_MEMORY = "the adjoint engine keeps only each layer's input and runs its head in mini-sequences already"
 
 
-@register_engine("adjoint", AdjointOptions, "adjoint sharding for state-space models (SSM-ResNet, Mamba): token-wise VJPs, no BPTT graph; exact or truncated",
-                 conflicts={"checkpoint": _OWN_MEMORY + "; drop 'checkpoint'", "mst": _OWN_MEMORY + "; drop 'mst'"},
-                 check=lambda context: check_model(context.model), costs=AdjointCosts(),
-                 layer_groups=shard_model)
 def adjoint_step(context, batch, num_label_tokens: int | None = None, stats: AdjointStats | None = None):
     """One micro-batch. On a model sharded by :func:`~longtrain.parallel.layer_groups.shard_model`
     this rank runs its layer group and exchanges the residual stream (forward) and its
@@ -479,3 +475,9 @@ def _stream_like(adapter: DecoderAdapter, layer: Recurrence, input_ids: torch.Te
     """An empty residual-stream tensor (B, T, hidden) as it enters ``layer``, whose rank receives it."""
     weight = next(layer.layer.parameters())
     return torch.empty(*input_ids.shape, adapter.description.hidden, dtype=layer.stream_dtype(), device=weight.device)
+
+
+register(EngineSpec("adjoint", AdjointOptions, adjoint_step, "adjoint sharding for state-space models (SSM-ResNet, Mamba): token-wise VJPs, no BPTT graph; exact or truncated",
+                 conflicts={"checkpoint": _OWN_MEMORY + "; drop 'checkpoint'", "mst": _OWN_MEMORY + "; drop 'mst'"},
+                 check=lambda context: check_model(context.model), costs=AdjointCosts(),
+                 layer_groups=shard_model))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.attention import WholeSequenceAttention
-from ..registry import register_engine
+from ..registry import EngineSpec, register
 from .base import EngineContext
 from .batch import prepare_batch
 
@@ -41,10 +41,12 @@ def forward_loss(context: EngineContext, batch, num_label_tokens: int | None = N
     return context.head_loss(per_chunk=False)(hidden, shard.targets, shard.num_label_tokens)
 
 
-@register_engine("backprop", BackpropOptions, "plain autograd over the whole sequence", accepts=("checkpoint", "mst", "memo", "liger"),
-                 sequence_parallel=True)
 def backprop_step(context: EngineContext, batch, num_label_tokens: int | None = None):
     with context.forward_pass():
         loss = forward_loss(context, batch, num_label_tokens)
     loss.backward()
     return context.finish(loss)
+
+
+register(EngineSpec("backprop", BackpropOptions, backprop_step, "plain autograd over the whole sequence", accepts=("checkpoint", "mst", "memo", "liger"),
+                 sequence_parallel=True))

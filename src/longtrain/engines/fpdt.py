@@ -56,7 +56,7 @@ from ..errors import LongtrainError
 from ..memory.units import parse_bytes
 from ..ops.unread_outputs import UnreadMLPOutputs
 from ..parallel.fsdp import gathered
-from ..registry import register_engine
+from ..registry import EngineSpec, register
 from .base import EngineContext
 from .batch import prepare_batch
 from .chunked import ChunkedRun, ChunkSettings, check_chunkable, check_host_budget
@@ -243,12 +243,6 @@ def _recompute_segment_inputs(run: ChunkedRun, first: int, top: int) -> None:
                 run.discard_kv(layer, i)
 
 
-@register_engine(
-    "fpdt", FPDTOptions, "layer-major chunked attention with host offload and prefetch (FPDT on one device, exact)",
-    accepts=("mst", "liger"),
-    conflicts={"checkpoint": "the fpdt engine already recomputes every layer chunk by chunk; drop 'checkpoint'"},
-    check=lambda context: check_chunkable(context, "fpdt"), sequence_parallel=True, costs=FPDTCosts(),
-)
 def fpdt_step(context: EngineContext, batch, num_label_tokens: int | None = None):
     settings = context.engine_options.settings()
     shard = context.shard(prepare_batch(batch, num_label_tokens), chunk=settings.chunk)
@@ -263,6 +257,12 @@ def fpdt_step(context: EngineContext, batch, num_label_tokens: int | None = None
     finally:
         run.store.clear()
     return context.finish(loss)
+
+
+register(EngineSpec("fpdt", FPDTOptions, fpdt_step, "layer-major chunked attention with host offload and prefetch (FPDT on one device, exact)",
+    accepts=("mst", "liger"),
+    conflicts={"checkpoint": "the fpdt engine already recomputes every layer chunk by chunk; drop 'checkpoint'"},
+    check=lambda context: check_chunkable(context, "fpdt"), sequence_parallel=True, costs=FPDTCosts(),))
 
 
 _RENAMED = {"FPDT": "FPDTOptions"}  # earlier names, still importable with a warning

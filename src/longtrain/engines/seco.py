@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .. import validate
 from ..memory.units import parse_bytes
-from ..registry import register_engine
+from ..registry import EngineSpec, register
 from .base import EngineContext
 from .batch import prepare_batch
 from .chunked import ChunkedRun, ChunkSettings, check_chunkable, check_host_budget
@@ -149,9 +149,6 @@ def _run(context: EngineContext, batch, num_label_tokens, engine: str) -> Chunke
 _ACCEPTS = ("checkpoint", "mst", "liger")
 
 
-@register_engine("seco", SeCOOptions, "sequential chunk-wise optimization: exact, activations of one chunk (K/V parked)",
-                 accepts=_ACCEPTS, check=lambda context: check_chunkable(context, "seco"), sequence_parallel=True,
-                 costs=SeCOCosts())
 def seco_step(context: EngineContext, batch, num_label_tokens: int | None = None):
     run = _run(context, batch, num_label_tokens, "seco")
     try:
@@ -169,9 +166,6 @@ def select_chunks(n_chunks: int, budget: int, generator: torch.Generator) -> set
     return {i for i in range(n_chunks) if float(draws[i]) < rho}
 
 
-@register_engine("spaco", SpaCOOptions, "sparse chunk-wise optimization: backprop ~budget chunks, unbiased",
-                 accepts=_ACCEPTS, check=lambda context: check_chunkable(context, "spaco"), sequence_parallel=True,
-                 costs=SpaCOCosts())
 def spaco_step(context: EngineContext, batch, num_label_tokens: int | None = None, selected: set[int] | None = None):
     options = context.engine_options
     run = _run(context, batch, num_label_tokens, "spaco")
@@ -195,3 +189,11 @@ def spaco_step(context: EngineContext, batch, num_label_tokens: int | None = Non
     finally:
         run.store.clear()
     return context.finish(loss)
+
+
+register(EngineSpec("seco", SeCOOptions, seco_step, "sequential chunk-wise optimization: exact, activations of one chunk (K/V parked)",
+                 accepts=_ACCEPTS, check=lambda context: check_chunkable(context, "seco"), sequence_parallel=True,
+                 costs=SeCOCosts()))
+register(EngineSpec("spaco", SpaCOOptions, spaco_step, "sparse chunk-wise optimization: backprop ~budget chunks, unbiased",
+                 accepts=_ACCEPTS, check=lambda context: check_chunkable(context, "spaco"), sequence_parallel=True,
+                 costs=SpaCOCosts()))

@@ -56,7 +56,7 @@ from ..memory.token_swap import storage_id
 from ..models.attention import AttentionCall
 from ..models.adapters import describe_model
 from ..models.shapes import kept_output_bytes
-from ..registry import register_technique
+from ..registry import TechniqueSpec, register
 
 
 _PARKED = object()  # what a parked input's pack hook leaves in the graph (the store has the tensor)
@@ -334,8 +334,6 @@ class CheckpointCosts(TechniqueCosts):
         work.kept_attention = 0.0 if work.chunk else kept_output_share(work.config, work.tokens * work.batch, options)
 
 
-@register_technique("checkpoint", CheckpointOptions, "per-layer activation checkpointing (attention kept, not recomputed)",
-                    costs=CheckpointCosts())
 def install_checkpoint(context, options: CheckpointOptions) -> None:
     layers = context.adapter.layers
     if options.except_last > len(layers):
@@ -349,3 +347,7 @@ def install_checkpoint(context, options: CheckpointOptions) -> None:
     kept = KeptAttention(options, context, len(checkpointed)) if keeps else None
     for index, layer in enumerate(checkpointed):
         layer.forward = functools.partial(_checkpointed_forward, layer.forward, kept, index == 0)
+
+
+register(TechniqueSpec("checkpoint", CheckpointOptions, install_checkpoint, "per-layer activation checkpointing (attention kept, not recomputed)",
+                    costs=CheckpointCosts()))

@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import is_fake
 from .. import validate
 from ..costs import TechniqueCosts
 from ..errors import LongtrainError
-from ..registry import register_technique
+from ..registry import TechniqueSpec, register
 
 __all__ = ["LigerOptions", "liger_available"]
 
@@ -79,8 +79,6 @@ class LigerCosts(TechniqueCosts):
         return "liger-kernel is installed" if device_type == "cuda" and liger_available(model_type) else None
 
 
-@register_technique("liger", LigerOptions, "Liger's fused RMSNorm, gated-MLP and rotary kernels (CUDA)",
-                    costs=LigerCosts())
 def install_liger(context, options: LigerOptions) -> None:
     model = context.adapter.base
     if is_fake(next(model.parameters())):  # the simulator: Liger's kernels cannot run on fake tensors
@@ -96,3 +94,7 @@ def install_liger(context, options: LigerOptions) -> None:
               # the loss stays longtrain's (MsT's chunked head, or the engine's)
               "cross_entropy": False, "fused_linear_cross_entropy": False}
     apply(model=model, **{name: value for name, value in wanted.items() if name in accepted})
+
+
+register(TechniqueSpec("liger", LigerOptions, install_liger, "Liger's fused RMSNorm, gated-MLP and rotary kernels (CUDA)",
+                    costs=LigerCosts()))

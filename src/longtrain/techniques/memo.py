@@ -53,7 +53,7 @@ from ..models.adapters import describe_model
 from ..models.attention import AttentionCall
 from ..ops import replay
 from ..ops.causal_attention import attention_from_output
-from ..registry import register_technique
+from ..registry import TechniqueSpec, register
 
 # Used where nothing can be measured (the simulator): an H100's rates at long context in
 # our run (650 TFLOP/s matmuls, 460 fused attention; longtrain.plan.time_model.H100) and a
@@ -509,12 +509,6 @@ class MemoCosts(TechniqueCosts):
             work.exposed = n * max(0.0, moved / work.rates.host_bandwidth - layer_seconds)
 
 
-@register_technique("memo", MemoOptions, "token-wise activation swapping to host + recomputation without attention (exact)",
-                    excludes={
-                        "checkpoint": "memo already recomputes what it does not swap; drop 'checkpoint'",
-                        "liger": "memo learns what a layer saves from a run on fake tensors, which Liger's Triton kernels "
-                                 "cannot take; drop 'liger' or use checkpoint,mst,liger"},
-                    costs=MemoCosts(), sequence_parallel=False)
 def install_memo(context, options: MemoOptions) -> None:
     adapter = context.adapter
     if not adapter.has_attention:
@@ -526,6 +520,14 @@ def install_memo(context, options: MemoOptions) -> None:
     memo = MemoLayers(context, options)
     for index, layer in enumerate(adapter.layers):
         layer.forward = functools.partial(_memo_forward, memo, index, layer, layer.forward)
+
+
+register(TechniqueSpec("memo", MemoOptions, install_memo, "token-wise activation swapping to host + recomputation without attention (exact)",
+                    excludes={
+                        "checkpoint": "memo already recomputes what it does not swap; drop 'checkpoint'",
+                        "liger": "memo learns what a layer saves from a run on fake tensors, which Liger's Triton kernels "
+                                 "cannot take; drop 'liger' or use checkpoint,mst,liger"},
+                    costs=MemoCosts(), sequence_parallel=False))
 
 
 _RENAMED = {"Memo": "MemoOptions"}  # earlier names, still importable with a warning

@@ -31,7 +31,7 @@ from ..costs import StepWork, TechniqueCosts
 from ..errors import LongtrainError
 from ..models.adapters import describe_model
 from ..ops.tiled_mlp import tiled_mlp
-from ..registry import register_technique
+from ..registry import TechniqueSpec, register
 from .checkpoint import whole_layers
 
 __all__ = ["MsTOptions"]
@@ -90,7 +90,6 @@ class MsTCosts(TechniqueCosts):
             work.matmul += work.mlp_fwd
 
 
-@register_technique("mst", MsTOptions, "mini-sequence MLP and LM-head + loss (exact)", costs=MsTCosts())
 def install_mst(context, options: MsTOptions) -> None:
     adapter = context.adapter
     if options.head and adapter.head().linear is None:
@@ -109,6 +108,9 @@ def install_mst(context, options: MsTOptions) -> None:
         mlp = adapter.mlp(layer)
         if mlp is not None:  # SSM-ResNet layers have no MLP
             mlp.forward = functools.partial(_tiled_forward, mlp.forward, mlp, chunk, adapter.mlp_writes_input())
+
+
+register(TechniqueSpec("mst", MsTOptions, install_mst, "mini-sequence MLP and LM-head + loss (exact)", costs=MsTCosts()))
 
 
 _RENAMED = {"MsT": "MsTOptions"}  # earlier names, still importable with a warning
