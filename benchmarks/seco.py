@@ -118,7 +118,7 @@ def llama3_8b(lengths=(8192, 16384, 32768), flop_lengths=(32768,), flop_chunk=10
     # FLOPs executed, counted on fake tensors. SpaCO's expectation is exact by linearity:
     # each chunk is backpropagated with probability t/k, so E[FLOPs] = forward pass +
     # (t/k) · (SeCO's recomputation and backward), both counted with the same chunks.
-    from longtrain.engines.seco import spaco_step
+    from longtrain.engines.spaco import spaco_step
     from longtrain.strategy import engine_context
 
     for n in flop_lengths:
@@ -149,7 +149,8 @@ def spaco_bias(k=6, budget=2) -> list[dict]:
     combining runs does not add float32 rounding) vs SeCO's gradient."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from conftest import llama_norm_in_float64, padded_batch, stock_and_ours
-    from longtrain.engines.seco import seco_step, spaco_step
+    from longtrain.engines.seco import seco_step
+    from longtrain.engines.spaco import spaco_step
     from longtrain.strategy import engine_context
 
     rows = []

@@ -189,3 +189,70 @@ def test_the_lowest_floors_import_nothing_above_them():
                 above = {t for t in _imports(name, path, modules)
                          if t not in allowed and not t.startswith(prefix)}
                 assert not above, (name, above)
+
+
+METHOD_KINDS = {"engines": "schedule", "techniques": "install"}
+METHOD_ORDER = ("options", "costs")  # below the run module, in this order
+
+
+def _method_packages() -> list[tuple[str, str]]:
+    """(kind, name) of every engine and technique package (shared machinery excluded)."""
+    found = []
+    for kind in METHOD_KINDS:
+        for init in sorted((ROOT / kind).glob("*/__init__.py")):
+            if (init.parent / "options.py").exists():
+                found.append((kind, init.parent.name))
+    return found
+
+
+def test_each_engine_and_technique_is_a_package_of_options_run_and_costs():
+    """Every registered engine and technique is a folder with options.py, a run module
+    (schedule.py or install.py), costs.py and an __init__ that registers its spec."""
+    import longtrain.strategy  # noqa: F401  (registers everything)
+    from longtrain import registry
+
+    packages = _method_packages()
+    names = {name for _, name in packages}
+    assert set(registry.engines()) <= names and set(registry.techniques()) <= names, names
+    for kind, name in packages:
+        folder = ROOT / kind / name
+        missing = [f for f in ("options.py", f"{METHOD_KINDS[kind]}.py", "costs.py") if not (folder / f).exists()]
+        assert not missing, (folder, missing)
+        assert "register(" in (folder / "__init__.py").read_text(), folder
+
+
+def test_imports_inside_a_method_package_run_init_then_run_then_costs_then_options():
+    """``__init__ → schedule/install → costs → options``: options imports nothing of its
+    package, costs only its options, and nothing imports a package's own ``__init__``."""
+    modules = _modules()
+    for kind, name in _method_packages():
+        package = f"{PACKAGE}.{kind}.{name}"
+        rank = {f"{package}.options": 0, f"{package}.costs": 1, f"{package}.{METHOD_KINDS[kind]}": 2, package: 3}
+        for module, path in modules.items():
+            if module != package and not module.startswith(package + "."):
+                continue
+            own = {t for t in _imports(module, path, modules) if t == package or t.startswith(package + ".")}
+            mine = rank.get(module, 2)  # further modules of the run sit with it
+            above = sorted(t for t in own if rank.get(t, 2) >= mine and t != module)
+            assert not above, f"{module} imports {above} (imports run __init__ → {METHOD_KINDS[kind]} → costs → options)"
+
+
+def test_no_shared_engine_module_switches_on_an_engine_name():
+    """The engines' shared modules (base, batch, the chunked machinery, ...) never compare
+    against an engine's name: what differs is a setting or a cost the engine passes."""
+    quoted = re.compile(r"""['"](backprop|fpdt|seco|spaco|adjoint)['"]""")
+    engine_packages = {name for kind, name in _method_packages() if kind == "engines"}
+    shared = [path for path in sorted((ROOT / "engines").rglob("*.py"))
+              if path.relative_to(ROOT / "engines").parts[0] not in engine_packages]
+    found = [f"{path.relative_to(ROOT)}:{n}" for path in shared
+             for n, line in enumerate(path.read_text().splitlines(), 1) if quoted.search(line)]
+    assert not found, found
+
+
+def test_plan_reads_no_option_field_by_name():
+    """plan/ asks an engine's or a technique's costs about its options; it never reads
+    their fields (a getattr, or an attribute of ``engine_options``)."""
+    by_name = re.compile(r"getattr\((\w*options|strategy\.\w+)\b|engine_options\.[a-z_]+")
+    found = [f"{path.name}:{n}: {line.strip()}" for path in sorted((ROOT / "plan").glob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if by_name.search(line)]
+    assert not found, found

@@ -70,7 +70,7 @@ def test_the_recomputed_layer_does_not_compute_its_mlp_output(preset, passes):
     (tokens through down_proj per layer = 2 × tokens) — except where a later op saves
     that output (Gemma-2's post-feed-forward norm: 3 ×). Which it is, is learned at each
     layer's first recomputation (which computes the output): counted from the second step."""
-    from longtrain.engines.fpdt import _UNREAD_MLP_OUTPUTS
+    from longtrain.engines.fpdt.schedule import _UNREAD_MLP_OUTPUTS
 
     tokens = []
     config = preset_config(preset, num_hidden_layers=2)
@@ -480,7 +480,7 @@ def test_keep_output_fit_keeps_as_many_layers_outputs_as_the_host_budget_holds(m
     beside the parked inputs and K/V keep them, the others attend again; the step stays
     exact (float64, backward on another thread), its parked bytes within the budget, and a
     budget that does not hold even the inputs is refused in one line before any work."""
-    from longtrain.engines import chunked
+    from longtrain.engines.chunked import run as chunked
 
     resolved = []
     count = chunked.kept_output_layers
@@ -746,7 +746,7 @@ def test_the_host_budget_check_bounds_what_the_store_parks(engine, options, monk
     (K/V-gradient sums included: one layer's in FPDT, every layer's in the chunk-major
     engines): a budget the check lets through is never exceeded midway, where the store's own
     check would end the step after its forward."""
-    from longtrain.engines import chunked
+    from longtrain.engines.chunked import run as chunked
 
     counted, peak = [], [0]
     needed, reserve = chunked.host_bytes_needed, ChunkStore._reserve

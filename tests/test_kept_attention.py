@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import longtrain as lt
-from longtrain.engines import chunked
+from longtrain.engines.chunked import costs as chunked
 from longtrain.memory.chunk_store import ChunkStore
 from longtrain.models.kept_attention import (KeepOutputAttention, KeptOutputAttention, KeptOutputs, attend_keeping,
                                              kept_layers_that_fit)

@@ -227,7 +227,7 @@ def test_adjoint_with_inputs_parked_in_host_memory_equals_stock(float64_througho
     one waits in host memory and comes back for its backward, its copy started before the
     layer above runs its backward. Exact. Where the run's host memory holds less, the step
     stops in one line before any backward."""
-    from longtrain.engines import adjoint
+    from longtrain.engines.adjoint import schedule as adjoint
     from longtrain.models.adapters import adapter_for
 
     reference = ssm(preset, 3, torch.float64, 0, randomized)
@@ -312,7 +312,7 @@ def test_a_chunked_scan_bounds_the_states():
 def test_the_final_norm_and_head_in_mini_sequences_equal_stock(float64_throughout, monkeypatch):
     """The adjoint engine runs the final norm and the head over mini-sequences of tokens
     (at least 16,384; 7 here, with the scan in chunks of 8): the loss is their sum."""
-    from longtrain.engines import adjoint
+    from longtrain.engines.adjoint import schedule as adjoint
 
     monkeypatch.setattr(adjoint, "HEAD_TOKENS", 7)
     check_exact_adjoint(mamba(2), 30, True, 8, block=5)

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import longtrain as lt
-from longtrain.engines import chunked
+from longtrain.engines.chunked import run as chunked
+from longtrain.engines.chunked.settings import ChunkSettings
 from longtrain.memory import pinned
 from longtrain.memory.chunk_store import ChunkStore, PinnedPool
 from longtrain.memory.tracker import MemoryTracker
@@ -163,10 +164,10 @@ def _check(monkeypatch, shard, budget=None, need=10 * 2**30, default=2**30):
     monkeypatch.setattr(chunked, "pinned_host_budget", lambda: default)
     embeddings = types.SimpleNamespace(weight=torch.zeros(1, dtype=torch.bfloat16))
     context = types.SimpleNamespace(adapter=types.SimpleNamespace(
-        base=types.SimpleNamespace(get_input_embeddings=lambda: embeddings)))
-    settings = chunked.ChunkSettings(chunk=256, offload=True, prefetch=1, host_budget=budget, offload_inputs=True,
-                                     recompute_kv=True, keep_output=False, segment=1)
-    chunked.check_host_budget(context, shard, settings, "fpdt")
+        base=types.SimpleNamespace(get_input_embeddings=lambda: embeddings)), strategy=types.SimpleNamespace(engine="fpdt"))
+    settings = ChunkSettings(chunk=256, offload=True, prefetch=1, host_budget=budget, offload_inputs=True,
+                             recompute_kv=True, keep_output=False, segment=1)
+    chunked.check_host_budget(context, shard, settings)
 
 
 def test_offload_on_cuda_is_bounded_by_half_the_host_unless_told(monkeypatch):

@@ -6,7 +6,7 @@ import torch
 
 import longtrain as lt
 from longtrain.cli import main
-from longtrain.engines.chunked import parked_host_bytes
+from longtrain.engines.chunked.costs import parked_host_bytes
 from longtrain.memory.units import parse_bytes
 from longtrain.models.presets import preset_config
 from longtrain.plan import planner, steps

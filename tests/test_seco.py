@@ -9,7 +9,8 @@ import torch
 
 import longtrain as lt
 from conftest import grads, llama_norm_in_float64, max_rel_error, padded_batch, stock_and_ours
-from longtrain.engines.seco import SpaCOOptions, seco_step, select_chunks, spaco_step
+from longtrain.engines.seco import seco_step
+from longtrain.engines.spaco import SpaCOOptions, select_chunks, spaco_step
 from longtrain.strategy import engine_context
 from longtrain.plan.simulate import run_training_steps
 from longtrain.models.loading import build_from_config

@@ -62,7 +62,7 @@ def test_attention_outputs_kept_by_the_lowest_layers_are_simulated_at_full_scale
     are a large share of the step); ``fit`` with a budget for 3 of 7 equal and within it
     (before, every layer was kept and the step refused). "Chunks alone": 1 of 2 layers,
     the small simulations whole-model but few chunks."""
-    from longtrain.engines.chunked import parked_host_bytes
+    from longtrain.engines.chunked.costs import parked_host_bytes
 
     layers, tokens, kept = (2, 112, 1) if "chunks alone" in where else (7, 48, 6)
     config = preset_config("tiny-llama", num_hidden_layers=layers)

@@ -1,14 +1,15 @@
-"""A new engine costs one module: a toy engine registered here, with its costs, is
-simulated, timed and planned without any change to ``longtrain.plan``."""
+"""A new engine is one folder plus one import line: a toy engine, written here as a package
+the way longtrain's engines are (options, schedule, costs, an ``__init__`` registering its
+spec), is simulated, timed and planned without any change to ``longtrain.plan``."""
 
-from dataclasses import dataclass
+import importlib
+import sys
+import textwrap
 
 import pytest
 
 import longtrain as lt
 from longtrain import registry
-from longtrain.costs import EngineCosts
-from longtrain.engines.backprop import backprop_step
 from longtrain.models.presets import preset_config
 from longtrain.plan.planner import candidates, parked_split, plan
 from longtrain.plan.simulate import simulate
@@ -17,29 +18,62 @@ from longtrain.plan.time_model import step_time
 GIB = 2**30
 PARKED_PER_TOKEN = 1000  # host bytes the toy engine says it parks per token
 
+TOY_PACKAGE = {
+    "__init__.py": """
+        from longtrain.registry import EngineSpec, register
+        from .costs import ToyCosts
+        from .options import ToyOptions
+        from .schedule import toy_step
 
-@dataclass
-class ToyOptions:
-    extra_passes: int = 1  # forwards of every layer it claims to add
+        SPEC = register(EngineSpec("toy", ToyOptions, toy_step, "backprop, claiming extra work (a test's toy)",
+                                   accepts=("mst",), costs=ToyCosts()))
+    """,
+    "options.py": """
+        from dataclasses import dataclass
 
+        @dataclass
+        class ToyOptions:
+            extra_passes: int = 1  # forwards of every layer it claims to add
+    """,
+    "costs.py": """
+        from longtrain.costs import EngineCosts
 
-class ToyCosts(EngineCosts):
-    def parked(self, config, seq_len, options, item, batch):
-        return 0, PARKED_PER_TOKEN * batch * seq_len
+        PARKED_PER_TOKEN = 1000
 
-    def candidates(self, seq_len, host_memory, layers, every_chunk, chunks):
-        return {"toy": {}, "toy:extra_passes=3": {"extra_passes": 3}}
+        class ToyCosts(EngineCosts):
+            def parked(self, config, seq_len, options, item, batch):
+                return 0, PARKED_PER_TOKEN * batch * seq_len
 
-    def add_work(self, work, options):
-        work.matmul += options.extra_passes * work.layer_fwd
+            def candidates(self, seq_len, host_memory, layers, every_chunk, chunks):
+                return {"toy": {}, "toy:extra_passes=3": {"extra_passes": 3}}
+
+            def add_work(self, work, options):
+                work.matmul += options.extra_passes * work.layer_fwd
+    """,
+    "schedule.py": """
+        from longtrain.engines.backprop.schedule import forward_loss
+
+        def toy_step(context, batch, num_label_tokens=None):
+            with context.forward_pass():
+                loss = forward_loss(context, batch, num_label_tokens)
+            loss.backward()
+            return context.finish(loss)
+    """,
+}
 
 
 @pytest.fixture
-def toy_engine():
-    registry.register(registry.EngineSpec("toy", ToyOptions, backprop_step, "backprop, claiming extra work (a test's toy)",
-                                          accepts=("mst",), costs=ToyCosts()))
+def toy_engine(tmp_path, monkeypatch):
+    folder = tmp_path / "toy_engine_package"
+    folder.mkdir()
+    for name, text in TOY_PACKAGE.items():
+        (folder / name).write_text(textwrap.dedent(text))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("toy_engine_package")  # the one import line
     yield "toy"
     registry.unregister_engine("toy")
+    for name in [m for m in sys.modules if m == "toy_engine_package" or m.startswith("toy_engine_package.")]:
+        del sys.modules[name]
 
 
 def test_a_toy_engine_is_simulated_timed_and_planned(toy_engine):

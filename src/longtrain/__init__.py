@@ -21,7 +21,7 @@ __version__ = "0.2.0"
 _LAZY = {
     "FPDTOptions": "engines.fpdt",
     "SeCOOptions": "engines.seco",
-    "SpaCOOptions": "engines.seco",
+    "SpaCOOptions": "engines.spaco",
     "UlyssesOptions": "engines.sequence_parallel",
     "supported_families": "models.adapters",
     "Strategy": "strategy",

@@ -12,12 +12,13 @@ Sizes are in bytes; ``item`` is the activation dtype's element size; ``seq_len``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from .models.adapters import describe_model
 
-__all__ = ["EngineCosts", "TechniqueCosts", "StepWork", "PARKED_NOTHING"]
+__all__ = ["EngineCosts", "HostBudgetKnob", "TechniqueCosts", "StepWork", "PARKED_NOTHING"]
 
 PARKED_NOTHING = (0, 0)  # (device bytes, host bytes)
 
@@ -84,7 +85,27 @@ class StepWork:
         return 3 * (self.layer_fwd + self.head_fwd) + 3 * self.attention_fwd
 
 
-class EngineCosts:
+class HostBudgetKnob:
+    """The host budget an engine's or a technique's options may name, as plans and
+    simulations read and set it (a machine's host memory fills a budget left to its default;
+    small simulations lift an engine's). ``host_budget_option``: the options field that holds
+    it; None where the options have no host budget."""
+
+    host_budget_option: str | None = None
+
+    def host_budget(self, options) -> int | str | None:
+        """The budget the options name (bytes or a size such as ``"64GiB"``); None where they
+        leave it to its default or have none."""
+        return None if self.host_budget_option is None else getattr(options, self.host_budget_option)
+
+    def with_host_budget_named(self, options, budget: int | str | None):
+        """The options naming ``budget`` (None: the default); unchanged where they have no budget."""
+        if self.host_budget_option is None:
+            return options
+        return dataclasses.replace(options, **{self.host_budget_option: budget})
+
+
+class EngineCosts(HostBudgetKnob):
     """An engine's costs; these defaults describe plain autograd over the whole sequence."""
 
     repeats_layers = True  # a step repeats layer by layer (simulations extrapolate along layers)
@@ -123,7 +144,7 @@ class EngineCosts:
 
     def parks_on_host(self, options) -> bool:
         """Whether what the step parks (a technique's layer inputs too) waits in host memory."""
-        return bool(getattr(options, "offload", False))
+        return False
 
     def parked(self, config, seq_len: int, options, item: int, batch: int) -> tuple[int, int]:
         """(device, host) bytes the engine parks at its fullest, counted from the config: a
@@ -132,9 +153,7 @@ class EngineCosts:
 
     def fragmentation(self, options) -> str:
         """The allocator margin kind (``longtrain.plan.planner.FRAGMENTATION``) its steps see."""
-        if getattr(options, "offload", False) or getattr(options, "offload_inputs", False):
-            return "offload"
-        return "chunked" if self.chunk(options) else "whole"
+        return "whole"
 
     def candidates(self, seq_len: int, host_memory: int | None, layers: int, every_chunk: bool,
                    chunks: tuple[int, ...]) -> dict[str, dict]:
@@ -160,7 +179,7 @@ class EngineCosts:
         """Add what the engine's schedule costs beyond the plain step."""
 
 
-class TechniqueCosts:
+class TechniqueCosts(HostBudgetKnob):
     """A technique's costs; these defaults describe a technique that changes nothing a
     plan weighs."""
 

@@ -1,7 +1,9 @@
-"""Gradient engines: each owns the schedule of a step's forward and backward. Each
-module registers one engine (or two) with :mod:`longtrain.registry`."""
+"""Gradient engines: each owns the schedule of a step's forward and backward. Each is a
+package (options, schedule, costs) whose ``__init__`` registers its spec with
+:mod:`longtrain.registry`; the chunked engines share :mod:`.chunked`."""
 
-from . import backprop  # noqa: F401  (registers "backprop")
-from . import fpdt  # noqa: F401  (registers "fpdt")
-from . import seco  # noqa: F401  (registers "seco" and "spaco")
-from . import adjoint  # noqa: F401  (registers "adjoint")
+from . import backprop  # noqa: F401
+from . import fpdt  # noqa: F401
+from . import seco  # noqa: F401
+from . import spaco  # noqa: F401
+from . import adjoint  # noqa: F401

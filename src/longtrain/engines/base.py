@@ -25,10 +25,10 @@ from ..ops.loss import logits_loss
 if TYPE_CHECKING:  # the strategy module sits above the engines; only its type is named here
     from ..strategy import Strategy
 
-__all__ = ["EngineContext", "HeadLoss", "LossHead"]
+__all__ = ["EngineContext", "HeadLossCall", "LMHeadModule"]
 
 
-class LossHead(nn.Module):
+class LMHeadModule(nn.Module):
     """The LM head and the next-token loss as one module.
 
     A module, so that sharded data parallelism (FSDP2) gathers the head's weights around
@@ -54,8 +54,8 @@ class LossHead(nn.Module):
 
 
 @dataclass(frozen=True)
-class HeadLoss:
-    """The head + loss for hidden states of a whole sequence or a chunk.
+class HeadLossCall:
+    """How one call of :class:`LMHeadModule` runs: the head + loss for hidden states of a whole sequence or a chunk.
 
     ``fused``: the chunked linear + cross-entropy op (:mod:`longtrain.ops.chunked_loss`),
     which never keeps the logits, in ``chunks`` mini-sequences (None: V/d, MsT's rule);
@@ -63,7 +63,7 @@ class HeadLoss:
     module (whatever wraps it, LoRA included) and autograd keeps them, as stock does.
     """
 
-    module: LossHead
+    module: LMHeadModule
     fused: bool
     chunks: int | None = None
 
@@ -84,7 +84,7 @@ class EngineContext:
     pool: PinnedPool = field(default_factory=PinnedPool)  # pinned host buffers, reused across steps
     parallel: Any = None  # how the model is split over processes (a LayerGroup under layer groups)
     sequence_parallel: Any = None  # the SequenceParallel group under Ulysses (engines/sequence_parallel.py)
-    loss_head: LossHead | None = None  # built from the adapter's head on first use
+    lm_head_module: LMHeadModule | None = None  # built from the adapter's head on first use
     notes: dict = field(default_factory=dict)  # settings techniques measured or chose (memo's alpha), for reports
     # Bytes of host memory the run may pin: the default budget of every technique and engine
     # that parks tensors there (Memo, kept attention, chunk stores). A real run's is this
@@ -96,8 +96,8 @@ class EngineContext:
     router_balance: Any = None
 
     def __post_init__(self):
-        if self.loss_head is None:
-            self.loss_head = LossHead(self.adapter.head())
+        if self.lm_head_module is None:
+            self.lm_head_module = LMHeadModule(self.adapter.head())
 
     @property
     def model(self) -> torch.nn.Module:
@@ -148,13 +148,13 @@ class EngineContext:
         """The options of technique ``name`` when the strategy has it, else None."""
         return self.strategy.techniques.get(name)
 
-    def head_loss(self, per_chunk: bool) -> HeadLoss:
+    def head_loss(self, per_chunk: bool) -> HeadLossCall:
         """The head + loss this strategy asks for. With MsT's head: the fused op in its
         mini-sequences. Otherwise, over a chunk (``per_chunk``) the fused op on the whole
         chunk where the head allows, and over a whole sequence the stock full logits."""
         mst = self.technique("mst")
         if mst is not None and mst.head:
-            return HeadLoss(self.loss_head, fused=True, chunks=mst.loss_chunks)
-        if per_chunk and self.loss_head.plain_linear:
-            return HeadLoss(self.loss_head, fused=True, chunks=1)
-        return HeadLoss(self.loss_head, fused=False)
+            return HeadLossCall(self.lm_head_module, fused=True, chunks=mst.loss_chunks)
+        if per_chunk and self.lm_head_module.plain_linear:
+            return HeadLossCall(self.lm_head_module, fused=True, chunks=1)
+        return HeadLossCall(self.lm_head_module, fused=False)

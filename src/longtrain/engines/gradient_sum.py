@@ -18,8 +18,8 @@ buffer, plus what ``.grad`` held before (earlier micro-batches), is rounded once
 ``.grad``. Each chunk's own gradient is still one GEMM rounded once, as stock's is, so
 the result is as precise as stock's whatever the chunk count (tests/test_fpdt.py).
 
-It costs a float32 copy of the group's parameters while the group runs (one layer:
-0.8 GiB for Llama-3-8B), which the simulator sees, and nothing where the
+It costs a float32 copy of the group's parameters while the group runs (one layer's,
+4 bytes per parameter), which the simulator sees, and nothing where the
 parameters are float32 or float64 (their sums already are). Post-accumulate hooks
 (optimizer offload) still fire once per call; the summed gradient is in ``.grad`` before
 the backward of the next group, which is when they move a finished layer to the host.

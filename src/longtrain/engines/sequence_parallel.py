@@ -171,7 +171,7 @@ def distribute(context) -> None:
         raise LongtrainError("simulate sequence parallelism with longtrain.simulate(..., strategy=...) "
                              "(it stands in for the other ranks)")
     context.sequence_parallel = SequenceParallel.create(options, adapter.config, simulated)
-    head = context.loss_head
+    head = context.lm_head_module
     tied = head.head.weight is adapter.embeddings().weight if hasattr(head.head, "weight") else False
     ends = [[adapter.embeddings(), adapter.norm(), head]] if tied else [adapter.embeddings(), [adapter.norm(), head]]
     compute = parse_dtype(options.compute_dtype) if options.compute_dtype else None

@@ -142,7 +142,7 @@ def _stock_errors(stock, ours, strategies, batches) -> dict:
 def _check_mlp_output_reading(model) -> None:
     """Where FPDT learned whether a layer's MLP output is saved after the MLP (its first
     recomputation), the adapter's reading for the time model must agree."""
-    from ..engines.fpdt import _UNREAD_MLP_OUTPUTS
+    from ..engines.fpdt.schedule import _UNREAD_MLP_OUTPUTS
     from ..models.adapters import adapter_for
 
     adapter = adapter_for(model)

@@ -57,7 +57,7 @@ def kept_layers_that_fit(layers: int, budget: float | None, first: float, each: 
     - Memo (:func:`~longtrain.techniques.memo.memo_alpha`): ``first`` the swapped layers'
       inputs, ``each`` the measured output and LSE; it refuses a step where not every
       swapped layer fits;
-    - FPDT ``keep_output="fit"`` (:func:`~longtrain.engines.chunked.outputs_that_fit`):
+    - FPDT ``keep_output="fit"`` (:func:`~longtrain.engines.chunked.costs.outputs_that_fit`):
       ``first`` what the step parks with no output kept (K/V, inputs, rotary tables),
       ``each`` :func:`~longtrain.models.shapes.kept_output_bytes` at the step's item (bf16
       in the time model), at least 1.

@@ -15,7 +15,7 @@ masking decisions of :mod:`.masking`:
   sends each earlier chunk's dK/dV to the history's accumulator and adds what later
   chunks accumulated for this chunk into its own dK/dV. Running the query chunks in
   reverse order therefore gives exact gradients chunk by chunk: this is how the
-  chunked engines (:mod:`longtrain.engines.chunked`) recompute a layer one chunk at a
+  chunked engines (:mod:`longtrain.engines.chunked.run`) recompute a layer one chunk at a
   time.
 
 Neither needs a gradient through an LSE output. Grouped K/V heads are used as they are.

@@ -232,10 +232,11 @@ def scaled_strategy(strategy: Strategy, config, layers: int) -> Strategy:
     full model's; checkpointing's lifted, fewer layers than the whole model being simulated
     only where it stops none of them, :func:`_budget_stops_layers`). Budgets left to their
     default stay unbounded."""
+    costs = _engine_costs(strategy)
     options = strategy.engine_options
-    if getattr(options, "host_memory", None) is not None:
-        options = dataclasses.replace(options, host_memory=None)
-    options = _engine_costs(strategy).small_options(options, config, strategy.sequence_parallel)
+    if costs.host_budget(options) is not None:
+        options = costs.with_host_budget_named(options, None)
+    options = costs.small_options(options, config, strategy.sequence_parallel)
     full = _layers(config)
     techniques = {name: registry.technique(name).costs.small_options(technique, layers, full)
                   for name, technique in strategy.techniques.items()}
@@ -455,7 +456,7 @@ def _reproduces(sims: dict, fit: list, a: int, b: int, point: tuple, exactly: bo
 def _check_host_budget(strategy: Strategy, report: MemoryReport, seq_len: int) -> None:
     """The host budget of a chunked engine's options, lifted for the small simulations,
     against the extrapolated host peak."""
-    budget = getattr(strategy.engine_options, "host_memory", None)
+    budget = _engine_costs(strategy).host_budget(strategy.engine_options)
     if budget is None or report.peak_host_bytes <= 0:
         return
     budget = parse_bytes(budget)

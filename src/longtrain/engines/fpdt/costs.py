@@ -7,12 +7,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..costs import StepWork
-from ..models.adapters import adapter_class, describe_model
-from ..models.shapes import kept_output_bytes, kv_bytes_per_token
-from ..ops.chunked_attention import chunk_bounds
-from .chunked import ChunkSettings, outputs_that_fit, parked_host_bytes, planned_kept_outputs
-from .chunked_costs import ChunkedCosts
+from ...costs import StepWork
+from ...models.adapters import adapter_class, describe_model
+from ...models.shapes import kept_output_bytes, kv_bytes_per_token
+from ...ops.chunked_attention import chunk_bounds
+from ..chunked.costs import ChunkedCosts, outputs_that_fit, parked_host_bytes, planned_kept_outputs
+from ..chunked.settings import ChunkSettings
 
 __all__ = ["FPDTCosts", "HostTraffic", "host_traffic", "KeptOutputsCorrection"]
 
@@ -127,7 +127,7 @@ class FPDTCosts(ChunkedCosts):
         kept attention outputs where ``offload_inputs`` (by default ``offload``) does."""
         settings = options.settings()
         n, tokens = describe_model(config).layers, batch * seq_len
-        segment = getattr(options, "segment", 1)
+        segment = options.segment
         inputs = (n - 1 if segment <= 1 else -(-n // segment) - 1) * tokens * describe_model(config).hidden * item
         kv = tokens * kv_bytes_per_token(config, item) * (1 if options.recompute_kv else n)
         inputs += planned_kept_outputs(config, seq_len, settings, item, batch) * kept_output_bytes(config, batch, seq_len, item)

@@ -1,7 +1,7 @@
 """The ``fpdt`` engine: layer-major chunked attention with host offload (FPDT on one device).
 
 FPDT (its paper) keeps only the chunks in use on the device. Here, with
-the model's own layers run through its adapter (:mod:`.chunked` has the shared pieces):
+the model's own layers run through its adapter (:mod:`..chunked` has the shared pieces):
 
 **Forward** (no gradients, layer-major): each layer runs over chunk 0, 1, … (the first
 on the chunk's embeddings, a lookup recomputed whenever needed), its attention parking
@@ -31,8 +31,8 @@ recomputation hands them to attention's backward instead of attending again: the
 extra forward is token-wise work only, and the earlier chunks' K/V are fetched once per
 chunk in backward instead of twice. At long lengths, where attention dominates, that is
 about a fifth of the attention time (forward, recomputed forward and backward ≈ 1 + 1 +
-2.5 become 1 + 2.5). It parks about as much again as the layer inputs (Llama-3-8B: 8 KiB + 128 B per token
-and layer in bf16), so it is off by default; ``keep_output=N`` keeps the lowest N layers'
+2.5 become 1 + 2.5). It parks about as much again as the layer inputs (the output, heads × head
+width, and one float32 LSE per head, per token and layer), so it is off by default; ``keep_output=N`` keeps the lowest N layers'
 outputs and ``keep_output=fit`` as many layers' as the host budget holds beside the parked
 inputs and K/V (with ``offload_inputs``, which ``offload`` implies; the rest re-run attention as without it), and
 ``longtrain plan`` / ``--strategy auto`` weigh every layer's, as many as fit, and none
@@ -41,71 +41,20 @@ leaves one layer's K/V and their gradient sums on the device: no copy per pair o
 (:func:`host_traffic` counts what each setting copies).
 Parameter gradients reach ``.grad`` through autograd; with ``float32_grad_sum`` (default)
 a bf16/fp16 layer's gradients are summed over its chunks in float32 and rounded once
-(:mod:`.gradient_sum`), the head's over the last layer's forward likewise.
+(:mod:`..gradient_sum`), the head's over the last layer's forward likewise.
 """
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
-
 import torch
 
-from .. import validate
-from ..errors import LongtrainError
-from ..memory.units import parse_bytes
-from ..ops.unread_outputs import UnreadMLPOutputs
-from ..parallel.fsdp import gathered
-from ..registry import EngineSpec, register
-from .base import EngineContext
-from .batch import prepare_batch
-from .chunked import ChunkedRun, ChunkSettings, check_chunkable, check_host_budget
-from .fpdt_costs import FPDTCosts, HostTraffic, host_traffic
+from ...ops.unread_outputs import UnreadMLPOutputs
+from ...parallel.fsdp import gathered
+from ..base import EngineContext
+from ..batch import prepare_batch
+from ..chunked.run import ChunkedRun, check_host_budget
 
-__all__ = ["FPDTOptions", "fpdt_step", "forward_layer_major", "backward_layer_major", "HostTraffic", "host_traffic"]
-
-
-@dataclass
-class FPDTOptions:
-    """Knobs of the FPDT engine."""
-
-    chunk: int = 4096  # tokens per chunk
-    offload: bool = False  # park K/V chunks in host memory (pinned pool, side streams)
-    offload_inputs: bool | None = None  # park the layer inputs too; default: = offload
-    prefetch: int = 1  # chunks fetched ahead (1 = double buffering)
-    host_memory: str | int | None = None  # host budget, e.g. "120GiB"; default: half the physical memory on CUDA
-    recompute_kv: bool = True  # keep one layer's K/V; recompute them (attention sub-block) in backward
-    keep_output: bool | int | str = False  # park attention output + LSE (Memo's idea): every layer, the lowest N, or "fit"
-    segment: int = 1  # park every segment-th layer's input only; backward recomputes the layers between (one more forward)
-    float32_grad_sum: bool = True  # bf16/fp16 parameters: sum each layer's chunk gradients in float32, round once
-
-    def __post_init__(self):
-        validate.positive_int("fpdt", "chunk", self.chunk)
-        validate.positive_int("fpdt", "prefetch", self.prefetch, minimum=0)
-        validate.flag("fpdt", "offload", self.offload)
-        validate.flag("fpdt", "recompute_kv", self.recompute_kv)
-        keep = self.keep_output
-        if not (isinstance(keep, bool) or keep == "fit" or (isinstance(keep, int) and keep >= 0)):
-            raise LongtrainError(f"fpdt option keep_output must be true, false, fit (as many layers as the host budget "
-                                 f"holds) or a number of layers, got {keep!r}")
-        validate.positive_int("fpdt", "segment", self.segment)
-        validate.flag("fpdt", "float32_grad_sum", self.float32_grad_sum)
-        if self.segment > 1 and (self.keep_output or not self.recompute_kv):
-            raise LongtrainError("fpdt: segment > 1 parks fewer layer inputs; keep_output and recompute_kv=false park "
-                                 "something per layer again — use segment alone (or segment=1 with them)")
-        if self.offload_inputs is not None:
-            validate.flag("fpdt", "offload_inputs", self.offload_inputs)
-        if self.host_memory is not None:
-            validate.byte_size("fpdt", "host_memory", self.host_memory)  # a clear error now rather than at the first step
-
-    def settings(self) -> ChunkSettings:
-        return ChunkSettings(
-            chunk=self.chunk, offload=self.offload, prefetch=self.prefetch,
-            host_budget=None if self.host_memory is None else parse_bytes(self.host_memory),
-            offload_inputs=self.offload if self.offload_inputs is None else self.offload_inputs,
-            recompute_kv=self.recompute_kv, keep_output=self.keep_output, segment=self.segment,
-            float32_grad_sum=self.float32_grad_sum,
-        )
+__all__ = ["fpdt_step", "forward_layer_major", "backward_layer_major"]
 
 
 def forward_layer_major(run: ChunkedRun, train: bool) -> torch.Tensor:
@@ -246,7 +195,7 @@ def _recompute_segment_inputs(run: ChunkedRun, first: int, top: int) -> None:
 def fpdt_step(context: EngineContext, batch, num_label_tokens: int | None = None):
     settings = context.engine_options.settings()
     shard = context.shard(prepare_batch(batch, num_label_tokens), chunk=settings.chunk)
-    check_host_budget(context, shard, settings, "fpdt")
+    check_host_budget(context, shard, settings)
     run = ChunkedRun(context, shard, settings)
     train = torch.is_grad_enabled()
     try:
@@ -257,18 +206,3 @@ def fpdt_step(context: EngineContext, batch, num_label_tokens: int | None = None
     finally:
         run.store.clear()
     return context.finish(loss)
-
-
-register(EngineSpec("fpdt", FPDTOptions, fpdt_step, "layer-major chunked attention with host offload and prefetch (FPDT on one device, exact)",
-    accepts=("mst", "liger"),
-    conflicts={"checkpoint": "the fpdt engine already recomputes every layer chunk by chunk; drop 'checkpoint'"},
-    check=lambda context: check_chunkable(context, "fpdt"), sequence_parallel=True, costs=FPDTCosts(),))
-
-
-_RENAMED = {"FPDT": "FPDTOptions"}  # earlier names, still importable with a warning
-
-
-def __getattr__(name: str):
-    from .._aliases import renamed
-
-    return renamed(__name__, globals(), _RENAMED, name)

@@ -1,4 +1,4 @@
-"""The ``adjoint`` engine: adjoint sharding for state-space models (exact or truncated).
+"""The ``adjoint`` engine's step: adjoint sharding for state-space models (exact or truncated).
 
 Paper: the adjoint sharding paper (Prop. 2–3, §4.3, Alg. 1–4). No
 backpropagation-through-time graph is built. The forward runs without autograd and
@@ -44,58 +44,20 @@ from typing import NamedTuple
 
 import torch
 
-from .. import validate
-from ..errors import LongtrainError
-from ..memory.chunk_store import ChunkStore
-from ..memory.units import parse_bytes
-from ..models.adapters import DecoderAdapter, adapter_for, describe_model
-from ..models.layers import unwrap
-from ..ops.recurrence import Recurrence
-from ..ops.chunked_loss import chunked_causal_lm_loss
-from ..ops.linear_scan import adjoint_states
-from ..ops.replay import active_dropout
-from ..parallel.layer_groups import LayerGroup, shard_model
-from ..costs import EngineCosts, StepWork
-from ..registry import EngineSpec, register
-from .batch import prepare_batch
+from ...errors import LongtrainError
+from ...memory.chunk_store import ChunkStore
+from ...memory.units import parse_bytes
+from ...models.adapters import DecoderAdapter, adapter_for, describe_model
+from ...models.layers import unwrap
+from ...ops.chunked_loss import chunked_causal_lm_loss
+from ...ops.linear_scan import adjoint_states
+from ...ops.recurrence import Recurrence
+from ...ops.replay import active_dropout
+from ...parallel.layer_groups import LayerGroup
+from ..batch import prepare_batch
+from .options import AdjointOptions
 
-__all__ = ["AdjointOptions", "AdjointStats", "adjoint_step", "truncated_adjoint_states"]
-
-
-@dataclass
-class AdjointOptions:
-    """Knobs of the adjoint engine."""
-
-    truncate: int | None = None  # T̄: count only the last T̄ states of each token (approximate); None: exact
-    # Working memory of one batched VJP, which sets the tokens per block. Default: the
-    # larger of 16 MiB and one layer's stored input, so the VJPs add at most about one
-    # layer's record to the peak and a layer takes ~10 blocks at any length.
-    vjp_memory: str | int | None = None
-    block: int | None = None  # tokens per VJP block (overrides vjp_memory)
-    # Working memory of a layer's scan (decays, states, adjoint states of one chunk of
-    # tokens), which sets the tokens per scan chunk; the state entering each chunk is
-    # kept from the forward. Default: the larger of 64 MiB and one layer's stored input
-    # (so a Mamba layer's scan takes ~220 chunks at any length).
-    chunk_memory: str | int | None = None
-    chunk: int | None = None  # tokens per scan chunk (overrides chunk_memory)
-    recompute: bool = True  # keep only each layer's input; recompute A, c, h layer by layer in the backward
-    offload_inputs: bool = False  # park the kept layer inputs (all but the top one) in pinned host memory
-
-    def __post_init__(self):
-        if self.truncate is not None and (isinstance(self.truncate, bool) or not isinstance(self.truncate, int) or self.truncate <= 0):
-            raise LongtrainError(f"adjoint truncate must be a positive integer (T̄ states), got {self.truncate!r}")
-        if self.block is not None and (isinstance(self.block, bool) or not isinstance(self.block, int) or self.block <= 0):
-            raise LongtrainError(f"adjoint block must be a positive integer (tokens), got {self.block!r}")
-        if self.chunk is not None and (isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk <= 0):
-            raise LongtrainError(f"adjoint chunk must be a positive integer (tokens), got {self.chunk!r}")
-        for name in ("vjp_memory", "chunk_memory"):
-            if getattr(self, name) is not None:
-                validate.byte_size("adjoint", name, getattr(self, name))
-        if not self.recompute and (self.chunk is not None or self.chunk_memory is not None):
-            raise LongtrainError("adjoint chunk and chunk_memory split the scan that recompute rebuilds; "
-                                 "recompute=false keeps every state whole: drop one of them")
-        validate.flag("adjoint", "recompute", self.recompute)
-        validate.flag("adjoint", "offload_inputs", self.offload_inputs)
+__all__ = ["AdjointStats", "adjoint_step", "check_model", "truncated_adjoint_states"]
 
 
 @dataclass
@@ -380,46 +342,6 @@ def embedding_backward(adapter: DecoderAdapter, input_ids: torch.Tensor, grad: t
         embedding(input_ids).backward(grad)
 
 
-class AdjointCosts(EngineCosts):
-    """Layer by layer, each layer's VJPs token-wise: simulations extrapolate along the layers
-    where the model's adapter allows (Mamba), whole where it says so (SSM-ResNet); not along
-    tokens (its VJP blocks grow with one layer's input). Plans weigh it, exact, for models
-    whose layers are recurrences: states recomputed layer by layer, and kept."""
-
-    extends_along_tokens = False
-
-    def serves(self, adapter_class, options) -> bool:
-        return getattr(adapter_class, "recurrence", None) is not None
-
-    def candidates(self, seq_len, host_memory, layers, every_chunk, chunks) -> dict[str, dict]:
-        return {"adjoint": {}, "adjoint:offload_inputs": {"offload_inputs": True},
-                "adjoint:recompute=false": {"recompute": False}}
-
-    def parks_on_host(self, options: AdjointOptions) -> bool:
-        return options.offload_inputs
-
-    def fragmentation(self, options: AdjointOptions) -> str:
-        return "whole"  # fetched inputs are allocated on the compute stream, as checkpointing's are
-
-    def parked(self, config, seq_len, options: AdjointOptions, item, batch) -> tuple[int, int]:
-        """Every layer's input (with ``offload_inputs`` all but the top one in host memory)."""
-        shape = describe_model(config)
-        inputs = shape.layer_inputs_bytes(batch * seq_len, item)
-        host = shape.layer_inputs_bytes(batch * seq_len, item, shape.layers - 1) if options.offload_inputs else 0
-        return inputs - host, host
-
-    def describe(self, work: StepWork, options: AdjointOptions) -> None:
-        work.recomputes_layers = True  # each VJP block runs its tokens' projections again
-        work.chunked_head = True  # the loss in mini-sequences
-
-    def add_work(self, work: StepWork, options: AdjointOptions) -> None:
-        if options.recompute:  # and the layer's states rebuilt before its VJPs
-            work.matmul += work.layer_fwd
-
-
-_OWN_MEMORY = "the adjoint engine keeps only each layer's input and runs its head in mini-sequences already"
-
-
 def adjoint_step(context, batch, num_label_tokens: int | None = None, stats: AdjointStats | None = None):
     """One micro-batch. On a model sharded by :func:`~longtrain.parallel.layer_groups.shard_model`
     this rank runs its layer group and exchanges the residual stream (forward) and its
@@ -475,9 +397,3 @@ def _stream_like(adapter: DecoderAdapter, layer: Recurrence, input_ids: torch.Te
     """An empty residual-stream tensor (B, T, hidden) as it enters ``layer``, whose rank receives it."""
     weight = next(layer.layer.parameters())
     return torch.empty(*input_ids.shape, adapter.description.hidden, dtype=layer.stream_dtype(), device=weight.device)
-
-
-register(EngineSpec("adjoint", AdjointOptions, adjoint_step, "adjoint sharding for state-space models (SSM-ResNet, Mamba): token-wise VJPs, no BPTT graph; exact or truncated",
-                 conflicts={"checkpoint": _OWN_MEMORY + "; drop 'checkpoint'", "mst": _OWN_MEMORY + "; drop 'mst'"},
-                 check=lambda context: check_model(context.model), costs=AdjointCosts(),
-                 layer_groups=shard_model))

@@ -1,4 +1,4 @@
-"""The ``backprop`` engine: one forward and one backward over the whole sequence.
+"""The ``backprop`` engine's step: one forward and one backward over the whole sequence.
 
 The forward runs the model piece by piece through its adapter — embeddings, rotary
 tables for the whole sequence and its position ids, each decoder layer (with whatever
@@ -9,21 +9,13 @@ batch's packed documents and padding as one :class:`~longtrain.models.attention.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..models.attention import WholeSequenceAttention
-from ..registry import EngineSpec, register
-from .base import EngineContext
-from .batch import prepare_batch
+from ...models.attention import WholeSequenceAttention
+from ..base import EngineContext
+from ..batch import prepare_batch
 
 __all__ = ["backprop_step", "forward_loss"]
-
-
-@dataclass
-class BackpropOptions:
-    """Plain autograd has no knobs."""
 
 
 def forward_loss(context: EngineContext, batch, num_label_tokens: int | None = None) -> torch.Tensor:
@@ -46,7 +38,3 @@ def backprop_step(context: EngineContext, batch, num_label_tokens: int | None = 
         loss = forward_loss(context, batch, num_label_tokens)
     loss.backward()
     return context.finish(loss)
-
-
-register(EngineSpec("backprop", BackpropOptions, backprop_step, "plain autograd over the whole sequence", accepts=("checkpoint", "mst", "memo", "liger"),
-                 sequence_parallel=True))

@@ -4,7 +4,7 @@ A :class:`ChunkedRun` cuts a batch's sequence into chunks and keeps what outlive
 chunk in a :class:`~longtrain.memory.chunk_store.ChunkStore` (on the device, or parked
 in host memory and prefetched): every layer's K/V per chunk, their gradient
 accumulators and, for FPDT's layer-major order, the layer inputs. The engines decide
-the order of work (:mod:`.fpdt`: layer by layer; :mod:`.seco`: chunk by chunk); the
+the order of work (:mod:`..fpdt`: layer by layer; :mod:`..seco`: chunk by chunk); the
 run gives them the pieces:
 
 - :meth:`ChunkedRun.call` — the :class:`ChunkAttention` a layer receives in place of
@@ -28,41 +28,27 @@ layer recomputes with the same call, on whichever thread autograd runs the backw
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..errors import LongtrainError
-from ..memory.chunk_store import ChunkStore
-from ..models.kept_attention import KeptOutputs, kept_layers_that_fit
-from ..memory.tracker import mark_repeat
-from ..memory.units import format_bytes, pinned_host_budget
-from ..models.attention import AttentionCall, KeysParked
-from ..models.adapters import describe_model
-from ..models.shapes import head_dim, kept_output_bytes, kv_bytes_per_token
-from ..ops.chunked_loss import GradientCarry
-from ..ops.chunked_attention import attend_chunk, attend_chunk_backward, attend_chunk_forward, chunk_bounds
-from ..ops.masking import BlockPlanner
-from ..ops.replay import RegionStates
-from .base import EngineContext, HeadLoss
-from .batch import Shard
-from .gradient_sum import Float32GradientSum
-
-
-@dataclass(frozen=True)
-class ChunkSettings:
-    chunk: int  # tokens per chunk
-    offload: bool  # park K/V chunks (and their gradients) in host memory
-    prefetch: int  # chunks fetched ahead of use
-    host_budget: int | None  # bytes; None: half the physical memory on CUDA (check_host_budget)
-    offload_inputs: bool = False  # FPDT: park the layer inputs (and their gradients) too
-    recompute_kv: bool = False  # FPDT: park one layer's K/V at a time; recompute them in backward
-    keep_output: bool | int | str = False  # FPDT: park attention outputs + LSEs of every layer (True), the lowest N, or "fit"
-    segment: int = 1  # FPDT: layers per checkpoint segment (only every segment-th layer's input is parked)
-    float32_grad_sum: bool = False  # bf16 parameters: chunk gradients summed in float32, rounded once (engines/gradient_sum.py)
+from ...errors import LongtrainError
+from ...memory.chunk_store import ChunkStore
+from ...memory.tracker import mark_repeat
+from ...memory.units import format_bytes, pinned_host_budget
+from ...models.adapters import describe_model
+from ...models.attention import AttentionCall, KeysParked
+from ...models.kept_attention import KeptOutputs
+from ...ops.chunked_attention import attend_chunk, attend_chunk_backward, attend_chunk_forward, chunk_bounds
+from ...ops.chunked_loss import GradientCarry
+from ...ops.masking import BlockPlanner
+from ...ops.replay import RegionStates
+from ..base import EngineContext, HeadLossCall
+from ..batch import Shard
+from ..gradient_sum import Float32GradientSum
+from .costs import outputs_that_fit, parked_host_bytes
+from .settings import ChunkSettings
 
 
 _PARKED = object()  # marks a rotary table whose chunks live in the store
@@ -140,7 +126,7 @@ class ChunkedRun:
         self.settings = settings
         self.bounds = chunk_bounds(shard.length, settings.chunk)
         self.planner = BlockPlanner(shard.mask, shard.attention_bounds or self.bounds)
-        self.head_loss: HeadLoss = context.head_loss(per_chunk=True)
+        self.head_loss: HeadLossCall = context.head_loss(per_chunk=True)
         self.store = ChunkStore(shard.input_ids.device, offload=settings.offload, host_budget=settings.host_budget,
                                 pool=context.pool)
         self.selected: set[int] | None = None  # chunks backpropagated (None: all)
@@ -221,7 +207,7 @@ class ChunkedRun:
         """The parameters the head's backward reaches, for a :meth:`gradient_sum`: the final
         norm's, and the LM head's unless the fused op sums them itself (:meth:`head_carry`)."""
         fused = self.head_loss.fused
-        return [*self.adapter.norm().parameters(), *(() if fused else self.context.loss_head.parameters())]
+        return [*self.adapter.norm().parameters(), *(() if fused else self.context.lm_head_module.parameters())]
 
     def head_carry(self) -> GradientCarry | None:
         """Where the settings ask for float32 sums over more than one chunk and the head is
@@ -233,7 +219,7 @@ class ChunkedRun:
 
     def gradient_sum(self, params) -> Float32GradientSum:
         """A float32 sum of ``params``' gradients over this step's chunks, where the settings
-        ask for it and there is more than one chunk (:mod:`.gradient_sum`)."""
+        ask for it and there is more than one chunk (:mod:`..gradient_sum`)."""
         return Float32GradientSum(params, enabled=self.settings.float32_grad_sum and len(self.bounds) > 1)
 
     def chunk_loss(self, hidden: torch.Tensor, i: int, carry: GradientCarry | None = None) -> torch.Tensor:
@@ -279,10 +265,10 @@ def _attend_chunk_backward(history, planner, index, window, scale, softcap, grad
 
 
 def host_bytes_needed(context: EngineContext, shard: Shard, settings: ChunkSettings, dtype: torch.dtype,
-                      kept_outputs: int | None = None, chunk_major: bool = False) -> int:
+                      kept_outputs: int | None = None) -> int:
     """Host memory a chunked step parks at its fullest on this rank (an upper bound): K/V of
     every layer and chunk (one layer's with ``recompute_kv``) and one layer's K/V-gradient
-    sums (every layer's in a ``chunk_major`` schedule: SeCO, SpaCO) with ``offload``; plus the inputs of every
+    sums (every layer's in a ``chunk_major`` schedule) with ``offload``; plus the inputs of every
     layer but the first, the gradient of the last one's output, the rotary tables and the
     attention outputs of ``kept_outputs`` layers (default: as ``keep_output`` resolves) with
     ``offload_inputs``. Under sequence parallelism K/V are the whole sequence's for this
@@ -297,42 +283,7 @@ def host_bytes_needed(context: EngineContext, shard: Shard, settings: ChunkSetti
     batch, length = shard.input_ids.shape
     return parked_host_bytes(context.adapter.config, batch, length, torch.tensor([], dtype=dtype).element_size(), settings,
                              kept_outputs, kv_heads=kv_heads, kv_length=kv_length,
-                             position_rows=shard.position_ids.shape[0], chunk_major=chunk_major)
-
-
-def parked_host_bytes(config, batch: int, length: int, item: int, settings: ChunkSettings, kept_outputs: int, *,
-                      kv_heads: int | None = None, kv_length: int | None = None, position_rows: int = 1,
-                      chunk_major: bool = False) -> int:
-    """:func:`host_bytes_needed` from the model's config and the batch's shape (what the
-    planner knows): ``item`` bytes per element, ``kv_heads``/``kv_length`` this rank's
-    K/V heads and their sequence length (default: the model's, ``length``)."""
-    n = describe_model(config).layers
-    kv = batch * (kv_length or length) * kv_bytes_per_token(config, item, kv_heads)
-    # With segments: the parked segment inputs, plus one segment's inner inputs in backward.
-    parked_layers = n if settings.segment <= 1 else -(-n // settings.segment) + settings.segment - 1
-    inputs = parked_layers * batch * length * describe_model(config).hidden * item + 2 * position_rows * length * head_dim(config) * item
-    # K/V of every layer (one with recompute_kv), and in backward the K/V-gradient sums of the
-    # layer running (layer-major) or of every layer (chunk-major: each chunk's backward reaches them all).
-    kv_layers = (1 if settings.recompute_kv else n) + (n if chunk_major else 1)
-    inputs += kept_outputs * kept_output_bytes(config, batch, length, item)
-    return kv_layers * kv * settings.offload + inputs * settings.offload_inputs
-
-
-def outputs_that_fit(keep_output: bool | int | str, layers: int, offload_inputs: bool, budget: int | None,
-                     parked_with: Callable[[int], int]) -> int:
-    """How many layers (the lowest) park their attention output: none (False), every one
-    (True), N (an integer), or for ``"fit"`` as many as ``budget`` holds — ``parked_with(k)``
-    being what the step parks with k layers' outputs — in host memory only (none with the
-    inputs on the device: FPDT's point is device memory); every layer where the budget is
-    unbounded (None)."""
-    if keep_output != "fit":
-        return layers if keep_output is True else min(int(keep_output), layers)
-    if not offload_inputs:
-        return 0
-    if budget is None:
-        return layers
-    parked = parked_with(0)
-    return kept_layers_that_fit(layers, budget, parked, max(1, parked_with(1) - parked))
+                             position_rows=shard.position_ids.shape[0])
 
 
 def kept_output_layers(context: EngineContext, shard: Shard, settings: ChunkSettings) -> int:
@@ -341,14 +292,6 @@ def kept_output_layers(context: EngineContext, shard: Shard, settings: ChunkSett
     return outputs_that_fit(settings.keep_output, describe_model(context.adapter.config).layers, settings.offload_inputs,
                             host_budget(context, shard, settings)[0],
                             lambda kept: host_bytes_needed(context, shard, settings, dtype, kept_outputs=kept))
-
-
-def planned_kept_outputs(config, length: int, settings: ChunkSettings, item: int, batch: int = 1) -> int:
-    """:func:`kept_output_layers` from the model's config (the planner's and the time
-    model's view of a step of ``batch`` × ``length`` tokens, ``item`` bytes per element): a
-    ``"fit"`` without ``host_budget`` keeps every layer, as a simulation does."""
-    return outputs_that_fit(settings.keep_output, describe_model(config).layers, settings.offload_inputs,
-                            settings.host_budget, lambda kept: parked_host_bytes(config, batch, length, item, settings, kept))
 
 
 def host_budget(context: EngineContext, shard: Shard, settings: ChunkSettings) -> tuple[int | None, bool]:
@@ -366,7 +309,7 @@ def host_budget(context: EngineContext, shard: Shard, settings: ChunkSettings) -
     return pinned_host_budget(), True
 
 
-def check_host_budget(context: EngineContext, shard: Shard, settings: ChunkSettings, engine: str) -> None:
+def check_host_budget(context: EngineContext, shard: Shard, settings: ChunkSettings) -> None:
     """Refuse a step whose parked chunks cannot fit the host budget (:func:`host_budget`),
     before any work. Parked chunks are page-locked, and past the budget the kernel's
     out-of-memory killer could end the run without a word."""
@@ -376,7 +319,8 @@ def check_host_budget(context: EngineContext, shard: Shard, settings: ChunkSetti
     if budget is None:
         return
     dtype = context.adapter.base.get_input_embeddings().weight.dtype
-    need = host_bytes_needed(context, shard, settings, dtype, chunk_major=engine != "fpdt")
+    need = host_bytes_needed(context, shard, settings, dtype)
+    engine = context.strategy.engine
     if need > budget:
         which = " (half the physical memory, the default)" if default else ""
         raise LongtrainError(
@@ -395,9 +339,9 @@ def _refuse_neftune(context: EngineContext) -> None:
                              "mst, memo) or set neftune_noise_alpha=None")
 
 
-def check_chunkable(context: EngineContext, engine: str) -> None:
+def check_chunkable(context: EngineContext) -> None:
     """Chunked engines recompute layers and need attention to chunk: refuse other models."""
     adapter = context.adapter
     if not adapter.has_attention:
-        raise LongtrainError(f"the {engine} engine chunks attention; {adapter.config.model_type} models have none "
+        raise LongtrainError(f"the {context.strategy.engine} engine chunks attention; {adapter.config.model_type} models have none "
                              "(use --engine backprop, or adjoint for SSM-ResNet)")
