@@ -1,4 +1,4 @@
-"""Write a benchmark's results as docs/<name>.json and docs/<name>.md."""
+"""Write a benchmark's results as docs/results/<name>.json and docs/results/<name>.md."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from pathlib import Path
 
 import torch
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "results"  # generated output; docs/ holds the written pages
 
 
 def write_report(name: str, title: str, columns: list[tuple[str, str]], rows: list[dict], notes: str, command: str,
                  out_dir: Path | None = None, meta: dict | None = None, quiet: bool = False) -> None:
     """``columns`` pairs a row key with its header; ``rows`` hold the values. Written to
-    docs/ (or ``out_dir``); ``meta`` adds fields (the device, versions) to the JSON."""
+    docs/results/ (or ``out_dir``); ``meta`` adds fields (the device, versions) to the JSON."""
     out = Path(out_dir) if out_dir is not None else DOCS
     out.mkdir(parents=True, exist_ok=True)
     meta = {"generated": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "machine": platform.machine(), "command": command,

@@ -13,7 +13,7 @@
    32M–1.27B presets at 8K and 16K tokens; every engine's peak is linear in T here (no
    attention), so the two points give bytes/token and the longest context on 80 GiB.
 5. ``training``: the pass-key task trained with backprop, exact and truncated adjoint.
-6. ``plot``: docs/adjoint.png from the JSON files.
+6. ``plot``: docs/results/adjoint.png from the JSON files.
 7. ``gpu`` (not run by default; needs CUDA): allocator peak and step time of backprop,
    checkpoint + MsT and adjoint for ssm-127m at 16K and 64K tokens (not yet measured).
 8. ``mamba``: Hugging Face Mamba. Exact CPU peak (tracked storages) and step time of a
@@ -21,11 +21,11 @@
    the simulated peak of mamba-130m and mamba-1.4b at two lengths per engine (and with the
    layer inputs parked in host memory), fitted linearly (no attention: every engine's peak
    is linear in T) to the longest context on 80 GiB and drawn to 1M tokens in
-   docs/adjoint_mamba.png. ``mamba-presets`` runs the simulated part alone, keeping the rows
-   docs/adjoint_mamba.json has (``--fresh``: all simulated again).
+   docs/results/adjoint_mamba.png. ``mamba-presets`` runs the simulated part alone, keeping the rows
+   docs/results/adjoint_mamba.json has (``--fresh``: all simulated again).
 
-Writes docs/adjoint_{cpu,count,presets,ranks,training,mamba}.{json,md}, docs/adjoint.png
-and docs/adjoint_mamba.png.
+Writes docs/results/adjoint_{cpu,count,presets,ranks,training,mamba}.{json,md}, docs/results/adjoint.png
+and docs/results/adjoint_mamba.png.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ MAMBA_LENGTHS = (131072, 262144)
 
 def mamba_presets(device_bytes=80 * GiB, fresh: bool = False) -> list[dict]:
     """Simulated peak (bf16, AdamW, batch 1) of the Mamba presets at two lengths per engine,
-    fitted linearly in T. Rows already in docs/adjoint_mamba.json at these lengths are kept
+    fitted linearly in T. Rows already in docs/results/adjoint_mamba.json at these lengths are kept
     (each says when it was simulated) unless ``fresh``."""
     path = DOCS / "adjoint_mamba.json"
     kept = {} if fresh or not path.exists() else {(r["model"], r["engine"], r["lengths"]): r
@@ -433,7 +433,7 @@ def main() -> None:
                                            "mamba-presets"],
                         help="run one part (default: all but gpu and mamba; mamba-presets: mamba's simulated part alone)")
     parser.add_argument("--fresh", action="store_true",
-                        help="mamba: simulate every preset row again (default: keep the rows docs/adjoint_mamba.json has)")
+                        help="mamba: simulate every preset row again (default: keep the rows docs/results/adjoint_mamba.json has)")
     args = parser.parse_args()
     if args.only == "ranks-worker":
         ranks_worker()

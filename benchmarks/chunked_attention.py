@@ -9,8 +9,8 @@
 3. A chunk-size sweep at a fixed length: step time against device peak (CPU).
 
 GPU step times are benchmarks/gpu_peers.py's. Writes
-docs/chunked_attention_{memory,llama3_8b,chunk_sweep}.{json,md} and
-docs/chunked_attention_memory.png.
+docs/results/chunked_attention_{memory,llama3_8b,chunk_sweep}.{json,md} and
+docs/results/chunked_attention_memory.png.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def plot(cpu_rows, sweep_rows) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["cpu", "llama3-8b", "sweep", "plot"],
-                        help="run one part (plot: redraw the PNG from the JSON files under docs/)")
+                        help="run one part (plot: redraw the PNG from the JSON files under docs/results/)")
     args = parser.parse_args()
     cmd = "python benchmarks/chunked_attention.py" + (f" --only {args.only}" if args.only else "")
     parts = [args.only] if args.only else ["cpu", "llama3-8b", "sweep"]  # GPU timings: benchmarks/gpu_peers.py

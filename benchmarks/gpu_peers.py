@@ -42,7 +42,7 @@ pool; the allocator setting; for longtrain, the attention kernel its blocks ran
 (``--attention-kernel`` forces one). ``--expandable-segments longtrain`` (the default)
 runs longtrain's cases with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which
 keeps the reserved peak near the allocated one where host offload fragments the cache;
-peers keep PyTorch's default unless ``all``. Writes docs/gpu_peers.json, .md and a
+peers keep PyTorch's default unless ``all``. Writes docs/results/gpu_peers.json, .md and a
 tokens/s-vs-length PNG.
 
     python benchmarks/gpu_peers.py                        # Llama-3-8B at 16K and 32K, every case
@@ -484,7 +484,7 @@ def main(argv=None) -> int:
                         help="profile one more step per case: operator tables by self host and device time in DIR")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny-llama at 128/256 tokens on the CPU, one step per case, written to a temporary folder")
-    parser.add_argument("--out", default=None, help="folder for the JSON/markdown/PNG (default docs/, or a temporary one with --smoke)")
+    parser.add_argument("--out", default=None, help="folder for the JSON/markdown/PNG (default docs/results/, or a temporary one with --smoke)")
     parser.add_argument("--case-only", default=None, help=argparse.SUPPRESS)  # internal: one case, one length, one process
     args = parser.parse_args(argv)
 

@@ -15,8 +15,8 @@ and liger-kernel are used when present, skipped with a note otherwise), and runs
 3. ``benchmarks/adjoint.py --only gpu``: the SSM-ResNet under the adjoint engine.
 
 Each part has a time budget so the whole stays within 10 minutes; what did not run is
-listed. Results go to docs/gpu_suite.md/.json (device, driver, torch, CUDA,
-transformers; the CUDA tier's outcome per test), docs/gpu_peers.*, docs/adjoint_gpu.*.
+listed. Results go to docs/results/gpu_suite.md/.json (device, driver, torch, CUDA,
+transformers; the CUDA tier's outcome per test), docs/results/gpu_peers.*, docs/results/adjoint_gpu.*.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs"
+DOCS = ROOT / "docs" / "results"
 # A GPU machine may have the repository and no installed longtrain: use the source tree.
 sys.path.insert(0, str(ROOT / "src"))
 # The suite's share of gpu_peers.py: what fits its 3 minutes, the most telling first.
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
         summary["parts"]["cuda_tier"] = cuda_tier(200, args.smoke, scratch)
 
     peers = [sys.executable, "benchmarks/gpu_peers.py", "--budget-s", "180"] + (
-        ["--smoke", "--out", str(scratch)] if args.smoke  # --append: the full sweep's other lengths in docs/ stay
+        ["--smoke", "--out", str(scratch)] if args.smoke  # --append: the full sweep's other lengths in docs/results/ stay
         else ["--lengths", args.lengths, "--cases", args.cases, "--append"])
     adjoint = [sys.executable, "benchmarks/adjoint.py", "--only", "gpu"]
     for name, cmd, timeout in (("peers", peers, 260), ("adjoint", adjoint, 80)):

@@ -1,6 +1,6 @@
 """The longest context the planner finds for Llama-3-8B and Qwen2-7B on one H100 or H200
 with 128 GB of host memory: full fine-tuning with AdamW (its state on the device, or in
-host memory with fp32 master weights) and LoRA — writes docs/max_context.{json,md}.
+host memory with fp32 master weights) and LoRA — writes docs/results/max_context.{json,md}.
 
     python benchmarks/max_context.py            # about half an hour on 2 CPU cores (a process per model)
     python benchmarks/max_context.py --smoke    # tiny model, seconds (CI)
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_report  # noqa: E402
+from _report import DOCS, write_report  # noqa: E402
 
 from longtrain.memory.units import parse_bytes  # noqa: E402
 from longtrain.plan.longest import max_context  # noqa: E402
@@ -76,7 +76,7 @@ def rows_of(model: str, smoke: bool, machines: dict | None = None, modes: dict |
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out", default=None, help="directory for the report (default docs/)")
+    parser.add_argument("--out", default=None, help="directory for the report (default docs/results/)")
     parser.add_argument("--moe", action="store_true",
                         help="only the mixture-of-experts row (qwen3-30b-a3b, LoRA, 1×H100), merged into the report")
     args = parser.parse_args(argv)
@@ -102,14 +102,14 @@ def _merged(rows: list[dict], out: str | None) -> list[dict]:
     """``rows`` in place of the report's rows of the same model, machine and mode."""
     import json
 
-    path = Path(out or Path(__file__).resolve().parent.parent / "docs") / "max_context.json"
+    path = Path(out or DOCS) / "max_context.json"
     old = json.loads(path.read_text())["rows"] if path.is_file() else []
     keys = {(r["model"], r["machine"], r["mode"]) for r in rows}
     return [r for r in old if (r["model"], r["machine"], r["mode"]) not in keys] + rows
 
 
 def write(rows: list[dict], smoke: bool = False, out: str | None = None, command: str | None = None) -> None:
-    """The report of ``rows`` (also to re-render docs/max_context.json after a change that
+    """The report of ``rows`` (also to re-render docs/results/max_context.json after a change that
     moves only the predicted step times, e.g. refitted machine rates)."""
     columns = [("model", "model"), ("machine", "machine"), ("mode", "training"), ("tokens", "longest context"),
                ("strategy", "strategy"), ("binds", "binds there"), ("step_s", "predicted s/step (H100 rates)"),

@@ -3,7 +3,7 @@
 the simulated longest context that trains on one 80 GiB device, and the CPU step-time
 ratio of checkpointing + MsT against checkpointing alone.
 
-Writes docs/mst_{mlp,head,max_context,speed}.{json,md} and docs/mst_memory.png.
+Writes docs/results/mst_{mlp,head,max_context,speed}.{json,md} and docs/results/mst_memory.png.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from its config with random weights on the device, and runs ``--steps`` optimize
 with the plan's winner and :class:`~longtrain.optimizer_offload.HostAdamW`. The last
 step's time (wall clock, synchronized), allocated and reserved device peaks and the
 host's resident-memory peak are compared with the plan's predictions in
-docs/planned_step.{json,md}.
+docs/results/planned_step.{json,md}.
 """
 
 from __future__ import annotations

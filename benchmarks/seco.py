@@ -9,7 +9,7 @@
    chunk selections of a small case, against SeCO's gradient.
 4. Training on the built-in pass-key task: SpaCO vs SeCO over the same steps.
 
-Writes docs/seco_{memory,time,llama3_8b,bias,training}.{json,md} and docs/seco.png.
+Writes docs/results/seco_{memory,time,llama3_8b,bias,training}.{json,md} and docs/results/seco.png.
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def plot(memory_rows, time_rows, training_rows) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["memory", "time", "llama3-8b", "bias", "training", "plot"],
-                        help="run one part (plot: redraw the PNG from the JSON files under docs/)")
+                        help="run one part (plot: redraw the PNG from the JSON files under docs/results/)")
     args = parser.parse_args()
     cmd = "python benchmarks/seco.py" + (f" --only {args.only}" if args.only else "")
     parts = [args.only] if args.only else ["memory", "time", "llama3-8b", "bias", "training"]

@@ -18,7 +18,7 @@ what binds. For ``checkpoint+mst`` that is a search over whole-length simulation
 in the length, so a line through shorter ones can overestimate); for
 ``fpdt+offload+mst`` the line itself (what binds, the parked bytes in host memory, is
 linear in the length: the host peak doubles exactly with it from 256K to 2M tokens).
-Writes docs/sequence_parallel_llama3_8b.{json,md}.
+Writes docs/results/sequence_parallel_llama3_8b.{json,md}.
 
     python benchmarks/sequence_parallel.py
 """

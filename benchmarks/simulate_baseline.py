@@ -2,7 +2,7 @@
 
 Layer checkpointing (the baseline later techniques are measured against) and plain
 autograd for reference, with AdamW and with no optimizer; bf16 weights, gradients
-and optimizer state; batch 1. Writes docs/baseline_llama3_8b.{json,md}.
+and optimizer state; batch 1. Writes docs/results/baseline_llama3_8b.{json,md}.
 """
 
 from longtrain.plan.simulate import simulate

@@ -1,7 +1,7 @@
 """Does the simulator agree with exact measurement? Tiny Llama, 2K-8K tokens, float32.
 
 The same `run_training_steps` runs once on fake tensors and once on real CPU tensors;
-the tracker counts live storages in both. Writes docs/simulator_agreement.{json,md}.
+the tracker counts live storages in both. Writes docs/results/simulator_agreement.{json,md}.
 """
 
 from longtrain.plan.simulate import run_training_steps

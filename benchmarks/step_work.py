@@ -6,7 +6,7 @@ V/d = 32, 4:1 grouped K/V). Counts do not depend on the device: they are what a 
 too, so a strategy that recomputes more than its design says shows here first. Operations
 per step stand for the host's launch work (each is a kernel launch or a view on CUDA).
 
-Writes docs/step_work.{json,md}.
+Writes docs/results/step_work.{json,md}.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def main(argv=None) -> None:
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--out", type=Path, default=None, help="folder for the reports (default: docs/)")
+    parser.add_argument("--out", type=Path, default=None, help="folder for the reports (default: docs/results/)")
     args = parser.parse_args(argv)
     config = llama_config(args.layers, args.width)
     base = count_step(config, None, args.tokens).matmul_flops

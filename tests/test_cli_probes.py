@@ -883,8 +883,8 @@ def test_a_family_check_within_the_limit_reports_its_verdict_and_peak(monkeypatc
 
 
 def test_the_families_table_is_written_in_the_current_directory_by_default(tmp_path, monkeypatch):
-    """Not into a source checkout's docs/families.md: ./families.md and ./families.json unless
-    --out says otherwise (the project's own table: --out docs/families.md); --help says so,
+    """Not into a source checkout's docs/results/families.md: ./families.md and ./families.json unless
+    --out says otherwise (the project's own table: --out docs/results/families.md); --help says so,
     and that families are checked one at a time under a memory limit."""
     from longtrain import families
 

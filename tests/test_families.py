@@ -31,7 +31,7 @@ def test_every_supported_family_is_exact_under_every_engine_and_technique(family
     """The family check (longtrain.families): every strategy equals stock on five batches
     (a mixture of experts with its balancing loss on), and with every dropout on its
     gradient is the derivative of the loss it reports. Here (every family, strategy and
-    batch in `longtrain families`, which writes docs/families.md) each family runs every
+    batch in `longtrain families`, which writes docs/results/families.md) each family runs every
     strategy on the right-padded, one-row and one-tile batches and, in turn, the left-padded
     or the packed one, and the dropout pass on a quarter of the strategies in turn; a
     post-norm family, one with embedding dropout and every mixture of experts (one with
@@ -64,7 +64,7 @@ def test_at_least_twenty_families_beyond_the_first_eight_include_the_ones_people
 
 
 def test_the_generated_table_lists_exactly_the_supported_families():
-    text = (ROOT / "docs" / "families.md").read_text()
+    text = (ROOT / "docs" / "results" / "families.md").read_text()
     supported = text.split("## Supported", 1)[1].split("## Not supported", 1)[0]
     listed = set(re.findall(r"^\| `([^`]+)` \| exact \|", supported, flags=re.M))
     assert listed == set(TRANSFORMER_FAMILIES)

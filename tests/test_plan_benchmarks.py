@@ -1,5 +1,5 @@
 """The planner's benchmarks run end to end at toy sizes (their GPU and full-scale runs are
-in docs/max_context.md and docs/planned_step.md)."""
+in docs/results/max_context.md and docs/results/planned_step.md)."""
 
 import json
 import subprocess

@@ -370,7 +370,7 @@ def _add_families(sub) -> None:
                                    "(exceeded the memory limit), and the next one runs.")
     p.add_argument("families", nargs="*", help="model types to check (default: every decoder-only causal-LM family)")
     p.add_argument("--out", default="families.md", help="the markdown table, its .json beside it (default: %(default)s "
-                   "in the current directory; the project's own table: --out docs/families.md)")
+                   "in the current directory; the project's own table: --out docs/results/families.md)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds one family's check may take (default: %(default)g)")
     p.add_argument("--memory-limit", type=_bytes, default=4 * 2**30, metavar="SIZE",
                    help="the memory one family's check may use: its child process's address space (RLIMIT_AS), so "

@@ -1,4 +1,4 @@
-"""The generated table (``docs/families.md``) and its JSON."""
+"""The generated table (``docs/results/families.md``) and its JSON."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def write_table(results: list[FamilyResult], out: Path, transformers_version: st
         lines.append(f"| `{r.family}` | {r.status} | " + " | ".join(cells) + " |")
     if ssms:
         lines += ["", "State-space models, attention-free (backprop, checkpointing, MsT's head and the adjoint engine; "
-                  "[adjoint.md](adjoint.md)): " + ", ".join(f"`{r.family}`" for r in ssms) + "."]
+                  "[adjoint.md](../adjoint.md)): " + ", ".join(f"`{r.family}`" for r in ssms) + "."]
     lines += ["", "Refused strategies:", ""]
     for r in supported:
         lines_of = {v for v in [*r.cells.values(), *r.dropout.values()] if isinstance(v, str)}

@@ -1,5 +1,5 @@
 """The longest context a strategy trains on a machine: a search over whole-length
-simulations (``longtrain plan --longest``, :func:`max_context`, docs/max_context.md).
+simulations (``longtrain plan --longest``, :func:`max_context`, docs/results/max_context.md).
 
 A step's device and host peaks are convex in the length: each place of the step's
 repeating pattern peaks at an affine function of the number of chunks (and, in the

@@ -14,13 +14,13 @@ A step is counted per kind of work, each at the rate it runs at on the machine:
   its forward once more where a strategy recomputes it (checkpointing with
   ``keep_attention=false`` or in the layers whose outputs pass the host budget, FPDT
   in the layers ``keep_output`` does not keep);
-- known slow spots, from the H100 measurements in docs/gpu_peers.md: MsT's tiled
+- known slow spots, from the H100 measurements in docs/results/gpu_peers.md: MsT's tiled
   MLP backward runs at ``tiled_mlp_efficiency`` of the matmul rate and the chunked head's
   weight gradient at ``head_weight_grad`` FLOP/s; each (chunk, layer) pair of a chunked
   engine costs ``per_chunk_layer`` seconds (host work, or small kernels: a profile will say);
 - host copies a layer's compute cannot hide (Memo), at ``host_bandwidth`` bytes/s; of
   FPDT's, counted from its schedule (:func:`~longtrain.engines.fpdt.host_traffic`), the
-  share ``offload_exposed`` (fitted with ``per_chunk_layer`` to the six H100 FPDT rows of docs/gpu_peers.md);
+  share ``offload_exposed`` (fitted with ``per_chunk_layer`` to the six H100 FPDT rows of docs/results/gpu_peers.md);
 - with the optimizer in host memory (``--optimizer-offload``), the CPU's AdamW step at
   ``cpu_adam`` parameters/s and the updated weights' copy back to the device (the
   gradients' copies to the host overlap backward);
@@ -46,7 +46,7 @@ __all__ = ["H100", "MachineRates", "StepTime", "step_time"]
 
 @dataclass(frozen=True)
 class MachineRates:
-    # Fitted to the H100 80 GB measurements in docs/gpu_peers.md (Llama-3-8B bf16, 16K-128K:
+    # Fitted to the H100 80 GB measurements in docs/results/gpu_peers.md (Llama-3-8B bf16, 16K-128K:
     # every measured backprop and FPDT step predicted within -3%..+5%); the host and interconnect
     # rates are not part of that fit (single measurements or estimates).
     matmul: float = 6.5e14  # FLOP/s of bf16 GEMMs at long-context shapes
