@@ -47,16 +47,16 @@ from torch.utils.checkpoint import checkpoint
 
 import dataclasses
 
-from .. import validate
-from ..costs import StepWork, TechniqueCosts
-from ..errors import LongtrainError
-from ..memory.chunk_store import ChunkStore
-from ..models.kept_attention import KeptOutputs, attend_keeping, kept_layers_that_fit
-from ..memory.token_swap import storage_id
-from ..models.attention import AttentionCall
-from ..models.adapters import describe_model
-from ..models.shapes import kept_output_bytes
-from ..registry import TechniqueSpec, register
+from ... import validate
+from ...costs import StepWork, TechniqueCosts
+from ...errors import LongtrainError
+from ...memory.chunk_store import ChunkStore
+from ...models.kept_attention import KeptOutputs, attend_keeping, kept_layers_that_fit
+from ...memory.token_swap import storage_id
+from ...models.attention import AttentionCall
+from ...models.adapters import describe_model
+from ...models.shapes import kept_output_bytes
+from ...registry import TechniqueSpec, register
 
 
 _PARKED = object()  # what a parked input's pack hook leaves in the graph (the store has the tensor)

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 from torch._subclasses.fake_tensor import is_fake
 
-from .. import validate
-from ..costs import TechniqueCosts
-from ..errors import LongtrainError
-from ..registry import TechniqueSpec, register
+from ... import validate
+from ...costs import TechniqueCosts
+from ...errors import LongtrainError
+from ...registry import TechniqueSpec, register
 
 __all__ = ["LigerOptions", "liger_available"]
 

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import validate
-from ..costs import StepWork, TechniqueCosts
-from ..errors import LongtrainError
-from ..models.adapters import describe_model
-from ..ops.tiled_mlp import tiled_mlp
-from ..registry import TechniqueSpec, register
-from .checkpoint import whole_layers
+from ... import validate
+from ...costs import StepWork, TechniqueCosts
+from ...errors import LongtrainError
+from ...models.adapters import describe_model
+from ...ops.tiled_mlp import tiled_mlp
+from ...registry import TechniqueSpec, register
+from ..checkpoint import whole_layers
 
 __all__ = ["MsTOptions"]
 
@@ -117,6 +117,6 @@ _RENAMED = {"MsT": "MsTOptions"}  # earlier names, still importable with a warni
 
 
 def __getattr__(name: str):
-    from .._aliases import renamed
+    from ..._aliases import renamed
 
     return renamed(__name__, globals(), _RENAMED, name)

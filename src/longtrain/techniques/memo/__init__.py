@@ -40,20 +40,20 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import dataclasses
 
-from .. import validate
-from ..costs import StepWork, TechniqueCosts
-from ..errors import LongtrainError
-from ..memory.chunk_store import ChunkStore
-from ..models.kept_attention import KeepOutputAttention, KeptOutputAttention, KeptOutputs, kept_layers_that_fit
-from ..memory.pinned import host_empty
-from ..memory.token_swap import LayerActivations, storage_id
-from ..memory.tracker import untracked
-from ..memory.units import format_bytes
-from ..models.adapters import describe_model
-from ..models.attention import AttentionCall
-from ..ops import replay
-from ..ops.causal_attention import attention_from_output
-from ..registry import TechniqueSpec, register
+from ... import validate
+from ...costs import StepWork, TechniqueCosts
+from ...errors import LongtrainError
+from ...memory.chunk_store import ChunkStore
+from ...models.kept_attention import KeepOutputAttention, KeptOutputAttention, KeptOutputs, kept_layers_that_fit
+from ...memory.pinned import host_empty
+from ...memory.token_swap import LayerActivations, storage_id
+from ...memory.tracker import untracked
+from ...memory.units import format_bytes
+from ...models.adapters import describe_model
+from ...models.attention import AttentionCall
+from ...ops import replay
+from ...ops.causal_attention import attention_from_output
+from ...registry import TechniqueSpec, register
 
 # Used where nothing can be measured (the simulator): an H100's rates at long context in
 # our run (650 TFLOP/s matmuls, 460 fused attention; longtrain.plan.time_model.H100) and a
@@ -534,6 +534,6 @@ _RENAMED = {"Memo": "MemoOptions"}  # earlier names, still importable with a war
 
 
 def __getattr__(name: str):
-    from .._aliases import renamed
+    from ..._aliases import renamed
 
     return renamed(__name__, globals(), _RENAMED, name)
