@@ -10,7 +10,7 @@ import torch
 import longtrain as lt
 from longtrain.engines.chunked import costs as chunked
 from longtrain.memory.chunk_store import ChunkStore
-from longtrain.models.kept_attention import (KeepOutputAttention, KeptOutputAttention, KeptOutputs, attend_keeping,
+from longtrain.models.kept_attention import (KeptOutputStore, RecordingAttention, ReplayingAttention, attend_keeping,
                                              kept_layers_that_fit)
 from longtrain.models.attention import AttentionCall, WholeSequenceAttention
 from longtrain.models.presets import preset_config
@@ -64,7 +64,7 @@ def test_fpdt_fit_is_the_count_it_was():
 
 def test_checkpoint_step_and_memo_checks_are_the_comparisons_they_were():
     for used, above, out, budget in itertools.product((0, 7, 100), (0, 50, 1000), (0, 1, 9, 64), (0, 99, 157, 1200)):
-        # KeptAttention.has_room: what is held, this output and the inputs above within the budget.
+        # CheckpointLayers.has_room: what is held, this output and the inputs above within the budget.
         assert (kept_layers_that_fit(1, budget, used + above, out) == 1) == (used + out + above <= budget)
     for swapped, inputs, outputs, budget in itertools.product((1, 6, 30), (1, 10, 64), (1, 10, 64), (0, 100, 400, 10**9)):
         # memo_alpha's refusal: every swapped layer's input and attention output in host memory.
@@ -109,7 +109,7 @@ def test_kept_output_served_to_backward_equals_attending_again(offload, layout):
     settings = dict(scale=None, window=None, softcap=None)
     want_out, want = _grads(lambda *t: causal_attention(*t), q, k, v, grad)
 
-    kept = KeptOutputs(ChunkStore("cpu", offload=offload), layout=layout)
+    kept = KeptOutputStore(ChunkStore("cpu", offload=offload), layout=layout)
     call, backward = WholeSequenceAttention(None), []
 
     def forward(*t):
@@ -129,21 +129,21 @@ def test_kept_output_served_to_backward_equals_attending_again(offload, layout):
         assert torch.equal(tail, want_out[:, :, 10:]) and lse.shape == q.shape[:2] + (14,)
 
 
-def test_serving_call_and_keeping_call():
+def test_replaying_call_and_recording_call():
     q, k, v = _qkv()
     settings = dict(scale=None, window=None, softcap=None)
-    kept = KeptOutputs(ChunkStore("cpu", offload=False))
-    out = KeepOutputAttention(WholeSequenceAttention(None), kept, "layer").attend(None, q, k, v, **settings)
-    stand_in = KeptOutputAttention(kept, "layer", None, start=5).attend(None, q[:, :, 5:], k, v, **settings)
+    kept = KeptOutputStore(ChunkStore("cpu", offload=False))
+    out = RecordingAttention(WholeSequenceAttention(None), kept, "layer").attend(None, q, k, v, **settings)
+    stand_in = ReplayingAttention(kept, "layer", None, start=5).attend(None, q[:, :, 5:], k, v, **settings)
     assert torch.equal(stand_in, out[:, :, 5:])
     with pytest.raises(RuntimeError, match="stand-in"):  # no backward: a recomputation's stand-in
-        torch.autograd.backward(KeptOutputAttention(kept, "layer", None).attend(
+        torch.autograd.backward(ReplayingAttention(kept, "layer", None).attend(
             None, q.clone().requires_grad_(True), k, v, **settings).sum())
 
     class Chunked(AttentionCall):
         mask = None
 
     with pytest.raises(NotImplementedError):
-        KeepOutputAttention(Chunked(), kept, "x").attend(None, q, k, v, **settings)
+        RecordingAttention(Chunked(), kept, "x").attend(None, q, k, v, **settings)
     with pytest.raises(lt.LongtrainError, match="whole sequence"):
-        KeepOutputAttention(Chunked(), kept, "x", refusal="needs the whole sequence").attend(None, q, k, v, **settings)
+        RecordingAttention(Chunked(), kept, "x", refusal="needs the whole sequence").attend(None, q, k, v, **settings)

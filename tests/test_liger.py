@@ -20,7 +20,7 @@ def test_a_model_on_the_cpu_is_refused_with_the_fix():
 
 
 def test_without_liger_kernel_the_install_command_is_named(monkeypatch):
-    monkeypatch.setattr(liger, "_require_cuda", lambda model: None)
+    monkeypatch.setattr(liger.install, "_require_cuda", lambda model: None)
     monkeypatch.setitem(sys.modules, "liger_kernel", None)  # import fails as if not installed
     _, ours = stock_and_ours("tiny-llama")
     with pytest.raises(lt.LongtrainError, match=r"pip install 'longtrain\[liger\]'"):
@@ -35,7 +35,7 @@ def _fake_liger(monkeypatch, patchers: dict):
     for name, module in (("liger_kernel", package), ("liger_kernel.transformers", transformers),
                          ("liger_kernel.transformers.monkey_patch", monkey_patch)):
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(liger, "_require_cuda", lambda model: None)
+    monkeypatch.setattr(liger.install, "_require_cuda", lambda model: None)
 
 
 def test_liger_patches_norms_mlps_and_rope_and_mst_tiles_its_mlp(monkeypatch):
@@ -110,7 +110,7 @@ def test_strategy_auto_adds_liger_on_a_gpu_where_it_is_installed(monkeypatch):
     import longtrain.plan.planner as planner
     import longtrain.train.setup as trainer
     from longtrain.plan.time_model import H100
-    import longtrain.techniques.liger as liger_technique
+    import longtrain.techniques.liger.costs as liger_costs
     from longtrain.train.config import TrainConfig
 
     winner = lt.Strategy(checkpoint=True, mst=True).to_dict()
@@ -120,7 +120,7 @@ def test_strategy_auto_adds_liger_on_a_gpu_where_it_is_installed(monkeypatch):
     monkeypatch.setattr(trainer.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 << 30))
     config = TrainConfig(model="tiny-llama", strategy="auto")
     for installed in (True, False):
-        monkeypatch.setattr(liger_technique, "liger_available", lambda model_type: installed and model_type == "llama")
+        monkeypatch.setattr(liger_costs, "liger_available", lambda model_type: installed and model_type == "llama")
         chosen = trainer.planned_strategy(config, trainer.torch.device("cuda"), trainer.torch.bfloat16)
         assert ("liger" in chosen.techniques) == installed
         assert {"checkpoint", "mst"} <= set(chosen.techniques)

@@ -106,7 +106,7 @@ def test_alpha_is_timed_without_the_first_steps_host_allocations(monkeypatch):
     from types import SimpleNamespace
 
     from longtrain.memory import chunk_store
-    from longtrain.techniques import memo as memo_module
+    from longtrain.techniques.memo import layers as memo_layers
 
     slow, now = 0.3, [0.0]
     allocate = chunk_store.host_empty
@@ -119,7 +119,7 @@ def test_alpha_is_timed_without_the_first_steps_host_allocations(monkeypatch):
         now[0] += slow
         return allocate(*args, **kwargs)
 
-    monkeypatch.setattr(memo_module, "time", SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(memo_layers, "time", SimpleNamespace(perf_counter=perf_counter))
     monkeypatch.setattr(chunk_store, "host_empty", slow_host_empty)
     _, ours = stock_and_ours("tiny-llama")
     lt.apply(ours, memo("auto", host_memory="1GiB"))

@@ -136,7 +136,7 @@ def test_layering_techniques_never_import_engines_and_the_registry_imports_neith
                 names.update(a.name for a in node.names)
         return names
 
-    for path in (root / "techniques").glob("*.py"):
+    for path in (root / "techniques").rglob("*.py"):
         assert not [n for n in imports(path) if "engines" in n], path
     assert not [n for n in imports(root / "registry.py") if any(k in n for k in ("engines", "techniques", "strategy"))]
     for path in (root / "engines").glob("*.py"):

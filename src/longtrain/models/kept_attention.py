@@ -8,13 +8,13 @@ backward (:func:`~longtrain.ops.causal_attention.attention_from_output`) without
 attending again. The three strategies decide only *when* to keep (which layers, which
 chunks) and call this module for the rest:
 
-- :class:`KeptOutputs` — the (output, LSE) pairs, by key (a layer, or (layer, chunk)),
+- :class:`KeptOutputStore` — the (output, LSE) pairs, by key (a layer, or (layer, chunk)),
   in a store with ``put``/``get``/``pop``/``prefetch`` (a
   :class:`~longtrain.memory.chunk_store.ChunkStore`: on the device or parked in host
   memory; Memo's layer record), fetched for backward and served as an attention node.
-- :func:`attend_keeping` / :class:`KeepOutputAttention` — run an
-  :class:`~longtrain.models.attention.AttentionCall` once and keep its output;
-  :class:`KeptOutputAttention` — serve a kept output in its place.
+- :func:`attend_keeping` / :class:`RecordingAttention` — run an
+  :class:`~longtrain.models.attention.AttentionCall` once and record (keep) its output;
+  :class:`ReplayingAttention` — replay a kept output in place of attending.
 - :func:`kept_layers_that_fit` — the one budget rule: how many layers' outputs fit in
   the host budget beside what is parked first.
 
@@ -34,7 +34,7 @@ from ..errors import LongtrainError
 from .attention import AttentionCall
 from ..ops.causal_attention import attention_from_output
 
-__all__ = ["KeptOutputs", "attend_keeping", "KeepOutputAttention", "KeptOutputAttention", "kept_layers_that_fit"]
+__all__ = ["KeptOutputStore", "attend_keeping", "RecordingAttention", "ReplayingAttention", "kept_layers_that_fit"]
 
 
 def kept_layers_that_fit(layers: int, budget: float | None, first: float, each: float) -> int:
@@ -51,7 +51,7 @@ def kept_layers_that_fit(layers: int, budget: float | None, first: float, each: 
     - checkpointing's plan (:func:`~longtrain.techniques.checkpoint.kept_output_share`):
       ``first`` every checkpointed input with ``offload_inputs``, ``each`` a bf16 output
       (heads × head dimension wide, 0 for attention-free models) and a float32 LSE;
-    - checkpointing's step (``KeptAttention.has_room``, asked per layer with
+    - checkpointing's step (``CheckpointLayers.has_room``, asked per layer with
       ``layers=1``): ``first`` what its store holds plus the inputs the layers above will
       park, ``each`` the layer's q-sized output and a float32 LSE (also in float64 steps);
     - Memo (:func:`~longtrain.techniques.memo.memo_alpha`): ``first`` the swapped layers'
@@ -69,7 +69,7 @@ def kept_layers_that_fit(layers: int, budget: float | None, first: float, each: 
     return max(0, min(layers, (budget - first) // each))
 
 
-class KeptOutputs:
+class KeptOutputStore:
     """Attention outputs (B, H, S, D) and LSEs (B, H, S) kept by ``key`` in ``store``.
 
     ``store``: anything with ``put(key, tensor, offload=None)``, ``get``, ``pop`` and
@@ -141,7 +141,7 @@ def _contiguous_backward(backward, grad_out, q, k, v, out, lse):
     return backward(grad_out, q, k, v, out.contiguous(), lse)
 
 
-def attend_keeping(call: AttentionCall, module, q, k, v, *, scale, window, softcap, kept: KeptOutputs,
+def attend_keeping(call: AttentionCall, module, q, k, v, *, scale, window, softcap, kept: KeptOutputStore,
                    key: Hashable) -> tuple[torch.Tensor, Callable]:
     """Attention of ``call`` run once (output and LSE without autograd), kept in ``kept``
     under ``key``: (the output as an attention node of q, k, v, its backward). Raises
@@ -152,11 +152,12 @@ def attend_keeping(call: AttentionCall, module, q, k, v, *, scale, window, softc
     return attention_from_output(q, k, v, out, lse, backward), backward
 
 
-class KeepOutputAttention(AttentionCall):
-    """An attention call that runs ``inner`` once and keeps its output under ``key``;
+class RecordingAttention(AttentionCall):
+    """An attention call that runs ``inner`` once and records its output and LSE in
+    ``kept`` under ``key`` (the forward of a layer whose recomputation replays them);
     ``refusal``: the error where ``inner`` cannot give it (None: NotImplementedError)."""
 
-    def __init__(self, inner: AttentionCall, kept: KeptOutputs, key: Hashable, refusal: str | None = None):
+    def __init__(self, inner: AttentionCall, kept: KeptOutputStore, key: Hashable, refusal: str | None = None):
         self.inner, self.kept, self.key, self.refusal, self.mask = inner, kept, key, refusal, inner.mask
         self.rows = inner.rows
 
@@ -171,12 +172,12 @@ class KeepOutputAttention(AttentionCall):
         return out
 
 
-class KeptOutputAttention(AttentionCall):
-    """An attention call that serves the output kept under ``key`` (tokens from ``start``)
+class ReplayingAttention(AttentionCall):
+    """An attention call that replays the output kept under ``key`` (tokens from ``start``)
     instead of attending: with ``backward``, to attention's backward; without, as the
     stand-in of a recomputation that is never differentiated."""
 
-    def __init__(self, kept: KeptOutputs, key: Hashable, mask, backward: Callable | None = None, start: int = 0):
+    def __init__(self, kept: KeptOutputStore, key: Hashable, mask, backward: Callable | None = None, start: int = 0):
         self.kept, self.key, self.mask, self.backward, self.start = kept, key, mask, backward, start
 
     def attend(self, module, q, k, v, *, scale, window, softcap):

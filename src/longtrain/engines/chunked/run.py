@@ -39,7 +39,7 @@ from ...memory.tracker import mark_repeat
 from ...memory.units import format_bytes, pinned_host_budget
 from ...models.adapters import describe_model
 from ...models.attention import AttentionCall, KeysParked
-from ...models.kept_attention import KeptOutputs
+from ...models.kept_attention import KeptOutputStore
 from ...ops.chunked_attention import attend_chunk, attend_chunk_backward, attend_chunk_forward, chunk_bounds
 from ...ops.chunked_loss import GradientCarry
 from ...ops.masking import BlockPlanner
@@ -136,7 +136,7 @@ class ChunkedRun:
         # The lowest this-many layers park their attention output (keep_output, resolved for this shard).
         self.kept_outputs = kept_output_layers(context, shard, settings)
         # Their outputs and LSEs by (layer, chunk), parked with the layer inputs.
-        self.outputs = KeptOutputs(self.store, offload=settings.offload_inputs)
+        self.outputs = KeptOutputStore(self.store, offload=settings.offload_inputs)
         if settings.keep_output is not False:  # what "fit" (or a count) came to, for the run's summary
             context.notes["kept_attention_outputs"] = self.kept_outputs
 

@@ -1,27 +1,11 @@
-"""``memo``: token-wise activation swapping and recomputation (the Memo paper, §4.1).
+"""Memo's machinery for one model (:class:`MemoLayers`): each layer's forward under
+saved-tensor hooks that keep its input, its attention output and LSE whole and α's share of
+the tokens of every other saved tensor (:class:`~longtrain.memory.token_swap.LayerActivations`),
+the recomputation of the other tokens in backward, and the measurement that picks α.
 
-Each decoder layer keeps its input and its attention output (and the attention's
-log-sum-exp) in host memory; of every other tensor it saves for backward, a fraction
-``alpha`` of the tokens goes to host memory too and the rest is recomputed in backward
-— by running the layer on those tokens alone with the kept attention output standing
-in for attention (:mod:`longtrain.memory.token_swap`). So attention runs once per layer
-forward whatever ``alpha`` is, and with ``alpha = 1`` no layer op runs twice. The last
-``keep_last`` layers keep what they save on the device: their backward starts at once.
-
-``alpha="auto"`` is Memo's rule (DESIGN.md): the largest α whose copies hide under one
-layer's forward and whose host bytes fit the host budget,
-
-    α = min( (B·T_layer − S_in − S_attn) / S_others,
-             (M_host / (n − keep_last) − S_in − S_attn) / S_others )  clipped to [0, 1],
-
-with the sizes S measured on the second layer of the first step (both run with α = 0),
-one layer's forward time T_layer by one more forward of that layer with nothing saved
-or parked (the first layer has paid the kernels' one-time costs, and the training
-forward's time would include page-locking its host buffers), and the host bandwidth B
-measured by one copy of that layer's input. Under the simulator (fake tensors) nothing can be timed: the
-layer time comes from its FLOPs at :data:`DEFAULT_FLOPS_PER_S` and the bandwidth is
-:data:`DEFAULT_HOST_BANDWIDTH`. The chosen α and what it came from are reported in the
-engine context's notes (the trainer's summary shows them).
+Shapes: B batch rows, S tokens, d hidden size; a layer's input (B, S, d); attention's
+output kept as (B, S, H, D) and its LSE as (B, H, S), H query heads of D dimensions; α·S
+tokens (rounded) swapped, tokens ``[split, S)`` recomputed (``split`` = round(α·S)).
 """
 
 from __future__ import annotations
@@ -31,77 +15,31 @@ import contextlib
 import functools
 import time
 import weakref
-from dataclasses import dataclass
 
 import torch
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-import dataclasses
-
-from .. import validate
-from ..costs import StepWork, TechniqueCosts
-from ..errors import LongtrainError
-from ..memory.chunk_store import ChunkStore
-from ..models.kept_attention import KeepOutputAttention, KeptOutputAttention, KeptOutputs, kept_layers_that_fit
-from ..memory.pinned import host_empty
-from ..memory.token_swap import LayerActivations, storage_id
-from ..memory.tracker import untracked
-from ..memory.units import format_bytes
-from ..models.adapters import describe_model
-from ..models.attention import AttentionCall
-from ..ops import replay
-from ..ops.causal_attention import attention_from_output
-from ..registry import TechniqueSpec, register
+from ...errors import LongtrainError
+from ...memory.chunk_store import ChunkStore
+from ...models.kept_attention import RecordingAttention, ReplayingAttention, KeptOutputStore
+from ...memory.pinned import host_empty
+from ...memory.token_swap import LayerActivations, storage_id
+from ...memory.tracker import untracked
+from ...memory.units import format_bytes
+from ...models.adapters import describe_model
+from ...models.attention import AttentionCall
+from ...ops import replay
+from ...ops.causal_attention import attention_from_output
+from .costs import memo_alpha
+from .options import MemoOptions
 
 # Used where nothing can be measured (the simulator): an H100's rates at long context in
 # our run (650 TFLOP/s matmuls, 460 fused attention; longtrain.plan.time_model.H100) and a
 # pinned PCIe Gen5 x16 copy.
 DEFAULT_FLOPS_PER_S = 6.0e14
 DEFAULT_HOST_BANDWIDTH = 2.5e10
-
-
-@dataclass
-class MemoOptions:
-    """Knobs of Memo's token-wise swapping."""
-
-    alpha: float | str = "auto"  # fraction of tokens of the other saved tensors swapped to host; "auto": Memo's rule
-    host_memory: int | str | None = None  # host budget for the swapped activations; default: the run's host memory
-    offload: bool = True  # swap to host memory (false: keep on the device, to test the schedule)
-    keep_last: int = 2  # the last layers keep what they save on the device
-
-    def __post_init__(self):
-        if self.alpha != "auto":
-            if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 <= self.alpha <= 1:
-                raise LongtrainError(f"memo alpha must be a number in [0, 1] or 'auto', got {self.alpha!r}")
-            self.alpha = float(self.alpha)
-        if self.host_memory is not None:
-            self.host_memory = validate.byte_size("memo", "host_memory", self.host_memory)
-            if self.host_memory <= 0:
-                raise LongtrainError(f"memo host_memory must be positive, got {self.host_memory!r}")
-        validate.flag("memo", "offload", self.offload)
-        validate.positive_int("memo", "keep_last", self.keep_last, minimum=0)
-
-
-def memo_alpha(*, input_bytes: float, attention_bytes: float, other_bytes: float, bandwidth: float,
-               layer_seconds: float, layers: int, host_budget: float, keep_last: int = 2) -> float:
-    """Memo's α (module docstring): the largest fraction of the other saved tensors'
-    tokens that can go to host memory without exposing copies or exceeding the budget."""
-    swapped_layers = max(1, layers - keep_last)
-    always = input_bytes + attention_bytes
-    # The inputs first (a layer needs its input to recompute), then the attention outputs: every one must fit.
-    if kept_layers_that_fit(swapped_layers, host_budget, swapped_layers * input_bytes, attention_bytes) < swapped_layers:
-        raise LongtrainError(
-            f"memo keeps every layer's input and attention output in host memory: {swapped_layers} layers × "
-            f"{format_bytes(always)} = {format_bytes(swapped_layers * always)}, over the host budget of "
-            f"{format_bytes(host_budget)}; raise memo:host_memory, shorten the sequence, or use another strategy"
-        )
-    if other_bytes <= 0:
-        return 1.0
-    by_time = (bandwidth * layer_seconds - always) / other_bytes
-    by_host = (host_budget / swapped_layers - always) / other_bytes
-    return float(min(1.0, max(0.0, min(by_time, by_host))))
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -126,21 +64,21 @@ class _InRecord:
         return self.record.fetch(self._NAMES[key[0]])
 
 
-def _kept_outputs(record: LayerActivations) -> KeptOutputs:
+def _outputs_in_record(record: LayerActivations) -> KeptOutputStore:
     """The layer's attention output, kept in the (B, S, H, D) layout the layer reads next,
     so that the output projection's saved input is a view of the kept tensor, not a second copy."""
-    return KeptOutputs(_InRecord(record), layout="BSHD")
+    return KeptOutputStore(_InRecord(record), layout="BSHD")
 
 
-def _KeptOutputAttention(inner: AttentionCall, record: LayerActivations) -> KeepOutputAttention:
+def _forward_attention(inner: AttentionCall, record: LayerActivations) -> RecordingAttention:
     """The forward's attention: computed once, its output and LSE kept whole."""
-    return KeepOutputAttention(inner, _kept_outputs(record), "attention",
-                               refusal="memo needs attention over the whole sequence (the backprop engine)")
+    return RecordingAttention(inner, _outputs_in_record(record), "attention",
+                              refusal="memo needs attention over the whole sequence (the backprop engine)")
 
 
-def _StandInAttention(record: LayerActivations, split: int, mask) -> KeptOutputAttention:
+def _recomputation_attention(record: LayerActivations, split: int, mask) -> ReplayingAttention:
     """The recomputation's attention: the kept output of tokens ``[split, S)``."""
-    return KeptOutputAttention(_kept_outputs(record), "attention", mask, start=split)
+    return ReplayingAttention(_outputs_in_record(record), "attention", mask, start=split)
 
 
 class _ShapeOnlyAttention(AttentionCall):
@@ -215,7 +153,7 @@ class MemoLayers:
         if split < tokens:  # the recomputation starts from the layer input's recomputed tokens
             record.keep("input", hidden.detach()[:, split:].contiguous())
         plain = args, kwargs
-        args, kwargs = _with_hidden(args, kwargs, hidden, _KeptOutputAttention(call, record))
+        args, kwargs = _with_hidden(args, kwargs, hidden, _forward_attention(call, record))
         replays = split < tokens and not _is_fake(hidden)
         before = replay.capture(hidden) if replays else None
         recording = replay.recording(draws) if replays and self._may_draw(index, layer) else contextlib.nullcontext()
@@ -244,8 +182,7 @@ class MemoLayers:
         next step on: their buffers are pinned in this step — what the first layer run at α
         keeps and they lack (by the pool's key: element count and dtype), set aside after
         the last layer's forward so that no layer of this step takes them — and no later
-        step pins memory (page-locking GBs is a slow system call; on the H100 the first
-        timed step was the one that pinned them, 2.6 GB per layer at 32K)."""
+        step pins memory (page-locking GBs is a slow system call)."""
         if self._early is None or not self.options.offload:
             return
         if before_alpha:
@@ -300,10 +237,9 @@ class MemoLayers:
     def _time_forward(layer_forward, args, kwargs, hidden: torch.Tensor) -> float | None:
         """Seconds of one more forward of the layer, with nothing saved or parked (None on
         fake tensors). Not the training forward's own time: in the first step that one
-        also page-locks the host buffers its parked tensors go to (a slow system call, ~1 s
-        per few GB), which on the H100 made T_layer three to five times what the layer's FLOPs
-        take at 600 TFLOP/s and so overstated α (16K: 80 ms against ~16 ms, α 1.00; the
-        exposed copies likely made Memo slower than checkpointing). Runs after the layer's training forward, so its kernels are warm."""
+        also page-locks the host buffers its parked tensors go to (a slow system call),
+        which would make T_layer far more than the layer's compute and so overstate α.
+        Runs after the layer's training forward, so its kernels are warm."""
         if _is_fake(hidden):
             return None
         cuda = hidden.device.type == "cuda"
@@ -347,7 +283,7 @@ def _recompute(layer_forward, rest_args, kwargs, split, requires_grad, autocast,
     record = record_ref()
     hidden = record.fetch("input").detach().requires_grad_(requires_grad)
     kwargs = dict(kwargs)
-    kwargs["attention_mask"] = _StandInAttention(record, split, kwargs["attention_mask"].mask)
+    kwargs["attention_mask"] = _recomputation_attention(record, split, kwargs["attention_mask"].mask)
     kwargs["position_embeddings"] = _from_token(kwargs.get("position_embeddings"), split)
     device_type, dtype, enabled = autocast
     with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled), \
@@ -447,93 +383,3 @@ def _layer_flops(context, layer, hidden: torch.Tensor) -> float:
         block = shape.feed_forward[context.adapter.layer_index(layer)]
         matmul -= block.parameters(shape.hidden) - block.parameters(shape.hidden, active_only=True)
     return batch * (2.0 * tokens * matmul + 2.0 * shape.attention_width * tokens * tokens)
-
-
-def _memo_forward(memo: MemoLayers, index: int, layer, layer_forward, *args, **kwargs):
-    if not torch.is_grad_enabled():  # evaluation: nothing is saved
-        return layer_forward(*args, **kwargs)
-    return memo.forward(index, layer, layer_forward, args, kwargs)
-
-
-class MemoCosts(TechniqueCosts):
-    """Memo: every layer's input and attention output in host memory, an α share of the
-    rest; backward recomputes the (1 − α) share token-wise, never attention."""
-
-    decides_at_first_step = True  # α is chosen from the first step's sizes
-
-    def layers_apart_at_top(self, options: MemoOptions) -> int:
-        return options.keep_last
-
-    def small_options(self, options: MemoOptions, layers: int, full: int):
-        """The budget of the layers below ``keep_last`` scaled to those simulated, so α is the full model's."""
-        budget, top = options.host_memory, options.keep_last
-        share = None if budget is None else max(1, budget * max(1, layers - top) // max(1, full - top))
-        return dataclasses.replace(options, host_memory=share)
-
-    def full_notes(self, options: MemoOptions, notes: dict) -> None:
-        if "memo_host_budget" in notes:
-            notes["memo_host_budget"] = options.host_memory  # the small simulations' is a share of it
-
-    def parked(self, config, seq_len, options: MemoOptions, item, batch, engine_offloads):
-        shape = describe_model(config)
-        return 0, shape.layers * batch * seq_len * shape.hidden * item  # inputs, with more
-
-    def fragmentation(self, options: MemoOptions) -> str:
-        return "offload"
-
-    def with_host_budget(self, options: MemoOptions, room: int):
-        return dataclasses.replace(options, host_memory=max(1, room))
-
-    def candidates(self, host_memory):
-        return {"memo": {"host_memory": host_memory}}
-
-    def serves(self, adapter_class, options) -> bool:
-        return adapter_class.has_attention  # it keeps attention outputs
-
-    def describe(self, work: StepWork, options: MemoOptions) -> None:
-        work.mlp_forward_charged = True
-
-    def add_work(self, work: StepWork, options: MemoOptions) -> None:
-        notes = work.notes
-        alpha = notes.get("memo_alpha", options.alpha if options.alpha != "auto" else 0.0)
-        work.matmul += (1 - alpha) * (work.layer_fwd - (work.mlp_fwd if work.tiled_mlp else 0))
-        if work.tiled_mlp:
-            # The tiled backward's forward, and the (1 − α) share of checkpointing's third MLP
-            # forward (the elementwise work a token-wise recomputation repeats): at α = 0 Memo
-            # is checkpointing with attention kept, and is predicted as such.
-            work.matmul += work.mlp_fwd + (1 - alpha) * work.mlp_fwd
-        if "memo_input_bytes" in notes:
-            moved = notes["memo_input_bytes"] + notes["memo_attention_bytes"] + alpha * notes["memo_other_bytes"]
-            n = work.layers
-            layer_seconds = (work.layer_fwd / n + work.attention_fwd / n) / work.rates.matmul
-            work.exposed = n * max(0.0, moved / work.rates.host_bandwidth - layer_seconds)
-
-
-def install_memo(context, options: MemoOptions) -> None:
-    adapter = context.adapter
-    if not adapter.has_attention:
-        raise LongtrainError("memo keeps attention outputs; this model has no attention (use the adjoint engine)")
-    if adapter.description.is_moe and options.alpha != 1:
-        raise LongtrainError("memo recomputes part of each layer's tokens, and a mixture of experts saves its "
-                             "activations in groups of tokens routed to each expert, not token by token; use "
-                             "memo:alpha=1 (every activation swapped, nothing recomputed) or checkpoint")
-    memo = MemoLayers(context, options)
-    for index, layer in enumerate(adapter.layers):
-        layer.forward = functools.partial(_memo_forward, memo, index, layer, layer.forward)
-
-
-register(TechniqueSpec("memo", MemoOptions, install_memo, "token-wise activation swapping to host + recomputation without attention (exact)",
-                    excludes={
-                        "checkpoint": "memo already recomputes what it does not swap; drop 'checkpoint'",
-                        "liger": "memo learns what a layer saves from a run on fake tensors, which Liger's Triton kernels "
-                                 "cannot take; drop 'liger' or use checkpoint,mst,liger"},
-                    costs=MemoCosts(), sequence_parallel=False))
-
-
-_RENAMED = {"Memo": "MemoOptions"}  # earlier names, still importable with a warning
-
-
-def __getattr__(name: str):
-    from .._aliases import renamed
-
-    return renamed(__name__, globals(), _RENAMED, name)
