@@ -198,6 +198,12 @@ class TechniqueCosts(HostBudgetKnob):
         """The options for a simulation of ``layers`` of the model's ``full`` layers."""
         return options
 
+    def budget_stops_layers(self, options, config, batch: int, tokens: int, item: int) -> bool:
+        """Whether its host budget stops it partway up the model at ``batch`` × ``tokens``
+        tokens (``item`` bytes per element): some layers park or keep what the others
+        cannot, so a few layers cannot stand for the model."""
+        return False
+
     def full_notes(self, options, notes: dict) -> None:
         """Correct in place what small simulations noted to the full model's figures."""
 

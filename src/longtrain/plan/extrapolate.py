@@ -255,14 +255,11 @@ def _kept_outputs_apart(config, strategy: Strategy, batch_size: int, dtype: torc
 
 def _budget_stops_layers(config, seq_len: int, strategy: Strategy, batch: int, item: int) -> bool:
     """Whether a technique's host budget stops it partway up the model — some layers park or
-    keep what the others cannot (``host_bytes_wanted`` over ``host_memory``). Which ones is
+    keep what the others cannot (:meth:`~longtrain.costs.TechniqueCosts.budget_stops_layers`). Which ones is
     a count of whole layers, not a share, so a few layers cannot stand for the model: it is
     simulated whole (where nothing stops, the small simulations run without the budget)."""
-    for options in strategy.techniques.values():
-        wanted, budget = getattr(options, "host_bytes_wanted", None), getattr(options, "host_memory", None)
-        if wanted is not None and budget is not None and wanted(config, batch, seq_len, item) > budget:
-            return True
-    return False
+    return any(registry.technique(name).costs.budget_stops_layers(options, config, batch, seq_len, item)
+               for name, options in strategy.techniques.items())
 
 
 def _bilinear(values: dict, a: int, b: int, u: int, v: int) -> tuple:

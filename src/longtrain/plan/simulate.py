@@ -452,13 +452,14 @@ def on_machine(strategy: Strategy, host_memory: int | None) -> Strategy:
     if host_memory is None:
         return strategy
 
-    def resolved(options):
-        if dataclasses.is_dataclass(options) and getattr(options, "host_memory", 0) is None:
-            return dataclasses.replace(options, host_memory=host_memory)
+    def resolved(costs, options):
+        if costs.host_budget_option is not None and costs.host_budget(options) is None:
+            return costs.with_host_budget_named(options, host_memory)
         return options
 
-    return Strategy(strategy.engine, resolved(strategy.engine_options), strategy.sequence_parallel,
-                    **{name: resolved(options) for name, options in strategy.techniques.items()})
+    return Strategy(strategy.engine, resolved(registry.engine(strategy.engine).costs, strategy.engine_options),
+                    strategy.sequence_parallel, **{name: resolved(registry.technique(name).costs, options)
+                                                   for name, options in strategy.techniques.items()})
 
 
 def chunk_curve(model: str | PretrainedConfig, strategy: Strategy | str, *, batch_size: int = 1,

@@ -44,6 +44,12 @@ class CheckpointCosts(TechniqueCosts):
     first in the host budget), each layer's forward once more in backward, attention's
     skipped where its output is kept; ``except_last`` top layers left whole."""
 
+    host_budget_option = "host_memory"
+
+    def budget_stops_layers(self, options, config, batch: int, tokens: int, item: int) -> bool:
+        wanted, budget = options.host_bytes_wanted(config, batch, tokens, item), options.host_memory
+        return budget is not None and wanted > budget
+
     def layers_apart_at_top(self, options: CheckpointOptions) -> int:
         return options.except_last
 

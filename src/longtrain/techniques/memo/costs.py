@@ -39,6 +39,8 @@ class MemoCosts(TechniqueCosts):
     """Memo: every layer's input and attention output in host memory, an α share of the
     rest; backward recomputes the (1 − α) share token-wise, never attention."""
 
+    host_budget_option = "host_memory"
+
     decides_at_first_step = True  # α is chosen from the first step's sizes
 
     def layers_apart_at_top(self, options: MemoOptions) -> int:
