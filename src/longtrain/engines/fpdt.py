@@ -263,12 +263,3 @@ register(EngineSpec("fpdt", FPDTOptions, fpdt_step, "layer-major chunked attenti
     accepts=("mst", "liger"),
     conflicts={"checkpoint": "the fpdt engine already recomputes every layer chunk by chunk; drop 'checkpoint'"},
     check=lambda context: check_chunkable(context, "fpdt"), sequence_parallel=True, costs=FPDTCosts(),))
-
-
-_RENAMED = {"FPDT": "FPDTOptions"}  # earlier names, still importable with a warning
-
-
-def __getattr__(name: str):
-    from .._aliases import renamed
-
-    return renamed(__name__, globals(), _RENAMED, name)

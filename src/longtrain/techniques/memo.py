@@ -528,12 +528,3 @@ register(TechniqueSpec("memo", MemoOptions, install_memo, "token-wise activation
                         "liger": "memo learns what a layer saves from a run on fake tensors, which Liger's Triton kernels "
                                  "cannot take; drop 'liger' or use checkpoint,mst,liger"},
                     costs=MemoCosts(), sequence_parallel=False))
-
-
-_RENAMED = {"Memo": "MemoOptions"}  # earlier names, still importable with a warning
-
-
-def __getattr__(name: str):
-    from .._aliases import renamed
-
-    return renamed(__name__, globals(), _RENAMED, name)

@@ -111,12 +111,3 @@ def install_mst(context, options: MsTOptions) -> None:
 
 
 register(TechniqueSpec("mst", MsTOptions, install_mst, "mini-sequence MLP and LM-head + loss (exact)", costs=MsTCosts()))
-
-
-_RENAMED = {"MsT": "MsTOptions"}  # earlier names, still importable with a warning
-
-
-def __getattr__(name: str):
-    from .._aliases import renamed
-
-    return renamed(__name__, globals(), _RENAMED, name)
