@@ -78,8 +78,7 @@ from _report import DOCS, write_report  # noqa: E402
 import longtrain as lt  # noqa: E402
 from longtrain.memory.allocator import allocator_setting  # noqa: E402
 from longtrain.memory.units import physical_memory  # noqa: E402
-from longtrain.memory.flops import device_peak_flops  # noqa: E402
-from longtrain.models.flops import model_flops_per_sample  # noqa: E402
+from longtrain.models.flops import device_peak_flops, model_flops_per_sample  # noqa: E402
 from longtrain.memory.units import parse_tokens  # noqa: E402
 from longtrain.models.loading import build_from_config, default_dtype  # noqa: E402
 from longtrain.models.presets import preset_config  # noqa: E402

@@ -44,7 +44,7 @@ import torch  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 import longtrain as lt  # noqa: E402
-from longtrain.memory import plan as P  # noqa: E402
+from longtrain.memory import placement as P  # noqa: E402
 from longtrain.memory.tracker import MemoryTracker  # noqa: E402
 from longtrain.models.loading import build_from_config, default_dtype  # noqa: E402
 from longtrain.models.presets import preset_config  # noqa: E402

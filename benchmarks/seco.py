@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import LlamaConfig
 
 import longtrain as lt
-from longtrain.memory.flops import count_flops
+from longtrain.models.flops import count_flops
 from longtrain.plan.simulate import run_training_steps, simulate
 from longtrain.models.loading import build_from_config, default_dtype, load_config
 

@@ -85,6 +85,23 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def without_out(argv: list[str]) -> list[str]:
+    """``argv`` without ``--out DIR`` (or ``--out=DIR``, or a prefix of ``--out`` that argparse
+    takes for it): the record says how the weights were made, not where one machine wrote
+    them, so no absolute path of that machine ends up shipped beside them."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        flag, equals, _ = arg.partition("=")
+        if len(flag) >= 4 and "--out".startswith(flag):
+            skip = not equals
+            continue
+        kept.append(arg)
+    return kept
+
+
 def lr_at(step: int, warmup: int, total: int, peak: float) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -237,8 +254,9 @@ def main(argv=None) -> int:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "pretraining.json").write_text(json.dumps({
-        "command": " ".join(["python", "scripts/pretrain_demo.py", *(sys.argv[1:] if argv is None else argv)]),
-        "args": vars(args), "parameters": n_params, "train_seconds": round(train_seconds, 1), "steps": total,
+        "command": " ".join(["python", "scripts/pretrain_demo.py", *without_out(sys.argv[1:] if argv is None else argv)]),
+        "args": {k: v for k, v in vars(args).items() if k != "out"}, "parameters": n_params,
+        "train_seconds": round(train_seconds, 1), "steps": total,
         "final_loss": round(sum(losses[-50:]) / min(50, len(losses)), 4), "heldout_accuracy": final,
     }, indent=2) + "\n")
     print(f"pretrain_demo: wrote {out}; {time.perf_counter() - start:.0f} s in all", flush=True)

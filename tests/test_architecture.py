@@ -8,8 +8,6 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
-
 
 SOURCE = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "longtrain"
@@ -151,28 +149,10 @@ def test_docs_and_code_speak_of_the_project_only():
     assert not found, found
 
 
-def test_renamed_names_still_import_with_one_warning():
-    import warnings
-
-    from longtrain.engines import batch
-
-    with pytest.warns(FutureWarning, match="Sequence is now PreparedBatch"):
-        assert batch.Sequence is batch.PreparedBatch
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert batch.Sequence is batch.PreparedBatch  # once only
-    with pytest.raises(AttributeError):
-        batch.NoSuchName
-
-
-@pytest.mark.parametrize("old, new", [("FPDT", "FPDTOptions"), ("MsT", "MsTOptions"), ("Memo", "MemoOptions"),
-                                      ("Ulysses", "UlyssesOptions")])
-def test_options_classes_share_one_naming_scheme_and_the_old_names_warn(old, new):
-    """Every options class is <Name>Options; the earlier names still work, with a warning."""
+def test_options_classes_share_one_naming_scheme():
+    """Every options class is <Name>Options."""
     import longtrain as lt
 
-    with pytest.warns(FutureWarning, match=f"{old} is now {new}"):
-        assert getattr(lt, old) is getattr(lt, new)
     assert all(name.endswith("Options") for name in lt.__all__ if name[0].isupper() and name not in
                ("LongtrainError", "Strategy"))
 

@@ -435,7 +435,7 @@ def test_fuzz_train_config(data):
 
 
 def test_a_checkpoint_moved_aside_while_its_step_was_resaved_is_put_back(tmp_path):
-    from longtrain.train import checkpoint as ckpt
+    from longtrain.train import run_checkpoints as ckpt
 
     saved = ckpt.save_checkpoint(tmp_path, 1, {"a.txt": lambda p: p.write_text("good")}, {})
     os.rename(saved, tmp_path / ".old-step-00000001-4242")  # killed between the two renames of a re-save
@@ -597,7 +597,7 @@ def test_after_a_divergence_the_checkpoint_named_is_the_newest_that_still_traine
     """Checkpoints at steps 1-3, the loss of step 3 already blown up (40 × the first), step 4
     not finite: step 3's weights gave the non-finite loss, step 2's the blown-up one, so the
     way forward is step 1 (``--resume-from`` it); with step 3 sane, the latest (``--resume``)."""
-    from longtrain.train import checkpoint as ckpt
+    from longtrain.train import run_checkpoints as ckpt
     from longtrain.train.divergence import diverged
 
     for step in (1, 2, 3):

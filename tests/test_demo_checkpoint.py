@@ -22,6 +22,7 @@ def test_the_demo_preset_starts_from_the_shipped_weights_and_from_scratch_from_r
     assert sum(f.stat().st_size for f in folder.iterdir()) < 5_000_000  # "a few MB", shipped in the package
     record = json.loads((folder / "pretraining.json").read_text())
     assert record["command"].startswith("python scripts/pretrain_demo.py") and record["heldout_accuracy"]
+    assert "--out" not in record["command"] and "out" not in record["args"]  # no path of the machine that trained it
     shipped = load_file(folder / "model.safetensors")
     model, tokenizer = build_model(TrainConfig(), torch.float32)
     assert tokenizer.vocab_size <= model.config.vocab_size
@@ -62,6 +63,7 @@ def test_the_pretraining_script_writes_a_model_directory_the_trainer_loads(tmp_p
         torch.set_num_threads(threads)
     record = json.loads((out / "pretraining.json").read_text())
     assert record["steps"] == 4 and set(record["heldout_accuracy"]) == {"256", "1024"}
+    assert str(out) not in json.dumps(record) and "out" not in record["args"]  # where it was written is not recorded
     code = main(["train", "--model", str(out), "--seq-len", "1024", "--steps", "1", "--eval-samples", "1", "--no-progress",
                  "--out", str(tmp_path / "run")])
     assert code == 0, capsys.readouterr().err

@@ -243,7 +243,7 @@ def test_the_description_counts_the_layers_weights_as_built(family):
 def test_a_mixture_of_experts_counts_the_flops_of_its_active_experts():
     """The forward's matmul FLOPs, counted by PyTorch on the model (experts one by one),
     are 2 per active parameter and token, not per parameter held."""
-    from longtrain.memory.flops import count_flops
+    from longtrain.models.flops import count_flops
 
     config = tiny_config("qwen3_moe")
     model = build_from_config(config, torch.float64)

@@ -1,9 +1,8 @@
 import torch
 
 import longtrain as lt
-from longtrain.memory.flops import causal_lm_flops, count_flops, matmul_parameters, mfu
 from longtrain.models.adapters import describe_model
-from longtrain.models.flops import model_flops_per_sample
+from longtrain.models.flops import causal_lm_flops, count_flops, matmul_parameters, mfu, model_flops_per_sample
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
 

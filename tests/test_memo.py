@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import longtrain as lt
-from longtrain.memory.flops import count_flops
+from longtrain.models.flops import count_flops
 from longtrain.memory.token_swap import NotTokenWise, token_axis
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config

@@ -33,8 +33,6 @@ _LAZY = {
     "MemoOptions": "techniques.memo",
     "MsTOptions": "techniques.mst",
 }
-# Deprecated names of the options classes: importable, with a FutureWarning once.
-_RENAMED = {"FPDT": "FPDTOptions", "Ulysses": "UlyssesOptions", "Memo": "MemoOptions", "MsT": "MsTOptions"}
 
 
 def simulate(model, seq_len, *args, **kwargs):
@@ -51,10 +49,6 @@ def simulate(model, seq_len, *args, **kwargs):
 
 
 def __getattr__(name: str):
-    if name in _RENAMED:
-        from ._aliases import renamed
-
-        return renamed(__name__, {_RENAMED[name]: __getattr__(_RENAMED[name])}, _RENAMED, name)
     if name in _LAZY:
         value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
         globals()[name] = value  # later lookups skip this function

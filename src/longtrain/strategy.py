@@ -12,7 +12,6 @@ longtrain keeps there; :func:`step` hands that context to the engine.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import typing
 from dataclasses import dataclass
@@ -353,9 +352,11 @@ def _same_engine(spec: str, named: tuple[str, dict], given: tuple[str, dict]) ->
     return {**named[1], **given[1]}
 
 
-# Where each built-in technique installs, innermost first: fused kernels replace stock ops,
-# MsT tiles the MLP and the head, and what wraps a whole layer (Memo, checkpointing) comes
-# last, around the patched layer. Techniques registered elsewhere follow, in registration order.
+# The order apply() installs the built-in techniques in, innermost first: liger's fused
+# RMSNorm, gated MLP and rotary kernels replace the stock ops; mst runs the MLPs and the
+# head in mini-sequences; what wraps a whole (patched) layer comes last, memo's token-wise
+# swapping, then checkpoint's recomputation. Techniques registered elsewhere follow, in
+# registration order (install_order, the one place that orders them).
 INSTALL_SEQUENCE = ("liger", "mst", "memo", "checkpoint")
 
 
@@ -409,13 +410,8 @@ def apply(model, strategy: "Strategy | str | None"):
     _check_trainable(context)
     _route_attention(context)
     context.router_balance = install_router_balance(context.adapter)  # before any technique wraps a layer
-    install = functools.partial(_install, context)
-    install("liger")  # fused RMSNorm, gated MLP and rotary kernels in place of the stock ops
-    install("mst")  # the MLPs and the head in mini-sequences
-    install("memo")  # token-wise swapping around each (patched) layer
-    install("checkpoint")  # recomputation around each (patched) layer
-    for name in install_order(set(strategy.techniques) - set(INSTALL_SEQUENCE)):
-        install(name)
+    for name in install_order(strategy.techniques):  # INSTALL_SEQUENCE, then the others
+        registry.technique(name).install(context, strategy.techniques[name])
     if strategy.sequence_parallel is not None:
         distribute(context)  # join the group, shard parameters over all ranks (FSDP2)
     # (an engine's layer groups split the layers over processes once they are known:
@@ -444,13 +440,6 @@ def _route_attention(context: EngineContext) -> None:
         use_longtrain_attention(base)
     if hasattr(base.config, "use_cache"):
         base.config.use_cache = False
-
-
-def _install(context: EngineContext, name: str) -> None:
-    """Install technique ``name`` if the strategy has it."""
-    options = context.strategy.techniques.get(name)
-    if options is not None:
-        registry.technique(name).install(context, options)
 
 
 def engine_context(model, strategy: "Strategy | str") -> EngineContext:

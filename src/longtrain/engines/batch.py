@@ -180,12 +180,3 @@ def shard_sequence(seq: PreparedBatch, sp=None, chunk: int | None = None, rank: 
     bounds = layout.gathered_bounds() if chunk is not None else None
     return Shard(input_ids[:, index], targets[:, index], positions[:, index], SequenceMask(segments, valid),
                  seq.num_label_tokens, positions, index, bounds, None if rows is None else rows[:, index])
-
-
-_RENAMED = {"Sequence": "PreparedBatch"}  # earlier names, still importable with a warning
-
-
-def __getattr__(name: str):
-    from .._aliases import renamed
-
-    return renamed(__name__, globals(), _RENAMED, name)

@@ -178,12 +178,3 @@ def distribute(context) -> None:
     context.sequence_parallel.fsdp_root = shard_parameters(
         [*ends, *adapter.layers], [adapter.model, head], first.device.type, compute)
     check_all_sharded(adapter.model)
-
-
-_RENAMED = {"Ulysses": "UlyssesOptions"}  # earlier names, still importable with a warning
-
-
-def __getattr__(name: str):
-    from .._aliases import renamed
-
-    return renamed(__name__, globals(), _RENAMED, name)

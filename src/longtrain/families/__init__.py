@@ -18,10 +18,11 @@ the Llama-layout adapter, which tells whether registering the family's name woul
 from __future__ import annotations
 
 from .cases import (BATCHES, DROPOUT, FD_TOLERANCE, ROUTER_AUX_LOSS_COEF, STRATEGIES, TOLERANCE, causal_families,
-                    float64_throughout, tiny_config)
+                    tiny_config)
 from .check import check_family
 from .child import MEMORY_LIMIT, check_in_process
 from .dropout import directional_error, dropout_errors
+from .float64 import float64_throughout
 from .result import FamilyResult
 from .table import merged, write_table
 

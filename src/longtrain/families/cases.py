@@ -1,23 +1,18 @@
-"""What the family check builds and runs: tiny configs, the batches, the strategies, the
-tolerances, and the float64 patch that keeps norms and softmaxes in float64 for both models."""
+"""What the family check builds and runs: tiny configs, the batches, the strategies and the
+tolerances (the float64 kept through stock models' float32 casts: :mod:`.float64`)."""
 
 from __future__ import annotations
 
 import contextlib
-from unittest import mock
 
 import torch
-import torch.nn.functional as F
 
 __all__ = ["BATCHES", "DROPOUT", "FD_TOLERANCE", "ROUTER_AUX_LOSS_COEF", "STRATEGIES", "TOLERANCE", "causal_families",
-           "float64_throughout", "tiny_config"]
+           "tiny_config"]
 
 TOLERANCE = 1e-10
 
 VOCAB = 320
-
-# Small enough to run every family in seconds; heads ≠ K/V heads (grouped K/V), a
-# sliding window shorter than the sequence, two experts of four per token.
 
 # Small enough to run every family in seconds; heads ≠ K/V heads (grouped K/V), a
 # sliding window shorter than the sequence, two experts of four per token.
@@ -70,30 +65,6 @@ def _shrink(config) -> None:
         sub = getattr(config, name, None)
         if sub is not None and hasattr(sub, "to_dict"):
             _shrink(sub)
-
-@contextlib.contextmanager
-def float64_throughout():
-    """Norms, softmaxes and routers that compute in float32 whatever their input keep
-    float64 inputs in float64, for the stock model and longtrain's alike. Identical
-    inputs round identically, but a chunked engine sums attention in another order, and
-    float32 rounding of a 1e-16 difference would hide the method's own error."""
-    to, softmax = torch.Tensor.to, F.softmax
-
-    def keep_float64(self, *args, **kwargs):
-        wanted = kwargs.get("dtype", args[0] if args and isinstance(args[0], torch.dtype) else None)
-        if wanted == torch.float32 and self.dtype == torch.float64:
-            return self
-        return to(self, *args, **kwargs)
-
-    def float_keeping(self, *args, **kwargs):
-        return self if self.dtype == torch.float64 else to(self, torch.float32)
-
-    def softmax_keeping(x, dim=None, _stacklevel=3, dtype=None):
-        return softmax(x, dim=dim, dtype=x.dtype if x.dtype == torch.float64 else dtype)
-
-    with mock.patch.object(torch.Tensor, "to", keep_float64), mock.patch.object(torch.Tensor, "float", float_keeping), \
-            mock.patch.object(F, "softmax", softmax_keeping):
-        yield
 
 def _padded(left: bool) -> dict:
     generator = torch.Generator().manual_seed(1)

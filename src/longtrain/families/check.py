@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import LongtrainError
-from .cases import (BATCHES, FD_TOLERANCE, ROUTER_AUX_LOSS_COEF, STRATEGIES, TOLERANCE, _strategies, float64_throughout,
-                    tiny_config)
+from .cases import BATCHES, FD_TOLERANCE, ROUTER_AUX_LOSS_COEF, STRATEGIES, TOLERANCE, _strategies, tiny_config
 from .dropout import _with_dropouts, dropout_errors
+from .float64 import float64_throughout
 from .result import FamilyResult, _finish, _is_refusal, _one_line
 
 __all__ = ["check_family"]

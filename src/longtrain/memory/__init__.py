@@ -1,4 +1,4 @@
-"""Where tensors live and how much: measurement, simulation, FLOPs.
+"""Where tensors live and how much: measurement, simulation, offline placement.
 
 The names below are imported on first use (PEP 562): the command line reads sizes and
 token counts (``units``) before torch, which the tracker needs, is loaded.

@@ -3,9 +3,9 @@
 A chunked step allocates tensors of a few chunk-sized shapes whose lifetimes interleave
 (a chunk's K/V, a prefetched copy, a gradient accumulator), and host offload frees
 device copies on side streams. With PyTorch's default allocator those frees leave
-fixed-size segments half used: on an H100 the reserved peak of chunked attention with
-offload is 1.31–1.43× the allocated one (docs/chunked_attention.md), and the reserved
-peak is what runs out. Expandable segments grow one mapping per stream
+fixed-size segments half used, so the reserved peak of chunked attention with offload
+lies well above the allocated one (docs/chunked_attention.md), and the reserved peak is
+what runs out. Expandable segments grow one mapping per stream
 instead, which keeps the reservation near the allocation (PyTorch's CUDA notes,
 "Optimizing memory usage with PYTORCH_CUDA_ALLOC_CONF").
 

@@ -6,7 +6,7 @@ counts the bytes asked for then understates what is pinned by up to 2×: Llama-3
 embedding, 2.0 GiB as float32 master weights, pins 4 GiB; a 100K-token layer input of
 781 MiB pins 1 GiB; Memo's α-sized buffers any amount up to twice theirs. Pinned pages
 cannot be swapped out, so the gap is where a run meets the kernel's out-of-memory
-killer, with no message (a likely part of Memo's kill at 128K tokens on the H100).
+killer, with no message.
 
 :func:`host_empty` pins its own: anonymous memory mapped by the kernel (page-aligned,
 exactly the requested pages), page-locked with ``cudaHostRegister``, unlocked when the

@@ -231,9 +231,9 @@ class MemoryTracker(TorchDispatchMode):
 
     def trace(self):
         """The device lifetimes of the storages allocated since the last :meth:`reset_peak`,
-        as :class:`~longtrain.memory.plan.Block` s for the memory planner (time in the
+        as :class:`~longtrain.memory.placement.Block` s for the memory planner (time in the
         tracker's event clock; storages still alive end after the last event)."""
-        from .plan import Block
+        from .placement import Block
 
         with self._lock:
             end = self._clock + 1

@@ -65,8 +65,7 @@ def pinned_host_budget() -> int:
     """The default budget for activations kept in pinned host memory: half the physical
     memory, shared by the processes ``torchrun`` starts on this machine (its
     ``LOCAL_WORLD_SIZE``). Pinned pages cannot be swapped out, and the processes (their
-    pools' other buffers, the data loaders) and the OS need the rest: with 80%, Memo at
-    128K tokens of Llama-3-8B on a 125 GiB H100 host was killed by the kernel's
-    out-of-memory killer."""
+    pools' other buffers, the data loaders) and the OS need the rest: a larger share ends
+    in the kernel's out-of-memory killer (docs/memo.md, docs/speed.md)."""
     local = os.environ.get("LOCAL_WORLD_SIZE", "1")
     return physical_memory() // 2 // (int(local) if local.isdigit() and int(local) > 0 else 1)

@@ -11,7 +11,7 @@ the fastest exact one for the device, dtype and head dimension (:func:`attention
 chosen once and cached):
 
 - **cudnn**: ``aten::_scaled_dot_product_cudnn_attention[_backward]``, cuDNN's fused
-  attention (about 1.9× the FA2 kernels on an H100: docs/speed.md).
+  attention (faster than the FA2 kernels on Hopper: docs/speed.md).
   Hopper and later (sm90+), fp16/bf16, head dimension a multiple of 8 up to 128.
   Takes grouped K/V heads as they are and returns dK/dV grouped; returns the LSE as
   (B, H, S, 1) float32; its backward accepts an outside output and LSE.

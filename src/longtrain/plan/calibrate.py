@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from ..errors import LongtrainError
-from ..memory.flops import device_peak_flops
+from ..models.flops import device_peak_flops
 from .time_model import H100, MachineRates
 
 __all__ = ["device_name", "load", "local_rates", "measure", "save", "store_dir"]

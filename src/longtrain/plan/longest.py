@@ -17,8 +17,8 @@ that fit is an interval from zero, and its end is found by bracketing and refini
 
 The length reported always fits by a whole-length simulation, and one step beyond does
 not. (A line through two short simulations would overestimate: the peak moves between
-places as the length grows, e.g. 17 KB per token at 16K tokens and 84 KB at 512K for
-Llama-3-8B under FPDT with segments.)
+places as the length grows, each growing faster than the last; docs/planner.md has an
+example.)
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from transformers import PretrainedConfig
 
 from .. import registry
 from ..errors import LongtrainError
-from ..memory.plan import fragmentation_report
+from ..memory.placement import fragmentation_report
 from ..memory.tracker import CATEGORIES, MemoryReport, MemoryTracker, in_backward
 from ..memory.units import format_bytes, parse_bytes
 from ..models.adapters import adapter_class, describe_model
@@ -363,7 +363,7 @@ def simulate(
     ``lora_rank``: train LoRA adapters of this rank (every linear layer but the head, as
     ``longtrain train --lora``): the base weights are frozen (no gradients, no optimizer
     state). ``fragmentation``: also plan the last step's device memory offline
-    (:func:`longtrain.memory.plan.fragmentation_report`; needs the whole step's trace, so
+    (:func:`longtrain.memory.placement.fragmentation_report`; needs the whole step's trace, so
     it implies ``exact``). ``exact``: simulate every layer at the whole length instead of
     extrapolating from a few layers and chunks (:mod:`longtrain.plan.extrapolate`; minutes to hours at
     long context instead of seconds). ``progress``: called with a line per simulation

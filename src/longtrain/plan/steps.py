@@ -69,14 +69,11 @@ def simulate_step(config, seq_len: int, strategy: Strategy, dtype: str, batch: i
     state and streamed gradients. Cached in the process.
 
     Always the whole length: the simulator extends each phase's peak from a few layers and
-    chunks itself (plan/extrapolate.py), so a step of an 8B model costs seconds to half a minute at
-    any length; a chunked engine at a length of whole chunks reads its
-    :func:`chunk_curve_of`, which shares those small simulations between lengths. (A line
-    through the peaks at two and four FPDT chunks would underestimate long contexts: the
-    peak moves from one phase to another as the length grows — Llama-3-8B,
-    fpdt:chunk=8192:segment=6 with the gradients on the device, 32.14 / 32.40 / 35.88 /
-    42.94 / 63.32 GiB at 16K / 32K / 128K / 256K / 512K tokens, 17 KB per token at first
-    and 84 KB at the end.)"""
+    chunks itself (plan/extrapolate.py), so its cost hardly grows with the length; a chunked
+    engine at a length of whole chunks reads its :func:`chunk_curve_of`, which shares those
+    small simulations between lengths. (A line through the peaks at two and four FPDT
+    chunks would underestimate long contexts: the peak moves from one phase to another as
+    the length grows, and the later phases grow faster; docs/planner.md has an example.)"""
     key = _key(config, seq_len, strategy, dtype, batch, optimizer, lora_rank)
     if key not in _SIMULATIONS:
         _SIMULATIONS[key] = _simulate_step(config, seq_len, strategy, dtype, batch, optimizer, lora_rank)

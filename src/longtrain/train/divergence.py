@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..errors import LongtrainError
-from . import checkpoint as ckpt
+from . import run_checkpoints as ckpt
 from .config import TrainConfig, warmup_steps
 
 __all__ = ["any_rank", "continuable", "diverged", "not_finite", "sane"]

@@ -48,7 +48,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import LongtrainError, writing
-from .checkpoint import write_text_atomic
+from .run_checkpoints import write_text_atomic
 from .config import TrainConfig
 from .eval_config import DEFAULT_DEPTHS, EvalConfig, check_eval_config, check_out, check_settings, default_out, format_length
 from .metrics import strict_json

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from ..errors import LongtrainError, writing
-from .checkpoint import write_text_atomic
+from .run_checkpoints import write_text_atomic
 
 __all__ = ["MetricsLog", "check_tensorboard", "read_metrics", "strict_json"]
 

@@ -8,9 +8,9 @@ attending back to a needle. Samples are a pure function of (seed, index).
 
 Why several copies: at 8K tokens a freshly initialized attention head spreads its
 weight over thousands of positions, so one needle gets ~1/8000 of the gradient signal
-and a tiny model learns nothing in the demo's few hundred steps (measured: chance-level
-accuracy after 250 steps with one copy). Eight copies make the signal eight times
-stronger while every copy still lies at least ``min_distance`` tokens back.
+and a tiny model learns nothing in the demo's few hundred steps. Eight copies make the
+signal eight times stronger while every copy still lies at least ``min_distance`` tokens
+back.
 
 With ``depth`` set, a sample is a needle in a haystack instead: one needle at that
 relative depth of the filler (0: the first token, 1: just before the question), the

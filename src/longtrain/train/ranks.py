@@ -11,7 +11,7 @@ Two ways to split a run over R processes:
 
 Rank 0 prints, logs and writes the final model; checkpoints hold one weights file and
 one state file per rank (its layers, or its shards), written by their ranks and
-committed by rank 0 (see :func:`longtrain.train.checkpoint.save_checkpoint`).
+committed by rank 0 (see :func:`longtrain.train.run_checkpoints.save_checkpoint`).
 """
 
 from __future__ import annotations

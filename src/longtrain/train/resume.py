@@ -6,7 +6,7 @@ the data position, and what the run was (its identity, settings, strategy, param
 and process count) so a resume with a different model or setup is refused instead of
 silently mixing the two. Under layer groups or sharded parameters each process writes
 and reads its own pair of files. The atomic writing and verification are
-:mod:`longtrain.train.checkpoint`'s.
+:mod:`longtrain.train.run_checkpoints`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import LongtrainError
-from . import checkpoint as ckpt
+from . import run_checkpoints as ckpt
 from .config import TrainConfig, option, warmup_steps
 from .records import fingerprint_change
 from .run_dir import checkpoints_dir

@@ -4,7 +4,7 @@ A run refuses an ``--out`` it would damage (a path through a file, a run it neit
 resumes nor replaces) before the model is built, touching nothing; only once the model
 and data are known to be good does it create and lock the directory, look again (a run
 may have ended there meanwhile) and clear what interrupted writes left. The lock itself
-is :mod:`longtrain.train.lock`'s, the checkpoint files :mod:`longtrain.train.checkpoint`'s.
+is :mod:`longtrain.train.lock`'s, the checkpoint files :mod:`longtrain.train.run_checkpoints`'s.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import LongtrainError, writing
-from . import checkpoint as ckpt
+from . import run_checkpoints as ckpt
 from .config import TrainConfig
 from .lock import RunLock
 

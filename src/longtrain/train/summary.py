@@ -18,7 +18,7 @@ from ..memory.allocator import allocator_setting
 from ..memory.units import format_bytes
 from ..models.adapters import describe_model
 from ..strategy import Strategy, applied_context, pinned_host_bytes
-from . import checkpoint as ckpt
+from . import run_checkpoints as ckpt
 from .config import TrainConfig
 from .metrics import read_metrics, strict_json
 

@@ -29,8 +29,7 @@ from .. import registry
 from ..engines.batch import count_label_tokens
 from ..engines.backprop import forward_loss
 from ..errors import LongtrainError
-from ..memory.flops import device_peak_flops, mfu
-from ..models.flops import model_flops_per_sample
+from ..models.flops import device_peak_flops, mfu, model_flops_per_sample
 from ..memory.measure import StepMemoryMeter
 from ..memory.units import format_bytes
 from ..models.loading import parse_dtype

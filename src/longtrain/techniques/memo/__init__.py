@@ -48,12 +48,3 @@ register(TechniqueSpec(
     costs=MemoCosts(),
     sequence_parallel=False,
 ))
-
-
-_RENAMED = {"Memo": "MemoOptions"}  # earlier names, still importable with a warning
-
-
-def __getattr__(name: str):
-    from ..._aliases import renamed
-
-    return renamed(__name__, globals(), _RENAMED, name)

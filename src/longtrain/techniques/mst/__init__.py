@@ -39,12 +39,3 @@ register(TechniqueSpec(
     costs=MsTCosts(),
     sequence_parallel=True,
 ))
-
-
-_RENAMED = {"MsT": "MsTOptions"}  # earlier names, still importable with a warning
-
-
-def __getattr__(name: str):
-    from ..._aliases import renamed
-
-    return renamed(__name__, globals(), _RENAMED, name)

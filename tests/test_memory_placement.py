@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import longtrain as lt
-from longtrain.memory import plan as P
+from longtrain.memory import placement as P
 from longtrain.memory.tracker import MemoryTracker
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config

@@ -2,7 +2,7 @@
 import pytest
 
 from longtrain.errors import LongtrainError
-from longtrain.train import checkpoint as ckpt
+from longtrain.train import run_checkpoints as ckpt
 
 
 def _writer(text):

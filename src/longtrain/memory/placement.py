@@ -5,9 +5,8 @@ step's allocation trace — each tensor's size and the interval it lives — the
 *dynamic storage allocation* problem asks for offsets such that tensors alive at the
 same time never overlap, with the smallest top offset (the *planned peak*). The most
 bytes ever alive at once bounds it from below; a caching allocator, which cannot see
-the future, ends above it (fragmentation: the reserved/allocated gap the H100 runs
-showed). Memo (its paper, §5) solves this offline and serves the step
-from the plan.
+the future, ends above it (fragmentation: the gap between its reserved and allocated
+peaks). Memo (its paper, §5) solves this offline and serves the step from the plan.
 
 Here:
 
