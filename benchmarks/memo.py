@@ -48,7 +48,7 @@ from longtrain.memory import plan as P  # noqa: E402
 from longtrain.memory.tracker import MemoryTracker  # noqa: E402
 from longtrain.models.loading import build_from_config, default_dtype  # noqa: E402
 from longtrain.models.presets import preset_config  # noqa: E402
-from longtrain.plan.planner import plan  # noqa: E402
+from longtrain.plan.planner import PlanRequest, plan  # noqa: E402
 
 GIB = 2**30
 LENGTHS = (32768, 65536, 131072, 262144)
@@ -58,7 +58,7 @@ def memory() -> None:
     rows = []
     for tokens in LENGTHS:
         started = time.perf_counter()
-        result = plan("llama3-8b", tokens, device_memory=80 * GIB, host_memory=120 * GIB, optimizer="adamw",
+        result = plan(PlanRequest("llama3-8b", tokens, device_memory=80 * GIB, host_memory=120 * GIB, optimizer="adamw"),
                       progress=lambda line: print(line, flush=True))
         for row in result.rows:
             rows.append({"tokens": tokens, "strategy": row.name + (" --optimizer-offload" if row.optimizer_offload else ""),

@@ -1,9 +1,11 @@
 """The strategies the planner weighs (:func:`candidates`: each technique's and each engine's
-variants, as their costs propose them) and their adjustments to the machine: host budgets
-beside AdamW's state in host memory, kept attention outputs within the host's room, and the
-technique that can leave top layers whole."""
+variants, as their costs propose them), the name each goes by (:func:`strategy_label`), and
+their adjustments to the machine: host budgets beside AdamW's state in host memory, kept
+attention outputs within the host's room, and the technique that can leave top layers whole."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from .. import registry
 from ..strategy import Strategy
@@ -11,20 +13,54 @@ from .bounds import _engine_costs
 
 __all__ = [
     "CHUNKS",
+    "HOST_BUDGET",
     "candidates",
     "host_budgets_beside_optimizer",
     "outputs_kept_within",
+    "strategy_label",
 ]
 
 
 CHUNKS = (8192, 16384, 32768)
 
+# The option that holds a host budget: the plan fills it from --host-memory (less what AdamW's
+# state takes there), a run from its own host memory; a label leaves it out.
+HOST_BUDGET = "host_memory"
+
+
+def strategy_label(strategy: Strategy) -> str:
+    """``strategy`` as a plan names it, and as ``--strategy`` reads it: its spec
+    (:attr:`Strategy.spec`) with host budgets left out (:data:`HOST_BUDGET`), a flag set
+    true named alone (``fpdt:chunk=8192:offload``), and the techniques every candidate
+    carries (MsT) after the others (``checkpoint:except_last=4,mst``); ``+spN`` under
+    sequence parallelism. Computed from the strategy's fields, never from another label."""
+    engine = _label_item(strategy.engine, strategy.engine_options)
+    carried = sorted(name for name in strategy.techniques if registry.technique(name).costs.in_every_candidate)
+    names = [name for name in strategy.techniques if name not in carried] + carried
+    items = ([] if engine == Strategy().engine else [engine]) + [_label_item(n, strategy.techniques[n]) for n in names]
+    label = ",".join(items) or "none"
+    return label if strategy.sequence_parallel is None else f"{label}+sp{strategy.sequence_parallel.degree}"
+
+
+def _label_item(name: str, options) -> str:
+    """``name:key=value:flag...`` for the options (a dataclass) not at their default, but the host budget."""
+    items = [name]
+    for f in dataclasses.fields(options):
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        value = getattr(options, f.name)
+        if f.name == HOST_BUDGET or value == default:
+            continue
+        items.append(f.name if value is True else f"{f.name}={str(value).lower() if isinstance(value, bool) else value}")
+    return ":".join(items)
+
 
 def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_chunk: bool = False,
                chunks: tuple[int, ...] = CHUNKS, adapter=None) -> dict[str, Strategy]:
-    """The strategies the planner weighs at ``seq_len`` tokens: each technique's variants on
-    the default engine, then each engine's (``candidates`` of their costs), with the
-    techniques every candidate carries (MsT) where the engine takes them. ``every_chunk``:
+    """The strategies the planner weighs at ``seq_len`` tokens, by :func:`strategy_label`:
+    each technique's variants on the default engine, then each engine's (``candidates`` of
+    their costs), with the techniques every candidate carries (MsT) where the engine takes
+    them. ``every_chunk``:
     every chunk size, however many chunks (for :func:`max_context`). ``adapter``: the
     model's adapter class; only the variants its costs say serve such models (no chunked
     attention for a state-space model, no adjoint engine for a transformer)."""
@@ -34,22 +70,19 @@ def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_ch
     def carried(accepts) -> dict:
         return {name: True for name in always if name in accepts}
 
-    def label(head: str, extra: dict) -> str:
-        return ",".join([head, *extra])
-
-    found = {}
+    found = []
     default = Strategy()
     for name, technique in sorted(techniques.items()):
         extra = carried(registry.engine(default.engine).accepts)
-        for variant, options in technique.costs.candidates(host_memory).items():
+        for options in technique.costs.candidates(host_memory).values():
             if adapter is None or technique.costs.serves(adapter, options):
-                found[label(variant, extra)] = Strategy(**{name: options}, **extra)
+                found.append(Strategy(**{name: options}, **extra))
     for name, engine in sorted(registry.engines().items()):
         extra = carried(engine.accepts)
-        for variant, options in engine.costs.candidates(seq_len, host_memory, layers, every_chunk, chunks).items():
+        for options in engine.costs.candidates(seq_len, host_memory, layers, every_chunk, chunks).values():
             if adapter is None or engine.costs.serves(adapter, options):
-                found[label(variant, extra)] = Strategy(engine=name, engine_options=options, **extra)
-    return found
+                found.append(Strategy(engine=name, engine_options=options, **extra))
+    return {strategy_label(strategy): strategy for strategy in found}
 
 
 def host_budgets_beside_optimizer(strategy: Strategy, room: int) -> Strategy:
@@ -60,21 +93,20 @@ def host_budgets_beside_optimizer(strategy: Strategy, room: int) -> Strategy:
     return _rebuilt(strategy, **changed)
 
 
-def outputs_kept_within(config, seq_len: int, strategy: Strategy, item: int, batch: int,
-                        room: int) -> tuple[tuple[str, str], Strategy] | None:
-    """((label part, its replacement), strategy) of a candidate whose host-dependent choices
-    are made for ``room`` bytes of host memory (FPDT's ``keep_output=fit`` made a count:
-    :meth:`~longtrain.costs.EngineCosts.fit_to_host`), or None where the candidate is then
-    redundant. Other candidates come back as they are."""
+def outputs_kept_within(config, seq_len: int, strategy: Strategy, item: int, batch: int, room: int) -> Strategy | None:
+    """A candidate with its host-dependent choices made for ``room`` bytes of host memory
+    (FPDT's ``keep_output=fit`` made a count: :meth:`~longtrain.costs.EngineCosts.fit_to_host`;
+    its label follows from its options), or None where the candidate is then redundant.
+    Other candidates come back as they are."""
     fitted = _engine_costs(strategy).fit_to_host(config, seq_len, strategy.engine_options, item, batch, room,
                                                  strategy.sequence_parallel)
     if fitted is None:
         return None
-    relabel, options = fitted
+    _, options = fitted  # (the costs' label parts: not read, the label is the fitted strategy's)
     if options is strategy.engine_options:
-        return relabel, strategy
-    return relabel, Strategy(engine=strategy.engine, engine_options=options,
-                             sequence_parallel=strategy.sequence_parallel, **strategy.techniques)
+        return strategy
+    return Strategy(engine=strategy.engine, engine_options=options, sequence_parallel=strategy.sequence_parallel,
+                    **strategy.techniques)
 
 
 def _leaves_layers_whole(strategy: Strategy) -> str | None:
