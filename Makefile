@@ -29,6 +29,7 @@ demo: $(STAMP)
 	$(VENV)/bin/longtrain train --out $(DEMO_OUT)
 
 test: $(STAMP)
+	$(PY) -m ruff check src tests benchmarks scripts examples
 	$(PY) -m pytest -n 2 --dist worksteal
 
 clean:

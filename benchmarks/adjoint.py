@@ -36,15 +36,14 @@ import statistics
 import time
 
 import torch
+from _report import DOCS, plot_series, write_report
 
 import longtrain as lt
 from longtrain.engines.adjoint import AdjointStats, adjoint_step
-from longtrain.strategy import engine_context
-from longtrain.plan.simulate import run_training_steps, simulate
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
-
-from _report import DOCS, plot_series, write_report
+from longtrain.plan.simulate import run_training_steps, simulate
+from longtrain.strategy import engine_context
 
 MiB, GiB = 2**20, 2**30
 SIZES = {

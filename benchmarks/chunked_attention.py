@@ -21,13 +21,12 @@ import json
 import time
 
 import torch
+from _report import DOCS, median_step_times, plot_series, write_report
 from transformers import LlamaConfig
 
 import longtrain as lt
-from longtrain.plan.simulate import run_training_steps, simulate
 from longtrain.models.loading import build_from_config, load_config
-
-from _report import DOCS, median_step_times, plot_series, write_report
+from longtrain.plan.simulate import run_training_steps, simulate
 
 MiB, GiB = 2**20, 2**30
 SMALL = dict(vocab_size=8192, hidden_size=256, intermediate_size=896, num_hidden_layers=4,

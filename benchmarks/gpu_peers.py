@@ -59,8 +59,8 @@ import dataclasses
 import gc
 import json
 import os
-import statistics
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -77,9 +77,11 @@ from _report import DOCS, write_report  # noqa: E402
 
 import longtrain as lt  # noqa: E402
 from longtrain.memory.allocator import allocator_setting  # noqa: E402
-from longtrain.memory.units import physical_memory  # noqa: E402
+from longtrain.memory.units import (
+    parse_tokens,  # noqa: E402
+    physical_memory,  # noqa: E402
+)
 from longtrain.models.flops import device_peak_flops, model_flops_per_sample  # noqa: E402
-from longtrain.memory.units import parse_tokens  # noqa: E402
 from longtrain.models.loading import build_from_config, default_dtype  # noqa: E402
 from longtrain.models.presets import preset_config  # noqa: E402
 from longtrain.strategy import applied_context, pinned_host_bytes  # noqa: E402

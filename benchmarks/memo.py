@@ -38,9 +38,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-from _report import write_report  # noqa: E402
-
 import torch  # noqa: E402
+from _report import write_report  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 import longtrain as lt  # noqa: E402
@@ -48,7 +47,7 @@ from longtrain.memory import placement as P  # noqa: E402
 from longtrain.memory.tracker import MemoryTracker  # noqa: E402
 from longtrain.models.loading import build_from_config, default_dtype  # noqa: E402
 from longtrain.models.presets import preset_config  # noqa: E402
-from longtrain.plan.planner import plan  # noqa: E402
+from longtrain.plan.planner import PlanRequest, plan  # noqa: E402
 
 GIB = 2**30
 LENGTHS = (32768, 65536, 131072, 262144)
@@ -58,7 +57,7 @@ def memory() -> None:
     rows = []
     for tokens in LENGTHS:
         started = time.perf_counter()
-        result = plan("llama3-8b", tokens, device_memory=80 * GIB, host_memory=120 * GIB, optimizer="adamw",
+        result = plan(PlanRequest("llama3-8b", tokens, device_memory=80 * GIB, host_memory=120 * GIB, optimizer="adamw"),
                       progress=lambda line: print(line, flush=True))
         for row in result.rows:
             rows.append({"tokens": tokens, "strategy": row.name + (" --optimizer-offload" if row.optimizer_offload else ""),
@@ -108,8 +107,8 @@ def planner() -> None:
         blocks = _trace(config, tokens, strategy, fake)
         best, greedy = P.plan_memory(blocks)
         online = P.first_fit_online(blocks)
-        for plan in (best, greedy, online):
-            P.check_plan(blocks, plan)
+        for placed in (best, greedy, online):
+            P.check_plan(blocks, placed)
         live = P.live_peak(blocks)
         rows.append({"trace": name, "tensors": len(blocks), "live_mib": live / 2**20,
                      "planned": 100 * (best.peak / live - 1), "method": best.method, "solve_s": best.seconds,

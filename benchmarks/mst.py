@@ -11,18 +11,17 @@ from __future__ import annotations
 import copy
 
 import torch
+from _report import DOCS, median_step_times, write_report
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 import longtrain as lt
 from longtrain.memory import MemoryTracker
-from longtrain.plan.simulate import simulate
 from longtrain.models.loading import build_from_config, load_config
 from longtrain.ops.chunked_loss import chunked_causal_lm_loss
 from longtrain.ops.loss import causal_lm_loss
 from longtrain.ops.tiled_mlp import tiled_mlp
-
-from _report import DOCS, median_step_times, write_report
+from longtrain.plan.simulate import simulate
 
 MiB, GiB = 2**20, 2**30
 LENGTHS = [2048, 4096, 8192, 16384, 32768]

@@ -24,16 +24,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-from _report import write_report  # noqa: E402
-
 import torch  # noqa: E402
+from _report import write_report  # noqa: E402
 
 import longtrain as lt  # noqa: E402
 from longtrain.memory.units import format_bytes, parse_tokens, physical_memory  # noqa: E402
 from longtrain.models.loading import build_from_config, load_config  # noqa: E402
 from longtrain.optimizer_offload import streaming  # noqa: E402
 from longtrain.optimizers import make_optimizer  # noqa: E402
-from longtrain.plan.planner import plan  # noqa: E402
+from longtrain.plan.planner import PlanRequest, plan  # noqa: E402
 
 
 def _host_peak() -> int:
@@ -61,8 +60,8 @@ def main(argv=None) -> None:
     # model's fp32 state and masters take ~105 GiB, more than 80% of a 128 GB host).
     offload = True if args.optimizer_offload else False if args.optimizer_on_device else None
     print(f"planning {model_name} at {seq_len:,} tokens ...", file=sys.stderr, flush=True)
-    result = plan(model_name, seq_len, device_memory=device_memory, host_memory=host, dtype=str(dtype).split(".")[1],
-                  optimizer_offload=offload)
+    result = plan(PlanRequest(model_name, seq_len, device_memory=device_memory, host_memory=host,
+                              dtype=str(dtype).split(".")[1], optimizer_offload=offload))
     best = result.best
     if best is None:
         raise SystemExit(f"planned_step: {result.verdict()}")

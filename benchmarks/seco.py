@@ -26,15 +26,14 @@ import time
 from pathlib import Path
 
 import torch
+from _report import DOCS, median_step_times, plot_series, write_report
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import LlamaConfig
 
 import longtrain as lt
 from longtrain.models.flops import count_flops
-from longtrain.plan.simulate import run_training_steps, simulate
 from longtrain.models.loading import build_from_config, default_dtype, load_config
-
-from _report import DOCS, median_step_times, plot_series, write_report
+from longtrain.plan.simulate import run_training_steps, simulate
 
 MiB, GiB = 2**20, 2**30
 SMALL = dict(vocab_size=8192, hidden_size=256, intermediate_size=896, num_hidden_layers=4,
@@ -149,6 +148,7 @@ def spaco_bias(k=6, budget=2) -> list[dict]:
     combining runs does not add float32 rounding) vs SeCO's gradient."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from conftest import llama_norm_in_float64, padded_batch, stock_and_ours
+
     from longtrain.engines.seco import seco_step
     from longtrain.engines.spaco import spaco_step
     from longtrain.strategy import engine_context

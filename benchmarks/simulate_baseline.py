@@ -5,10 +5,10 @@ autograd for reference, with AdamW and with no optimizer; bf16 weights, gradient
 and optimizer state; batch 1. Writes docs/results/baseline_llama3_8b.{json,md}.
 """
 
-from longtrain.plan.simulate import simulate
-from longtrain.memory.units import gib
-
 from _report import write_report
+
+from longtrain.memory.units import gib
+from longtrain.plan.simulate import simulate
 
 GiB = 2**30
 

@@ -4,11 +4,11 @@ The same `run_training_steps` runs once on fake tensors and once on real CPU ten
 the tracker counts live storages in both. Writes docs/results/simulator_agreement.{json,md}.
 """
 
-from longtrain.plan.simulate import run_training_steps
+from _report import write_report
+
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
-
-from _report import write_report
+from longtrain.plan.simulate import run_training_steps
 
 MiB = 2**20
 

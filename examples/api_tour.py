@@ -76,7 +76,7 @@ if torch.cuda.is_available():
 #    the planner sizes N for a card by simulation — here an 80 GB H100 at 16K tokens,
 #    without optimizer state. `longtrain train --strategy auto` does the same on the card
 #    it runs on.
-from longtrain.plan.planner import plan  # noqa: E402
+from longtrain.plan.planner import PlanRequest, plan  # noqa: E402
 
-sized = plan("llama3-8b", 16384, device_memory=79 * 2**30, host_memory=62 * 2**30, optimizer="none")
+sized = plan(PlanRequest("llama3-8b", 16384, device_memory=79 * 2**30, host_memory=62 * 2**30, optimizer="none"))
 print(sized.verdict())

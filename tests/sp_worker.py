@@ -13,11 +13,11 @@ import sys
 
 import torch
 import torch.distributed as dist
+from conftest import computes_in_float64, packed_batch, padded_batch, randomize_lora, stock_and_ours, stock_loss
+from transformers import AutoConfig
 
 import longtrain as lt
 from longtrain.families import float64_throughout
-from conftest import computes_in_float64, packed_batch, padded_batch, randomize_lora, stock_and_ours, stock_loss
-from transformers import AutoConfig
 
 
 def config(kind: str):

@@ -7,14 +7,13 @@ from __future__ import annotations
 import copy
 
 import torch
+from conftest import grads, max_rel_error, randomize_lora, third_padded_batch
 
 import longtrain as lt
 from longtrain.engines.adjoint import AdjointStats, adjoint_step
 from longtrain.models.loading import add_lora, build_from_config
 from longtrain.models.presets import preset_config
 from longtrain.strategy import engine_context
-
-from conftest import grads, max_rel_error, randomize_lora, third_padded_batch
 
 VOCAB = 64
 

@@ -11,18 +11,16 @@ import copy
 
 import pytest
 import torch
+from conftest import grads, max_rel_error, third_padded_batch
 
 import longtrain as lt
-
 from longtrain.engines.adjoint import AdjointOptions, AdjointStats, adjoint_step, truncated_adjoint_states
-from longtrain.strategy import engine_context
 from longtrain.errors import LongtrainError
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
 from longtrain.ops.linear_scan import adjoint_states, diagonal_recurrence, linear_scan
 from longtrain.ops.loss import causal_lm_loss
-
-from conftest import grads, max_rel_error, third_padded_batch
+from longtrain.strategy import engine_context
 
 
 def ssm_pair(layers: int = 3, dtype=torch.float64, seed: int = 0, **overrides):

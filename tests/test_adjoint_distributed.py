@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from adjoint_ranks_worker import build_model_and_batch
 
 import longtrain as lt
 from longtrain.errors import LongtrainError
 from longtrain.parallel.layer_groups import layer_ranges
-
-from adjoint_ranks_worker import build_model_and_batch
 
 WORKER = Path(__file__).with_name("adjoint_ranks_worker.py")
 

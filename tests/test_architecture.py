@@ -8,7 +8,6 @@ import ast
 import re
 from pathlib import Path
 
-
 SOURCE = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "longtrain"
 MAX_LINES = 600

@@ -59,6 +59,7 @@ def test_a_case_longtrain_refuses_is_reported_as_refused_not_a_crash():
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_peers
+
     import longtrain as lt
 
     case = gpu_peers.Case("lt:memo-tiny-host", "longtrain", lambda n: lt.Strategy(memo=lt.MemoOptions(host_memory=1024), mst=True))

@@ -322,7 +322,7 @@ def test_cudnn_kernel_argument_conventions_on_fake_cuda_tensors(monkeypatch):
     layout only)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from longtrain.ops.attention_blocks import cudnn_lse_is_4d, block_backward, block_forward
+    from longtrain.ops.attention_blocks import block_backward, block_forward, cudnn_lse_is_4d
 
     _pretend_gpu(monkeypatch, capability=(9, 0))
     lse_4d = cudnn_lse_is_4d()  # read from the op's meta kernel once (not recorded below)

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from conftest import cli
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import longtrain as lt
 from longtrain.cli import main
-from conftest import cli
 from longtrain.errors import LongtrainError
 from longtrain.train.config import TrainConfig, check_config
 from longtrain.train.metrics import read_metrics

@@ -17,13 +17,12 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import grads, padded_batch, stock_and_ours
 
 import longtrain as lt
 from longtrain.models.loading import build_from_config, default_dtype
 from longtrain.models.presets import preset_config
 from longtrain.strategy import applied_context
-
-from conftest import grads, padded_batch, stock_and_ours
 
 pytestmark = pytest.mark.cuda
 

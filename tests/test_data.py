@@ -20,8 +20,12 @@ import torch
 from longtrain.cli import main
 from longtrain.errors import LongtrainError
 from longtrain.train.data import TokenWindows, best_fit
-from longtrain.train.documents import (ChatTemplate, assistant_tokens_by_spans, assistant_tokens_by_template,
-                                       tokenize_record)
+from longtrain.train.documents import (
+    ChatTemplate,
+    assistant_tokens_by_spans,
+    assistant_tokens_by_template,
+    tokenize_record,
+)
 from longtrain.train.records import Record
 from longtrain.train.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 

@@ -12,12 +12,19 @@ import contextlib
 
 import pytest
 import torch
+from conftest import (
+    check_step,
+    computes_in_float64,
+    llama_norm_in_float64,
+    packed_batch,
+    padded_batch,
+    randomize_lora,
+    stock_and_ours,
+)
 
 import longtrain as lt
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
-
-from conftest import check_step, computes_in_float64, llama_norm_in_float64, packed_batch, padded_batch, randomize_lora, stock_and_ours
 
 P = 0.1  # lora_dropout of most published recipes is 0.05-0.1
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import cli
+
 from longtrain.models.presets import packaged_checkpoint
 from longtrain.train.config import TrainConfig
 from longtrain.train.eval_config import EvalConfig, check_eval_config, default_out

@@ -5,14 +5,24 @@ resets; lengths that no chunk size divides; GQA everywhere)."""
 
 import pytest
 import torch
+from conftest import (
+    BATCHES,
+    STRATEGIES,
+    check_step,
+    computes_in_float64,
+    grads,
+    max_rel_error,
+    packed_batch,
+    padded_batch,
+    stock_and_ours,
+    stock_lora_and_ours,
+    stock_loss,
+)
+from transformers import AutoConfig
 
 import longtrain as lt
 import longtrain.registry
 from longtrain.models.loading import add_lora, build_from_config
-from transformers import AutoConfig
-
-from conftest import (BATCHES, STRATEGIES, check_step, computes_in_float64, grads, max_rel_error, packed_batch, padded_batch, stock_and_ours,
-                      stock_lora_and_ours, stock_loss)
 
 TOL = 1e-10
 

@@ -9,18 +9,25 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import (
+    STRATEGIES,
+    AttentionKernelCalls,
+    backward_on_another_thread,
+    check_step,
+    packed_batch,
+    padded_batch,
+    stock_and_ours,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import longtrain as lt
-from conftest import (STRATEGIES, AttentionKernelCalls, backward_on_another_thread, check_step, packed_batch, padded_batch,
-                      stock_and_ours)
 from longtrain.memory.chunk_store import ChunkStore
-from longtrain.plan.simulate import run_training_steps
 from longtrain.memory.tracker import MemoryTracker
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
 from longtrain.ops.chunked_attention import attend_chunk, chunk_bounds
 from longtrain.ops.masking import BlockPlanner, SequenceMask
+from longtrain.plan.simulate import run_training_steps
 
 TOL = 1e-10
 

@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import packed_batch, padded_batch, stock_and_ours, stock_lora_and_ours
 from transformers import Trainer, TrainingArguments
 
 import longtrain as lt
 from longtrain.hf import LongtrainTrainer, wrap
-
-from conftest import packed_batch, padded_batch, stock_and_ours, stock_lora_and_ours
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 320

@@ -10,9 +10,14 @@ import torch
 import longtrain as lt
 from longtrain.engines.chunked import costs as chunked
 from longtrain.memory.chunk_store import ChunkStore
-from longtrain.models.kept_attention import (KeptOutputStore, RecordingAttention, ReplayingAttention, attend_keeping,
-                                             kept_layers_that_fit)
 from longtrain.models.attention import AttentionCall, WholeSequenceAttention
+from longtrain.models.kept_attention import (
+    KeptOutputStore,
+    RecordingAttention,
+    ReplayingAttention,
+    attend_keeping,
+    kept_layers_that_fit,
+)
 from longtrain.models.presets import preset_config
 from longtrain.models.shapes import kept_output_bytes
 from longtrain.ops.causal_attention import causal_attention

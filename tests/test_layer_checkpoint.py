@@ -8,15 +8,23 @@ import functools
 
 import pytest
 import torch
+from conftest import (
+    backward_on_another_thread,
+    check_step,
+    grads,
+    max_rel_error,
+    packed_batch,
+    padded_batch,
+    stock_and_ours,
+)
+from ssm_helpers import padded, ssm
+from ssm_helpers import stock as ssm_stock
 
 import longtrain as lt
 import longtrain.models.attention as attention_module
 from longtrain.models.presets import preset_config
 from longtrain.strategy import applied_context
 from longtrain.techniques.checkpoint import CheckpointOptions
-
-from conftest import backward_on_another_thread, check_step, grads, max_rel_error, packed_batch, padded_batch, stock_and_ours
-from ssm_helpers import padded, ssm, stock as ssm_stock
 
 TOL = 1e-10
 
@@ -95,10 +103,10 @@ def test_a_step_whose_backward_never_ran_leaves_nothing_behind(monkeypatch):
 
 def test_a_second_backward_through_the_same_graph_replays_the_kept_outputs_again():
     """retain_graph: the checkpointed layers replay twice, and both read the kept outputs."""
+    from conftest import grads, max_rel_error, stock_loss
+
     from longtrain.engines.backprop import forward_loss
     from longtrain.strategy import applied_context
-
-    from conftest import grads, max_rel_error, stock_loss
 
     stock, ours = stock_and_ours("tiny-llama")
     batch = padded_batch(320, lengths=(100, 70))

@@ -6,11 +6,10 @@ import sys
 import types
 
 import pytest
+from conftest import check_step, padded_batch, stock_and_ours
 
 import longtrain as lt
 import longtrain.techniques.liger as liger
-
-from conftest import check_step, padded_batch, stock_and_ours
 
 
 def test_a_model_on_the_cpu_is_refused_with_the_fix():
@@ -108,9 +107,9 @@ def test_strategy_auto_adds_liger_on_a_gpu_where_it_is_installed(monkeypatch):
 
     import longtrain.plan.calibrate as calibrate
     import longtrain.plan.planner as planner
+    import longtrain.techniques.liger.costs as liger_costs
     import longtrain.train.setup as trainer
     from longtrain.plan.time_model import H100
-    import longtrain.techniques.liger.costs as liger_costs
     from longtrain.train.config import TrainConfig
 
     winner = lt.Strategy(checkpoint=True, mst=True).to_dict()

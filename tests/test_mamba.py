@@ -15,6 +15,17 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import backward_on_another_thread, grads, max_rel_error
+from ssm_helpers import (
+    adjoint_grads,
+    check_equals_stock,
+    check_exact_adjoint,
+    check_lora_equals_stock,
+    padded,
+    rel,
+    ssm,
+    stock,
+)
 
 import longtrain as lt
 from longtrain.engines.adjoint import adjoint_step
@@ -22,9 +33,6 @@ from longtrain.errors import LongtrainError
 from longtrain.memory.chunk_store import ChunkStore
 from longtrain.ops.loss import causal_lm_loss
 from longtrain.strategy import engine_context
-
-from conftest import backward_on_another_thread, grads, max_rel_error
-from ssm_helpers import adjoint_grads, check_equals_stock, check_exact_adjoint, check_lora_equals_stock, padded, rel, ssm, stock
 
 
 def mamba(layers: int = 3, dtype=torch.float64, seed: int = 0, **overrides):

@@ -15,13 +15,21 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import grads, max_rel_error
+from ssm_helpers import (
+    adjoint_grads,
+    check_equals_stock,
+    check_exact_adjoint,
+    check_lora_equals_stock,
+    padded,
+    rel,
+    ssm,
+    stock,
+)
 
 import longtrain as lt
 from longtrain.errors import LongtrainError
 from longtrain.ops.loss import causal_lm_loss
-
-from conftest import grads, max_rel_error
-from ssm_helpers import adjoint_grads, check_equals_stock, check_exact_adjoint, check_lora_equals_stock, padded, rel, ssm, stock
 
 
 def mamba2(layers: int = 2, dtype=torch.float64, seed: int = 0, **overrides):

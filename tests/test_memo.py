@@ -4,16 +4,15 @@ per layer forward at α = 0), its α rule, its memory, and its refusals."""
 
 import pytest
 import torch
+from conftest import BATCHES, AttentionKernelCalls, check_step, packed_batch, padded_batch, stock_and_ours
 
 import longtrain as lt
-from longtrain.models.flops import count_flops
 from longtrain.memory.token_swap import NotTokenWise, token_axis
+from longtrain.models.flops import count_flops
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
 from longtrain.plan.simulate import run_training_steps
 from longtrain.techniques.memo import memo_alpha
-
-from conftest import BATCHES, AttentionKernelCalls, check_step, packed_batch, padded_batch, stock_and_ours
 
 TOL = 1e-10
 

@@ -2,13 +2,13 @@ import pytest
 import torch
 
 import longtrain as lt
+from longtrain.errors import LongtrainError
 from longtrain.memory import MemoryTracker, host_allocations, mark_host_resident
-from longtrain.plan.simulate import run_training_steps
 from longtrain.memory.units import format_bytes, parse_bytes, parse_tokens
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
 from longtrain.optimizers import make_optimizer
-from longtrain.errors import LongtrainError
+from longtrain.plan.simulate import run_training_steps
 
 
 def test_tracker_counts_storages_exactly():

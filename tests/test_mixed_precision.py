@@ -5,10 +5,9 @@ bfloat16 v — and every engine and technique trains as stock does, to bf16's pr
 
 import pytest
 import torch
+from conftest import grads, padded_batch, stock_and_ours, stock_loss
 
 import longtrain as lt
-
-from conftest import grads, padded_batch, stock_and_ours, stock_loss
 
 STRATEGIES = {
     "backprop": lambda: lt.Strategy(),

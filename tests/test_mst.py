@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import check_step, grads, padded_batch, stock_and_ours, stock_lora_and_ours, stock_loss
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
@@ -17,8 +18,6 @@ from longtrain.memory import MemoryTracker
 from longtrain.models.loading import build_from_config
 from longtrain.ops.chunked_loss import chunked_causal_lm_loss
 from longtrain.ops.tiled_mlp import outputs_unread, tiled_mlp
-
-from conftest import check_step, grads, padded_batch, stock_and_ours, stock_lora_and_ours, stock_loss
 
 TOL = 1e-10
 LENGTHS = [1, 63, 300, 1000]
@@ -368,7 +367,7 @@ def test_tiled_bf16_weight_gradients_are_summed_in_float32_whatever_the_tile_cou
 
 
 def test_unsupported_architecture_is_named():
-    from transformers import GPT2Config, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GPT2Config
 
     model = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
     with pytest.raises(LongtrainError, match="does not support gpt2 models; supported model families: apertus, .*, llama"):

@@ -7,14 +7,13 @@ import json
 
 import pytest
 import torch
+from conftest import backward_on_another_thread, padded_batch, stock_and_ours
 
 import longtrain as lt
 from longtrain.cli import main
 from longtrain.optimizer_offload import HostAdamW, parameter_groups, streaming
 from longtrain.train.metrics import read_metrics
 from longtrain.train.ranks import Ranks
-
-from conftest import backward_on_another_thread, padded_batch, stock_and_ours
 
 
 def _pair(preset, tie=False):

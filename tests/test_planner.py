@@ -11,7 +11,7 @@ from longtrain.memory.units import parse_bytes
 from longtrain.models.presets import preset_config
 from longtrain.plan import planner, steps
 from longtrain.plan.longest import overflow
-from longtrain.plan.planner import plan, simulate_step
+from longtrain.plan.planner import PlanRequest, plan, simulate_step
 from longtrain.plan.simulate import simulate
 from longtrain.plan.time_model import H100, step_time
 
@@ -108,7 +108,8 @@ def test_the_plan_parks_checkpointed_inputs_where_the_device_cannot_hold_them():
     assert parked[0] <= whole[0] - hidden and parked[1] >= whole[1] + 2 * hidden  # (a fetched input is back at the peak)
     device = planner.reserved_bytes(lt.Strategy(checkpoint=True, mst=True), planner.budgets_for(
         config, device_memory=GIB, host_memory=GIB, optimizer="none", dtype=torch.bfloat16)[1][0], whole[0]) - hidden
-    tight = plan(config, tokens, device_memory=device, host_memory=GIB, optimizer="none", optimizer_offload=False)
+    tight = plan(PlanRequest(config, tokens, device_memory=device, host_memory=GIB, optimizer="none",
+                             optimizer_offload=False))
     assert tight.best.name == "checkpoint:offload_inputs,mst", tight.table()
     # Inputs past the host budget stay on the device: the bound before simulating counts them there.
     strategy = lt.Strategy(checkpoint={"offload_inputs": True, "host_memory": hidden}, mst=True)
@@ -150,15 +151,16 @@ def test_the_plan_leaves_as_many_top_layers_whole_as_the_device_holds():
     WHOLE_LAYERS_FILL of its memory — and faster than checkpointing them all. No room:
     plain checkpointing."""
     config = preset_config("tiny-llama", num_hidden_layers=8)
-    roomy = plan(config, 2048, device_memory=GIB, host_memory=GIB, optimizer="none")
+    roomy = plan(PlanRequest(config, 2048, device_memory=GIB, host_memory=GIB, optimizer="none"))
     assert roomy.best.name == "checkpoint:except_last=8,mst"
     checkpointed = next(row for row in roomy.rows if row.name == "checkpoint,mst")
     middle = (checkpointed.reserved_bytes + roomy.best.reserved_bytes) // 2
-    tight = plan(config, 2048, device_memory=int(middle / planner.WHOLE_LAYERS_FILL), host_memory=GIB, optimizer="none")
+    tight = plan(PlanRequest(config, 2048, device_memory=int(middle / planner.WHOLE_LAYERS_FILL),
+                             host_memory=GIB, optimizer="none"))
     count = tight.best.strategy["techniques"]["checkpoint"]["except_last"]
     assert 0 < count < 8 and tight.best.reserved_bytes <= middle
     assert tight.best.step_seconds < next(row for row in tight.rows if row.name == "checkpoint,mst").step_seconds
-    full = plan(config, 2048, device_memory=checkpointed.reserved_bytes, host_memory=GIB, optimizer="none")
+    full = plan(PlanRequest(config, 2048, device_memory=checkpointed.reserved_bytes, host_memory=GIB, optimizer="none"))
     assert full.best.name == "checkpoint,mst"
 
 
@@ -249,14 +251,66 @@ def test_the_planners_simulations_skip_the_checks_and_give_the_same_figures(case
 
 
 def test_plan_ranks_what_fits_fastest_first_and_names_what_binds():
-    roomy = plan("tiny-llama", 2048, device_memory=GIB, host_memory=GIB, exhaustive=True, optimizer_offload=False)
+    roomy = plan(PlanRequest("tiny-llama", 2048, device_memory=GIB, host_memory=GIB, exhaustive=True,
+                             optimizer_offload=False))
     assert roomy.best is not None and all(r.fits for r in roomy.rows)
     assert [r.step_seconds for r in roomy.rows] == sorted(r.step_seconds for r in roomy.rows)
     smallest = min(r.reserved_bytes for r in roomy.rows)
-    tight = plan("tiny-llama", 2048, device_memory=smallest - 1, host_memory=GIB, optimizer_offload=False)
+    tight = plan(PlanRequest("tiny-llama", 2048, device_memory=smallest - 1, host_memory=GIB, optimizer_offload=False))
     assert tight.best is None and all("device memory: needs" in row.binds for row in tight.rows)
     assert "nothing fits 2,048 tokens" in tight.table()
     assert "fastest that fits" in roomy.table() and "tokens/s" in roomy.table()
+
+
+def test_a_plan_request_refuses_each_wrong_field_in_one_line():
+    """What a plan is asked is checked once, when the request is built: each wrong field is
+    refused in one line naming it and its `longtrain plan` option. How the plan is computed
+    (workers, progress) is apart, plan()'s own."""
+    import dataclasses
+
+    for fields, message in [
+        ({"model": ""}, "model (--model) must be a preset name"),
+        ({"seq_len": 1}, "seq_len (--seq-len) must be a whole number of at least 2 tokens, got 1"),
+        ({"device_memory": 0}, "device_memory (--device-memory) must be a positive number of bytes, got 0"),
+        ({"host_memory": 1.5}, "host_memory (--host-memory) must be a positive number of bytes"),
+        ({"optimizer": "lion"}, "optimizer (--optimizer) must be one of adamw, sgd, none, got 'lion'"),
+        ({"dtype": "fp7"}, "unknown dtype 'fp7'"),
+        ({"rates": "h100"}, "rates (--rates) must be MachineRates"),
+        ({"batch": True}, "batch (--batch-size) must be a positive count, got True"),
+        ({"gpus": 0}, "gpus (--gpus) must be a positive count, got 0"),
+        ({"lora_rank": 0}, "lora_rank (--lora-rank) must be a positive count or None"),
+        ({"optimizer_offload": "yes"}, "optimizer_offload (--optimizer-offload) must be True"),
+        ({"engine": "nope"}, "unknown engine 'nope'"),
+        ({"exhaustive": 1}, "exhaustive (--exhaustive) must be True or False, got 1"),
+    ]:
+        with pytest.raises(lt.LongtrainError) as refused:
+            PlanRequest(**{"model": "tiny-llama", "seq_len": 2048, "device_memory": GIB, "host_memory": GIB, **fields})
+        assert message in str(refused.value) and "\n" not in str(refused.value), (fields, str(refused.value))
+    request = PlanRequest("tiny-llama", 2048, device_memory=GIB, host_memory=GIB)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.gpus = 2
+    with pytest.raises(lt.LongtrainError, match=r"plan\(\) takes a PlanRequest"):
+        plan("tiny-llama")
+    with pytest.raises(lt.LongtrainError, match=r"workers \(--jobs\) must be a positive count"):
+        plan(request, workers=0)
+
+
+def test_a_rows_name_is_computed_from_its_strategy():
+    """A row is named by its strategy's fields (strategy_label: the spec with host budgets left
+    out, a flag named alone, MsT last, +spN), also the rows the plan derives from a
+    candidate — top layers left whole, sequence parallel — never by editing another label."""
+    assert planner.strategy_label(lt.Strategy(checkpoint={"host_memory": GIB, "except_last": 4, "offload_inputs": True},
+                                              mst=True)) == "checkpoint:except_last=4:offload_inputs,mst"
+    assert planner.strategy_label(lt.Strategy.parse("mst", engine="fpdt:chunk=8192:offload=true:keep_output=3",
+                                                    sequence_parallel=2)) == "fpdt:chunk=8192:offload:keep_output=3,mst+sp2"
+    assert planner.strategy_label(lt.Strategy(engine="adjoint", engine_options={"recompute": False})) == \
+        "adjoint:recompute=false"
+    config = preset_config("tiny-llama", num_hidden_layers=8)
+    for request in (PlanRequest(config, 2048, device_memory=GIB, host_memory=GIB, optimizer="none", exhaustive=True),
+                    PlanRequest("tiny-llama", 2048, device_memory=GIB, host_memory=GIB, gpus=2, exhaustive=True)):
+        rows = plan(request).rows
+        assert rows and all(row.name == planner.strategy_label(lt.Strategy.from_dict(row.strategy)) for row in rows)
+        assert any("except_last=" in row.name or "+sp2" in row.name for row in rows)
 
 
 def test_a_plan_row_is_built_by_keyword_and_prints_the_train_options_that_run_it():
@@ -302,21 +356,23 @@ def test_a_refusal_quotes_the_whole_models_layers_and_host_budget():
         raise refused.value
 
     budget = planner.Budget(GIB, host, 0, 0, 0, "none")
-    memo = planner._evaluate("memo,mst", strategy, config, tokens, budget, planner.H100, 1, 0, refused_again)
+    memo = planner._evaluate(strategy, config, tokens, budget, planner.H100, 1, 0, refused_again)
     assert memo.binds.startswith("memo keeps every layer's input and attention output in host memory: 10 layers × ")
     assert f"over the host budget of {format_bytes(host)}" in memo.binds
 
 
 def test_plan_refuses_at_once_when_the_model_states_alone_do_not_fit():
     with pytest.raises(lt.LongtrainError, match="model states alone.*exceed the device's 20.00 GiB"):
-        plan("llama3-8b", 4096, device_memory=20 * GIB, host_memory=GIB, optimizer_offload=False)
+        plan(PlanRequest("llama3-8b", 4096, device_memory=20 * GIB, host_memory=GIB, optimizer_offload=False))
     with pytest.raises(lt.LongtrainError, match="model states alone"):  # the bf16 weights alone: 15 GiB
-        plan("llama3-8b", 4096, device_memory=10 * GIB, host_memory=GIB)
+        plan(PlanRequest("llama3-8b", 4096, device_memory=10 * GIB, host_memory=GIB))
 
 
 def test_optimizer_in_host_memory_frees_the_device_and_fills_the_host():
-    on_device = plan("tiny-llama", 2048, device_memory=GIB, host_memory=GIB, optimizer_offload=False, exhaustive=True)
-    on_host = plan("tiny-llama", 2048, device_memory=GIB, host_memory=GIB, optimizer_offload=True, exhaustive=True)
+    on_device = plan(PlanRequest("tiny-llama", 2048, device_memory=GIB, host_memory=GIB,
+                                 optimizer_offload=False, exhaustive=True))
+    on_host = plan(PlanRequest("tiny-llama", 2048, device_memory=GIB, host_memory=GIB, optimizer_offload=True,
+                               exhaustive=True))
     params = 320 * 64 * 2 + 2 * (4 * 64 * 64 + 3 * 64 * 176)  # roughly: what must move is several bytes per parameter
     for a, b in zip(sorted(on_device.rows, key=lambda r: r.name), sorted(on_host.rows, key=lambda r: r.name)):
         if a.device_bytes is None or b.device_bytes is None:
@@ -325,16 +381,17 @@ def test_optimizer_in_host_memory_frees_the_device_and_fills_the_host():
         assert b.device_bytes < a.device_bytes and b.host_bytes >= a.host_bytes + 12 * params * 0.5
         assert b.step_seconds > a.step_seconds  # the CPU's AdamW step
     with pytest.raises(lt.LongtrainError, match="--optimizer-offload plans"):
-        plan("tiny-llama", 2048, device_memory=GIB, host_memory=GIB, optimizer_offload=True, optimizer="sgd")
+        plan(PlanRequest("tiny-llama", 2048, device_memory=GIB, host_memory=GIB, optimizer_offload=True, optimizer="sgd"))
 
 
 def test_candidates_whose_parked_bytes_cannot_fit_are_not_simulated_nor_the_slower_ones():
-    result = plan("tiny-llama", 8192, device_memory=3 * 2**19, host_memory=3 * 2**20, optimizer_offload=False)
+    result = plan(PlanRequest("tiny-llama", 8192, device_memory=3 * 2**19, host_memory=3 * 2**20,
+                              optimizer_offload=False))
     bounded = [r for r in result.rows if r.binds and "not simulated" in r.binds]
     assert bounded and all(r.device_bytes is None for r in bounded) and len(bounded) < len(result.rows)
     # Where no candidate can fit by what it parks, the plan is refused at once.
     with pytest.raises(lt.LongtrainError, match="no strategy weighed fits 32,768 tokens.*the longest any could fit is"):
-        plan("tiny-llama", 32768, device_memory=3 * 2**20, host_memory=3 * 2**20, optimizer_offload=False)
+        plan(PlanRequest("tiny-llama", 32768, device_memory=3 * 2**20, host_memory=3 * 2**20, optimizer_offload=False))
     if result.best is not None:
         slower = [r for r in result.rows if "skipped" in r.notes]
         assert all(r.step_seconds is None for r in slower)
@@ -371,7 +428,8 @@ def test_a_plan_simulated_in_worker_processes_is_the_plan_simulated_here():
     as the one-worker plan skips it (the command line takes a worker per core)."""
     def rows(workers, exhaustive=True):
         steps.clear_caches()
-        result = plan("tiny-llama", 2048, device_memory=2**30, host_memory=2**30, exhaustive=exhaustive, workers=workers)
+        result = plan(PlanRequest("tiny-llama", 2048, device_memory=2**30, host_memory=2**30,
+                                  exhaustive=exhaustive), workers=workers)
         return [(r.name, r.device_bytes, r.host_bytes, r.fits, r.step_seconds, r.simulated, r.notes) for r in result.rows]
 
     here = rows(1)
@@ -406,7 +464,8 @@ def test_a_worker_hands_back_the_chunk_curves_it_made(engine):
 
 
 def test_plan_longest_is_the_search_of_each_fitting_row():
-    result = plan("tiny-llama", 1024, device_memory=2**24, host_memory=2**24, longest=True, optimizer_offload=False)
+    result = plan(PlanRequest("tiny-llama", 1024, device_memory=2**24, host_memory=2**24, longest=True,
+                              optimizer_offload=False))
     row = result.best
     assert row.longest >= 1024 and row.longest_binds in ("device memory", "host memory")
     strategy = lt.Strategy.from_dict(row.strategy)
@@ -440,6 +499,7 @@ def test_calibrate_stores_rates_the_planner_reads(capsys):
     # What it could not measure is not stored: a later version's defaults fill it (rates
     # fitted together, like per_chunk_layer and offload_exposed, are never mixed across versions).
     import json
+
     from longtrain.plan.calibrate import store_dir
     stored = json.loads((store_dir() / f"{name}.json").read_text())
     assert "matmul" in stored and "per_chunk_layer" not in stored and rates.per_chunk_layer == H100.per_chunk_layer
@@ -453,8 +513,9 @@ def test_calibrate_stores_rates_the_planner_reads(capsys):
 
 
 def test_plan_over_several_gpus_shards_states_and_splits_the_sequence():
-    one = plan("tiny-llama", 2048, device_memory=GIB, host_memory=GIB, optimizer_offload=False, exhaustive=True)
-    two = plan("tiny-llama", 2048, device_memory=GIB, host_memory=GIB, gpus=2)
+    one = plan(PlanRequest("tiny-llama", 2048, device_memory=GIB, host_memory=GIB, optimizer_offload=False,
+                           exhaustive=True))
+    two = plan(PlanRequest("tiny-llama", 2048, device_memory=GIB, host_memory=GIB, gpus=2))
     row_one = next(r for r in one.rows if r.name == "checkpoint,mst")
     row_two = next(r for r in two.rows if r.name == "checkpoint,mst+sp2")  # (memo does not run under SP yet)
     assert row_two.strategy["sequence_parallel"]["degree"] == 2
@@ -490,15 +551,16 @@ def test_fpdt_keeps_as_many_attention_outputs_as_the_host_holds():
     settings = none.engine_options.settings()
     parked = [parked_host_bytes(config, 1, tokens, 2, settings, kept) for kept in (0, 1)]
     room = parked[0] + 5 * (parked[1] - parked[0]) // 2  # two and a half layers' outputs
-    label, counted = planner.outputs_kept_within(config, tokens, fit, 2, 1, room)
-    assert label == (":keep_output=fit", ":keep_output=2") and counted.engine_options.keep_output == 2
+    counted = planner.outputs_kept_within(config, tokens, fit, 2, 1, room)
+    assert counted.engine_options.keep_output == 2
+    assert planner.strategy_label(counted) == "fpdt:chunk=512:offload:keep_output=2,mst"  # named by its count
     _, host, _ = simulate_step(config, tokens, counted, "bfloat16")
     assert parked[0] < host <= room
     seconds = [step_time(config, tokens, s).seconds for s in (every, counted, none)]
     assert seconds == sorted(seconds) and seconds[0] < seconds[2]
     assert planner.outputs_kept_within(config, tokens, fit, 2, 1, 2 * room) is None  # every layer's: that candidate
     assert planner.outputs_kept_within(config, tokens, fit, 2, 1, parked[0]) is None  # none: the plain one
-    assert planner.outputs_kept_within(config, tokens, none, 2, 1, room) == (("", ""), none)
+    assert planner.outputs_kept_within(config, tokens, none, 2, 1, room) == none
 
 
 def test_plans_weigh_the_engines_and_techniques_that_serve_the_model():

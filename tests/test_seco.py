@@ -6,15 +6,15 @@ import math
 
 import pytest
 import torch
+from conftest import grads, llama_norm_in_float64, max_rel_error, padded_batch, stock_and_ours
 
 import longtrain as lt
-from conftest import grads, llama_norm_in_float64, max_rel_error, padded_batch, stock_and_ours
 from longtrain.engines.seco import seco_step
 from longtrain.engines.spaco import SpaCOOptions, select_chunks, spaco_step
-from longtrain.strategy import engine_context
-from longtrain.plan.simulate import run_training_steps
 from longtrain.models.loading import build_from_config
 from longtrain.models.presets import preset_config
+from longtrain.plan.simulate import run_training_steps
+from longtrain.strategy import engine_context
 
 TOL = 1e-10
 

@@ -12,7 +12,7 @@ import longtrain as lt
 from longtrain.cli import main
 from longtrain.memory import units
 from longtrain.models.presets import preset_config
-from longtrain.plan.planner import plan
+from longtrain.plan.planner import PlanRequest, plan
 from longtrain.plan.simulate import simulate
 
 GIB = 2**30
@@ -94,4 +94,4 @@ def test_the_longest_length_named_by_a_refusal_is_a_bound_on_what_fits():
     report = simulate(config, longest // 8, strategy="checkpoint,mst", optimizer="none", device_memory="64MiB")
     assert report.seq_len == longest // 8
     with pytest.raises(lt.LongtrainError, match="no strategy weighed fits 1,000,000,000 tokens"):
-        plan(config, 10**9, device_memory=64 * 2**20, host_memory=64 * 2**20)
+        plan(PlanRequest(config, 10**9, device_memory=64 * 2**20, host_memory=64 * 2**20))

@@ -8,9 +8,9 @@ import threading
 
 import pytest
 import torch
+from conftest import STRATEGIES, backward_on_another_thread, check_step, padded_batch, stock_and_ours
 
 import longtrain as lt
-from conftest import STRATEGIES, backward_on_another_thread, check_step, padded_batch, stock_and_ours
 
 THREADED = ["checkpoint", "checkpoint+mst", "fpdt", "fpdt+offload+mst", "fpdt+offload,kv-kept", "seco",
             "seco+checkpoint", "seco+offload+checkpoint+mst", "spaco(every chunk)",

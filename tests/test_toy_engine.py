@@ -11,7 +11,7 @@ import pytest
 import longtrain as lt
 from longtrain import registry
 from longtrain.models.presets import preset_config
-from longtrain.plan.planner import candidates, parked_split, plan
+from longtrain.plan.planner import PlanRequest, candidates, parked_split, plan
 from longtrain.plan.simulate import simulate
 from longtrain.plan.time_model import step_time
 
@@ -90,9 +90,10 @@ def test_a_toy_engine_is_simulated_timed_and_planned(toy_engine):
     assert parked_split(config, 2048, toy, 2) == (0, PARKED_PER_TOKEN * 2048)
     # planned: its variants are candidates, carrying MsT, and each gets a row
     assert {"toy,mst", "toy:extra_passes=3,mst"} <= set(candidates(2048, GIB))
-    result = plan("tiny-llama", 2048, device_memory=GIB, host_memory=GIB, optimizer_offload=False, exhaustive=True)
+    result = plan(PlanRequest("tiny-llama", 2048, device_memory=GIB, host_memory=GIB, optimizer_offload=False,
+                              exhaustive=True))
     rows = {row.name: row for row in result.rows}
     assert rows["toy,mst"].fits and rows["toy,mst"].step_seconds < rows["toy:extra_passes=3,mst"].step_seconds
-    short = plan("tiny-llama", 2048, device_memory=GIB, host_memory=PARKED_PER_TOKEN * 2048 - 1, optimizer_offload=False,
-                 exhaustive=True)
+    short = plan(PlanRequest("tiny-llama", 2048, device_memory=GIB, host_memory=PARKED_PER_TOKEN * 2048 - 1,
+                             optimizer_offload=False, exhaustive=True))
     assert "host memory: at least" in {row.name: row for row in short.rows}["toy,mst"].binds

@@ -300,22 +300,21 @@ def _add_plan(sub) -> None:
 
 
 def _run_plan(args) -> int:
-    # Values first: a mistake is refused before torch loads.
-    if args.seq_len < 2:
-        raise LongtrainError(f"--seq-len must be at least 2, got {args.seq_len}")
+    # Options that are no part of the request, first: a mistake is refused before torch loads.
+    # (PlanRequest checks the rest, each field in one line.)
     progress = None if args.json else (lambda line: print(f"  {line} ...", file=sys.stderr, flush=True))
-    for flag, value in (("--gpus", args.gpus), ("--lora-rank", args.lora_rank), ("--jobs", args.jobs)):
+    for flag, value in (("--lora-rank", args.lora_rank), ("--jobs", args.jobs)):
         if value < 1:
             raise LongtrainError(f"{flag} must be a positive count, got {value}")
     from .plan.calibrate import load
-    from .plan.planner import plan
+    from .plan.planner import PlanRequest, plan
 
-    rates = load(args.rates)
-    result = plan(args.model, args.seq_len, device_memory=args.device_memory, host_memory=args.host_memory,
-                  optimizer=args.optimizer, dtype=args.dtype, longest=args.longest, progress=progress, gpus=args.gpus,
-                  lora_rank=args.lora_rank if args.lora else None, exhaustive=args.exhaustive,
-                  optimizer_offload=args.optimizer_offload, rates=rates, rates_name=args.rates, workers=args.jobs,
-                  engine=args.engine)
+    request = PlanRequest(args.model, args.seq_len, device_memory=args.device_memory, host_memory=args.host_memory,
+                          optimizer=args.optimizer, dtype=args.dtype, rates=load(args.rates), rates_name=args.rates,
+                          gpus=args.gpus, lora_rank=args.lora_rank if args.lora else None,
+                          optimizer_offload=args.optimizer_offload, engine=args.engine, longest=args.longest,
+                          exhaustive=args.exhaustive)
+    result = plan(request, workers=args.jobs, progress=progress)
     print(result.to_json() if args.json else result.table())
     return 0 if result.best is not None else 1
 

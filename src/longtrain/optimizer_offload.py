@@ -57,8 +57,8 @@ def parameter_groups(model, params: list[torch.nn.Parameter]) -> list[int]:
     """Each parameter's place in backward order (module docstring): 0 for the embeddings,
     ``l + 1`` for decoder layer ``l``, ``n + 1`` for everything else (final norm, head).
     Models without a decoder adapter get one group: gradients move at the end of backward."""
-    from .models.adapters import adapter_for
     from .errors import LongtrainError
+    from .models.adapters import adapter_for
 
     try:
         adapter = adapter_for(model)

@@ -22,8 +22,9 @@ import torch
 import yaml
 from torch._subclasses.fake_tensor import is_fake
 
-from . import engines as _builtin_engines, registry, techniques as _builtin_techniques  # noqa: F401  (registers the built-ins)
-from . import validate
+from . import engines as _builtin_engines  # noqa: F401  (registers the built-in engines)
+from . import registry, validate
+from . import techniques as _builtin_techniques  # noqa: F401  (registers the built-in techniques)
 from .engines.base import EngineContext
 from .engines.sequence_parallel import UlyssesOptions, distribute
 from .errors import LongtrainError
@@ -70,15 +71,18 @@ _MOVED = {
 }
 
 
-def _spec_item(name: str, options) -> str:
-    """``name:key=value...`` for the fields of ``options`` (a dataclass) not at their default."""
+def _spec_item(name: str, options, leave_out: str | None = None, flags_alone: bool = False) -> str:
+    """``name:key=value...`` for the fields of ``options`` (a dataclass) not at their
+    default, but ``leave_out``; ``flags_alone``: a flag set true as ``key`` alone."""
     changed = []
     for f in dataclasses.fields(options):
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         value = getattr(options, f.name)
-        if value != default:
-            changed.append(f"{f.name}={str(value).lower() if isinstance(value, bool) else value}")
+        if f.name == leave_out or value == default:
+            continue
+        changed.append(f.name if flags_alone and value is True else
+                       f"{f.name}={str(value).lower() if isinstance(value, bool) else value}")
     return ":".join([name, *changed])
 
 
@@ -154,6 +158,23 @@ class Strategy:
         items = ([] if engine == "backprop" else [engine]) + [_spec_item(n, o) for n, o in self.techniques.items()]
         spec = ",".join(items) or "none"
         return spec if self.sequence_parallel is None else f"{spec}+sp{self.sequence_parallel.degree}"
+
+    @property
+    def label(self) -> str:
+        """The strategy as a plan names it, and as ``--strategy`` reads it: :attr:`spec` with
+        host budgets left out (they are the machine's, not the strategy's), a flag set true
+        named alone (``fpdt:chunk=8192:offload``), and the techniques every plan candidate
+        carries (MsT) after the others (``checkpoint:except_last=4,mst``); ``+spN`` under
+        sequence parallelism. Made from the fields, never from another label."""
+        engine = _spec_item(self.engine, self.engine_options, registry.engine(self.engine).costs.host_budget_option,
+                            flags_alone=True)
+        carried = sorted(name for name in self.techniques if registry.technique(name).costs.in_every_candidate)
+        names = [name for name in self.techniques if name not in carried] + carried
+        items = ([] if engine == Strategy().engine else [engine]) + [
+            _spec_item(name, self.techniques[name], registry.technique(name).costs.host_budget_option, flags_alone=True)
+            for name in names]
+        label = ",".join(items) or "none"
+        return label if self.sequence_parallel is None else f"{label}+sp{self.sequence_parallel.degree}"
 
     def uses(self, technique: str) -> bool:
         return technique in self.techniques

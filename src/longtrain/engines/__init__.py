@@ -2,8 +2,4 @@
 package (options, schedule, costs) whose ``__init__`` registers its spec with
 :mod:`longtrain.registry`; the chunked engines share :mod:`.chunked`."""
 
-from . import backprop  # noqa: F401
-from . import fpdt  # noqa: F401
-from . import seco  # noqa: F401
-from . import spaco  # noqa: F401
-from . import adjoint  # noqa: F401
+from . import adjoint, backprop, fpdt, seco, spaco  # noqa: F401  (each registers its engine)

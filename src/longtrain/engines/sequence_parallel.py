@@ -34,7 +34,14 @@ from ..errors import LongtrainError
 from ..models.adapters import describe_model
 from ..models.attention import AttentionCall
 from ..parallel.distributed import sum_over_data_parallel
-from ..parallel.ulysses import Collectives, HeadLayout, SimulatedCollectives, ShardLayout, heads_to_sequence, sequence_to_heads
+from ..parallel.ulysses import (
+    Collectives,
+    HeadLayout,
+    ShardLayout,
+    SimulatedCollectives,
+    heads_to_sequence,
+    sequence_to_heads,
+)
 
 __all__ = ["SequenceParallel", "UlyssesOptions", "distribute"]
 

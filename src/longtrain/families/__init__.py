@@ -17,8 +17,16 @@ the Llama-layout adapter, which tells whether registering the family's name woul
 
 from __future__ import annotations
 
-from .cases import (BATCHES, DROPOUT, FD_TOLERANCE, ROUTER_AUX_LOSS_COEF, STRATEGIES, TOLERANCE, causal_families,
-                    tiny_config)
+from .cases import (
+                    BATCHES,
+                    DROPOUT,
+                    FD_TOLERANCE,
+                    ROUTER_AUX_LOSS_COEF,
+                    STRATEGIES,
+                    TOLERANCE,
+                    causal_families,
+                    tiny_config,
+)
 from .check import check_family
 from .child import MEMORY_LIMIT, check_in_process
 from .dropout import directional_error, dropout_errors

@@ -27,8 +27,10 @@ def causal_families() -> list[str]:
     """Every decoder-only ``model_type`` transformers maps to a causal-LM class (not the
     decoders of encoder-decoder models, nor encoder families with a causal-LM head)."""
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
     families = []
     for family in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):

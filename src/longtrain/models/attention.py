@@ -23,8 +23,15 @@ import torch
 from transformers import AttentionInterface
 
 from ..errors import LongtrainError
-from ..ops.causal_attention import (UNREAD, attention_plan, causal_attention, causal_attention_backward,
-                                   causal_attention_forward, needs_blocks, read_spans)
+from ..ops.causal_attention import (
+    UNREAD,
+    attention_plan,
+    causal_attention,
+    causal_attention_backward,
+    causal_attention_forward,
+    needs_blocks,
+    read_spans,
+)
 from ..ops.masking import BlockPlanner, SequenceMask
 from ..ops.sdpa import sdpa_gqa
 

@@ -31,8 +31,8 @@ from typing import Callable, Hashable
 import torch
 
 from ..errors import LongtrainError
-from .attention import AttentionCall
 from ..ops.causal_attention import attention_from_output
+from .attention import AttentionCall
 
 __all__ = ["KeptOutputStore", "attend_keeping", "RecordingAttention", "ReplayingAttention", "kept_layers_that_fit"]
 

@@ -61,7 +61,6 @@ def shard_parameters(units: list, parts: list[nn.Module], device_type: str,
     every unit); mixed precision computes in ``compute_dtype`` with parameters kept in
     their own dtype and gradients reduced in float32. Returns the root, to keep."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     from torch.distributed.tensor import DTensor
 
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32 if compute_dtype else None)

@@ -13,10 +13,10 @@ from typing import Callable
 
 import torch
 
+from .. import registry
 from ..errors import LongtrainError
 from ..memory.units import pinned_host_budget
 from ..models.loading import load_config
-from .. import registry
 from ..strategy import Strategy
 
 __all__ = ["auto_strategy"]
@@ -29,16 +29,16 @@ def auto_strategy(model, seq_len: int, device: torch.device, *, dtype: str = "bf
     tokens (one process of full fine-tuning); a :class:`LongtrainError` naming what binds
     where none fits."""
     from .calibrate import device_name, local_rates
-    from .planner import plan
+    from .planner import PlanRequest, plan
     from .time_model import H100
 
     host = pinned_host_budget()
     device_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host
     say(f"planning --strategy auto for {seq_len:,} tokens ...")
     rates = local_rates(device)  # this machine's `longtrain calibrate`, else the H100 rates
-    result = plan(model, seq_len, device_memory=device_memory, host_memory=host, optimizer=optimizer, dtype=dtype,
-                  batch=batch, optimizer_offload=optimizer_offload, rates=rates,
-                  rates_name=device_name(device) if rates is not H100 else "h100")
+    result = plan(PlanRequest(model, seq_len, device_memory=device_memory, host_memory=host, optimizer=optimizer,
+                              dtype=dtype, batch=batch, optimizer_offload=optimizer_offload, rates=rates,
+                              rates_name=device_name(device) if rates is not H100 else "h100"))
     if result.best is None:
         hint = "" if optimizer_offload or optimizer == "none" else "; --optimizer-offload moves AdamW's state to host memory"
         raise LongtrainError(f"--strategy auto: {result.verdict()}{hint}")

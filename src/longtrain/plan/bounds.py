@@ -144,29 +144,30 @@ def longest_where(fits: Callable[[int], bool], below: int) -> int:
 
 def _bound(config, seq_len, strategy, budget: Budget, item, batch, gpus) -> str | None:
     """Why ``strategy`` cannot fit whatever the simulation says (the token ids and its parked
-    bytes alone, :func:`least_bytes`), or None."""
+    bytes alone, :func:`least_bytes`: what binds, and at least how much), or None."""
     on_device, on_host = least_bytes(config, seq_len, strategy, item, batch, gpus)
     device = budget.persistent + on_device
     host = budget.host_state + on_host
     if device > budget.device_memory:
-        return f"device memory: at least {format_bytes(device)} (what it parks; not simulated)"
+        return f"device memory: at least {format_bytes(device)}"
     if host > budget.host_memory:
-        return f"host memory: at least {format_bytes(host)} (what it parks; not simulated)"
+        return f"host memory: at least {format_bytes(host)}"
     return None
 
 
 def _beyond_reach(config, seq_len, jobs, bounds, item, batch, gpus, device_memory, host_memory) -> str:
-    """The one line refusing a length at which no candidate can fit by its bound
-    (:func:`_bound`), naming the longest length at which one could."""
+    """The one line refusing a length at which no candidate — ``jobs``: (name, strategy,
+    budget) — can fit by its bound (``bounds``: :func:`_bound`'s), naming the longest length
+    at which one could."""
     reach = [longest_where(lambda tokens: _bound(config, tokens, strategy, budget, item, batch, gpus) is None, seq_len)
-             for _, _, strategy, budget in jobs]
+             for _, strategy, budget in jobs]
     best = max(range(len(jobs)), key=lambda i: reach[i])
     machine = f"{gpus} × {format_bytes(device_memory)}" if gpus > 1 else format_bytes(device_memory)
-    longest = (f"the longest any could fit is {reach[best]:,} tokens ({jobs[best][1]})" if reach[best]
+    longest = (f"the longest any could fit is {reach[best]:,} tokens ({jobs[best][0]})" if reach[best]
                else "no length fits beside the model states")
     return (f"no strategy weighed fits {seq_len:,} tokens on {machine} of device and {format_bytes(host_memory)} of host "
-            f"memory: the token ids and what each candidate parks alone exceed it ({jobs[best][1]}: "
-            f"{bounds[best].replace(' (what it parks; not simulated)', '')}); {longest} — counted, not simulated")
+            f"memory: the token ids and what each candidate parks alone exceed it ({jobs[best][0]}: {bounds[best]}); "
+            f"{longest} — counted, not simulated")
 
 
 def reserved_bytes(strategy: Strategy, budget: Budget, device: int) -> int:

@@ -1,7 +1,7 @@
 """The strategies the planner weighs (:func:`candidates`: each technique's and each engine's
-variants, as their costs propose them) and their adjustments to the machine: host budgets
-beside AdamW's state in host memory, kept attention outputs within the host's room, and the
-technique that can leave top layers whole."""
+variants, as their costs propose them), the name each goes by (:func:`strategy_label`), and
+their adjustments to the machine: host budgets beside AdamW's state in host memory, kept
+attention outputs within the host's room, and the technique that can leave top layers whole."""
 
 from __future__ import annotations
 
@@ -14,17 +14,25 @@ __all__ = [
     "candidates",
     "host_budgets_beside_optimizer",
     "outputs_kept_within",
+    "strategy_label",
 ]
 
 
 CHUNKS = (8192, 16384, 32768)
 
+# The option that holds a host budget: the plan fills it from --host-memory (less what AdamW's
+# state takes there), a run from its own host memory; a label leaves it out.
+def strategy_label(strategy: Strategy) -> str:
+    """The name a plan gives ``strategy`` (:attr:`Strategy.label`)."""
+    return strategy.label
+
 
 def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_chunk: bool = False,
                chunks: tuple[int, ...] = CHUNKS, adapter=None) -> dict[str, Strategy]:
-    """The strategies the planner weighs at ``seq_len`` tokens: each technique's variants on
-    the default engine, then each engine's (``candidates`` of their costs), with the
-    techniques every candidate carries (MsT) where the engine takes them. ``every_chunk``:
+    """The strategies the planner weighs at ``seq_len`` tokens, by :func:`strategy_label`:
+    each technique's variants on the default engine, then each engine's (``candidates`` of
+    their costs), with the techniques every candidate carries (MsT) where the engine takes
+    them. ``every_chunk``:
     every chunk size, however many chunks (for :func:`max_context`). ``adapter``: the
     model's adapter class; only the variants its costs say serve such models (no chunked
     attention for a state-space model, no adjoint engine for a transformer)."""
@@ -34,22 +42,19 @@ def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_ch
     def carried(accepts) -> dict:
         return {name: True for name in always if name in accepts}
 
-    def label(head: str, extra: dict) -> str:
-        return ",".join([head, *extra])
-
-    found = {}
+    found = []
     default = Strategy()
     for name, technique in sorted(techniques.items()):
         extra = carried(registry.engine(default.engine).accepts)
-        for variant, options in technique.costs.candidates(host_memory).items():
+        for options in technique.costs.candidates(host_memory).values():
             if adapter is None or technique.costs.serves(adapter, options):
-                found[label(variant, extra)] = Strategy(**{name: options}, **extra)
+                found.append(Strategy(**{name: options}, **extra))
     for name, engine in sorted(registry.engines().items()):
         extra = carried(engine.accepts)
-        for variant, options in engine.costs.candidates(seq_len, host_memory, layers, every_chunk, chunks).items():
+        for options in engine.costs.candidates(seq_len, host_memory, layers, every_chunk, chunks).values():
             if adapter is None or engine.costs.serves(adapter, options):
-                found[label(variant, extra)] = Strategy(engine=name, engine_options=options, **extra)
-    return found
+                found.append(Strategy(engine=name, engine_options=options, **extra))
+    return {strategy_label(strategy): strategy for strategy in found}
 
 
 def host_budgets_beside_optimizer(strategy: Strategy, room: int) -> Strategy:
@@ -60,21 +65,20 @@ def host_budgets_beside_optimizer(strategy: Strategy, room: int) -> Strategy:
     return _rebuilt(strategy, **changed)
 
 
-def outputs_kept_within(config, seq_len: int, strategy: Strategy, item: int, batch: int,
-                        room: int) -> tuple[tuple[str, str], Strategy] | None:
-    """((label part, its replacement), strategy) of a candidate whose host-dependent choices
-    are made for ``room`` bytes of host memory (FPDT's ``keep_output=fit`` made a count:
-    :meth:`~longtrain.costs.EngineCosts.fit_to_host`), or None where the candidate is then
-    redundant. Other candidates come back as they are."""
+def outputs_kept_within(config, seq_len: int, strategy: Strategy, item: int, batch: int, room: int) -> Strategy | None:
+    """A candidate with its host-dependent choices made for ``room`` bytes of host memory
+    (FPDT's ``keep_output=fit`` made a count: :meth:`~longtrain.costs.EngineCosts.fit_to_host`;
+    its label follows from its options), or None where the candidate is then redundant.
+    Other candidates come back as they are."""
     fitted = _engine_costs(strategy).fit_to_host(config, seq_len, strategy.engine_options, item, batch, room,
                                                  strategy.sequence_parallel)
     if fitted is None:
         return None
-    relabel, options = fitted
+    _, options = fitted  # (the costs' label parts: not read, the label is the fitted strategy's)
     if options is strategy.engine_options:
-        return relabel, strategy
-    return relabel, Strategy(engine=strategy.engine, engine_options=options,
-                             sequence_parallel=strategy.sequence_parallel, **strategy.techniques)
+        return strategy
+    return Strategy(engine=strategy.engine, engine_options=options, sequence_parallel=strategy.sequence_parallel,
+                    **strategy.techniques)
 
 
 def _leaves_layers_whole(strategy: Strategy) -> str | None:

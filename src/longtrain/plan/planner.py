@@ -29,17 +29,22 @@ covers the whole length (:func:`simulate_step`: the simulator extends per-phase 
 itself from its fit simulations, seconds to half a minute per 8B candidate); simulations
 are cached in the process. A fitting checkpointed row's search for top layers left whole
 runs in a worker of its own, beside the others. Each row names its strategy as
-``--strategy`` reads it and AdamW's place apart (:meth:`PlanRow.flags`; :meth:`Plan.command`
-the whole ``longtrain train`` line). ``longest=True`` adds, per simulated strategy, the
-longest context it reaches (a search: :mod:`longtrain.plan.longest`).
+``--strategy`` reads it — computed from the strategy's fields (:func:`strategy_label`), also
+for the rows derived from a candidate — and AdamW's place apart (:meth:`PlanRow.flags`;
+:meth:`Plan.command` the whole ``longtrain train`` line). ``longest=True`` adds, per
+simulated strategy, the longest context it reaches (a search: :mod:`longtrain.plan.longest`).
+
+What is asked is a :class:`~longtrain.plan.request.PlanRequest`; :func:`plan` is made of
+one step each: the machine's budgets (:func:`_setting`), the candidates (:func:`_candidates`),
+each placed, bounded and timed (:func:`_jobs`, :func:`_placed`), simulated in order with the
+whole-layer rows (:class:`_InOrder`), and ranked (:func:`_rank`).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Callable
-
-import torch
 
 from .. import registry
 from ..errors import LongtrainError
@@ -47,21 +52,42 @@ from ..memory.units import format_bytes
 from ..models.adapters import adapter_class, describe_model
 from ..models.loading import load_config, parse_dtype
 from ..strategy import Strategy
-from .bounds import (FRAGMENTATION, Budget, _beyond_reach, _bound, budgets_for, least_bytes, longest_where,
-                     parked_bytes, parked_split, reserved_bytes)
-from .candidates import (CHUNKS, _leaves_layers_whole, _rebuilt, candidates, host_budgets_beside_optimizer,
-                         outputs_kept_within)
+from .bounds import (
+    FRAGMENTATION,
+    Budget,
+    _beyond_reach,
+    _bound,
+    budgets_for,
+    least_bytes,
+    longest_where,
+    parked_bytes,
+    parked_split,
+    reserved_bytes,
+)
+from .candidates import (
+    CHUNKS,
+    _leaves_layers_whole,
+    _rebuilt,
+    candidates,
+    host_budgets_beside_optimizer,
+    outputs_kept_within,
+    strategy_label,
+)
 from .longest import longest_context
 from .report import Plan, PlanRow
+from .request import PlanRequest
 from .steps import _Simulations, chunk_curve_of, config_from_json, simulate_step
 from .time_model import H100, MachineRates, step_time
 
-# plan() and its row, and what the planner is made of, re-exported from their modules.
+# plan() and its request and row, and what the planner is made of, re-exported from their modules.
 __all__ = [
     "CHUNKS",
     "FRAGMENTATION",
+    "H100",
     "Budget",
+    "MachineRates",
     "Plan",
+    "PlanRequest",
     "PlanRow",
     "WHOLE_LAYERS_FILL",
     "budgets_for",
@@ -77,6 +103,7 @@ __all__ = [
     "plan",
     "reserved_bytes",
     "simulate_step",
+    "strategy_label",
 ]
 
 
@@ -84,136 +111,225 @@ __all__ = [
 # and the few GiB left absorb what the margin misses (a run that dies costs more).
 WHOLE_LAYERS_FILL = 0.95
 
+NOT_SIMULATED = "(what it parks; not simulated)"  # after a row's bound: what refused it
 
-def plan(model, seq_len: int, *, device_memory: int, host_memory: int, optimizer: str = "adamw",
-         dtype: str = "bfloat16", rates: MachineRates = H100, longest: bool = False, batch: int = 1,
-         gpus: int = 1, lora_rank: int | None = None, exhaustive: bool = False,
-         optimizer_offload: bool | None = None, rates_name: str = "h100", workers: int = 1,
-         progress: Callable[[str], None] | None = None, engine: str | None = None) -> Plan:
-    """Rank the candidate strategies for ``model`` (preset, directory or config) at
-    ``seq_len`` tokens on ``gpus`` devices of ``device_memory`` bytes each (sequence
-    parallel over them when more than one) with ``host_memory`` bytes of host memory in
-    all (module docstring). ``lora_rank``: train LoRA adapters of that rank instead of
-    every weight. ``optimizer_offload``: AdamW's state only in host memory (True), only on
-    the device (False), or both weighed (None). ``workers``: processes simulating
-    candidates at once (the command line uses one per core, up to 4). ``engine``: weigh only that
-    engine's variants."""
-    say = progress or (lambda _: None)
-    if gpus < 1:
-        raise LongtrainError(f"--gpus must be a positive count, got {gpus}")
-    config = load_config(model)
-    adapter_class(config.model_type).allow_positions(config, 2 * seq_len)
-    torch_dtype = parse_dtype(dtype)
-    item = torch.tensor([], dtype=torch_dtype).element_size()
-    params, budgets = budgets_for(config, device_memory=device_memory, host_memory=host_memory, optimizer=optimizer,
-                                  dtype=torch_dtype, lora_rank=lora_rank, gpus=gpus, optimizer_offload=optimizer_offload)
-    name = model if isinstance(model, str) else getattr(config, "name_or_path", "") or config.model_type
-    result = Plan(model=name, seq_len=seq_len, device_memory=device_memory, host_memory=host_memory, optimizer=optimizer,
-                  dtype=str(torch_dtype).replace("torch.", ""), rows=[], gpus=gpus, lora_rank=lora_rank,
-                  rates_name=rates_name, untimed=adapter_class(config.model_type).untimed_work, batch=batch)
-    sp = {"degree": gpus} if gpus > 1 else None
-    jobs = []
-    kind = adapter_class(config.model_type)
-    if gpus > 1 and not kind.has_attention:
-        raise LongtrainError(f"--gpus {gpus} splits the sequence over attention heads (Ulysses), and {config.model_type} "
-                             "has no attention; plan one GPU, or split its layers over GPUs with the adjoint engine "
-                             f"(torchrun; `longtrain simulate --engine adjoint --layer-groups {gpus}` says what each GPU needs)")
-    usual = candidates(seq_len, host_memory, describe_model(config).layers, adapter=kind)
-    # FPDT with more than 32 chunks costs host time per chunk: tried only when nothing with
-    # fewer fits (after every usual candidate), since smaller chunks reach longer contexts.
-    every = candidates(seq_len, host_memory, describe_model(config).layers, every_chunk=True, adapter=kind)
-    if engine is not None:
-        registry.engine(engine)  # an unknown name is refused in one line
-        serving = sorted({s.engine for s in every.values()})
-        if engine not in serving:
-            raise LongtrainError(f"--engine {engine} does not train {config.model_type} models; engines a plan weighs "
-                                 f"for them: {', '.join(serving)}")
-        usual, every = ({label: s for label, s in found.items() if s.engine == engine} for found in (usual, every))
-    # In the candidates' order (a set's would change with the process's string hashing, and so
-    # the order of the rows they tie in).
-    fallback = [label for label, strategy in every.items()
-                if label not in usual and strategy.engine_options.chunk < seq_len]
-    jobs_beyond = []  # candidates with over 32 chunks: after the others
-    for label, strategy in {**usual, **{label: every[label] for label in fallback}}.items():
-        beyond = label in fallback
-        if sp is not None:
-            if not all(registry.technique(name).sequence_parallel for name in strategy.techniques):
-                continue
-            strategy = _rebuilt(strategy, sequence_parallel=sp)
-            label += f"+sp{gpus}"
-        for budget in budgets:
-            offloaded = budget.optimizer == "adamw-offload"
-            if offloaded:
-                strategy = host_budgets_beside_optimizer(strategy, host_memory - budget.host_state)
-            fitted = outputs_kept_within(config, seq_len, strategy, item, batch, host_memory - budget.host_state)
-            if fitted is None:
-                continue
-            (part, fitted_part), fitted_strategy = fitted
-            # A candidate that cannot fit by what it parks is not timed (at lengths far beyond
-            # any that fits, the time model's per-chunk schedule alone would take minutes).
-            seconds = float("inf") if _bound(config, seq_len, fitted_strategy, budget, item, batch, gpus) else \
-                step_time(config, seq_len, fitted_strategy, rates, batch=batch, optimizer_offload=offloaded,
-                          trainable=params).seconds
-            name = label.replace(part, fitted_part) if part else label
-            (jobs_beyond if beyond else jobs).append((seconds, name, fitted_strategy, budget))
-    jobs = sorted(jobs, key=lambda job: job[0]) + sorted(jobs_beyond, key=lambda job: job[0])
-    many = set(range(len(jobs) - len(jobs_beyond), len(jobs)))  # their indices
-    bounds = [_bound(config, seq_len, strategy, budget, item, batch, gpus) for _, _, strategy, budget in jobs]
-    if jobs and all(bound is not None for bound in bounds):
-        shown = [(seconds, _shown(name, budget), strategy, budget) for seconds, name, strategy, budget in jobs]
-        raise LongtrainError(_beyond_reach(config, seq_len, shown, bounds, item, batch, gpus, device_memory, host_memory))
-    to_simulate = [i for i, bound in enumerate(bounds) if bound is None]
-    winner = None
-    searches = []  # (where its row goes, what gives the row with top layers left whole, or None)
+
+def plan(request: PlanRequest, *, workers: int = 1, progress: Callable[[str], None] | None = None) -> Plan:
+    """Rank the candidate strategies for what ``request`` asks (:class:`PlanRequest`: the
+    model at ``seq_len`` tokens on ``gpus`` devices of ``device_memory`` bytes each —
+    sequence parallel over them when more than one — with ``host_memory`` bytes of host
+    memory in all; module docstring). How it is computed never changes the answer:
+    ``workers`` processes simulate candidates at once (the command line uses one per
+    core, up to 4), and ``progress`` is told each simulation as it starts."""
+    if not isinstance(request, PlanRequest):
+        raise LongtrainError(f"plan() takes a PlanRequest (longtrain.plan.request), got {type(request).__name__}: "
+                             "plan(PlanRequest(model, seq_len, device_memory=..., host_memory=...))")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise LongtrainError(f"workers (--jobs) must be a positive count, got {workers!r}")
+    setting = _setting(request)
+    jobs = _jobs(setting)
+    if jobs and all(job.bound is not None for job in jobs):
+        raise LongtrainError(_beyond_reach(setting.config, request.seq_len, [(job.shown, job.strategy, job.budget)
+                                                                              for job in jobs],
+                                           [job.bound for job in jobs], setting.item, request.batch, request.gpus,
+                                           request.device_memory, request.host_memory))
+    result = _empty_plan(setting)
     with _Simulations(workers) as simulations:
-        for i, (_, label, strategy, budget) in enumerate(jobs):
-            offloaded = budget.optimizer == "adamw-offload"
-            args = (config, seq_len, strategy, dtype, batch, budget.optimizer, lora_rank)
-            if bounds[i] is not None:
-                row = PlanRow(name=label, strategy=strategy.to_dict(), binds=bounds[i], optimizer_offload=offloaded,
-                              simulated=False)
-            elif winner is not None and not exhaustive:  # started ahead or not: the answer must not depend on --jobs
-                row = PlanRow(name=label, strategy=strategy.to_dict(),
-                              notes={"skipped": f"over 32 chunks, and {winner} fits" if i in many
-                                     else f"predicted slower than {winner}, which fits"},
-                              optimizer_offload=offloaded, simulated=False)
-            else:
-                # The next candidates start in the other workers while this one is simulated —
-                # until one fits: then only those already started are waited for.
-                ahead = to_simulate[to_simulate.index(i):][:workers] if winner is None or exhaustive else []
-                for j in ahead:
-                    _, other, other_strategy, other_budget = jobs[j]
-                    if simulations.start((config, seq_len, other_strategy, dtype, batch, other_budget.optimizer,
-                                          lora_rank)):
-                        say(f"simulating {_shown(other, other_budget)} at {seq_len:,} tokens")
-                row = _evaluate(label, strategy, config, seq_len, budget, rates, batch, params,
-                                lambda: simulations.result(args))
-                if longest and row.device_bytes is not None:
-                    row.longest, row.longest_binds = longest_context(config, strategy, budget, dtype, batch=batch,
-                                                                     lora_rank=lora_rank, start=seq_len, label=label,
-                                                                     progress=say)
-                if row.fits and winner is None:
-                    winner = row.label
-            result.rows.append(row)
-            if row.fits and _leaves_layers_whole(strategy) and not longest:
-                # A sequential search of its own: in a worker, beside the other fitting rows' searches.
-                if workers > 1:
-                    say(f"searching how many top layers {_shown(label, budget)} leaves whole at {seq_len:,} tokens")
-                    searches.append((len(result.rows), simulations.call(
-                        _whole_layers_elsewhere, row, strategy.to_json(), json.dumps(config.to_dict(), default=str),
-                        seq_len, budget, rates, batch, params, dtype, lora_rank).result))
-                else:
-                    whole = most_whole_layers(row, strategy, config, seq_len, budget, rates, batch, params, say,
-                                              lambda candidate: simulate_step(config, seq_len, candidate, dtype, batch,
-                                                                              budget.optimizer, lora_rank))
-                    searches.append((len(result.rows), lambda whole=whole: whole))
+        result.rows = _InOrder(setting, jobs, simulations, workers, progress or (lambda _: None)).rows()
+    result.rows.sort(key=_rank)
+    return result
+
+
+@dataclass
+class _Setting:
+    """What each step of a plan reads: the request, and what follows from it once."""
+
+    request: PlanRequest
+    config: object  # the model's config, its positions allowed to twice the length
+    kind: type  # the model's adapter class
+    item: int  # bytes per element of the dtype
+    params: int  # parameters trained (the time model's optimizer step)
+    budgets: list[Budget]  # one per place of the optimizer's state
+
+    def simulation(self, strategy: Strategy, budget: Budget) -> tuple:
+        """simulate_step's arguments for ``strategy`` within ``budget``."""
+        r = self.request
+        return (self.config, r.seq_len, strategy, r.dtype, r.batch, budget.optimizer, r.lora_rank)
+
+
+def _setting(request: PlanRequest) -> _Setting:
+    """The model's config and the places for the optimizer's state; what no strategy can
+    help (the model states alone, sequence parallelism without attention) refused at once."""
+    config = load_config(request.model)
+    kind = adapter_class(config.model_type)
+    kind.allow_positions(config, 2 * request.seq_len)
+    dtype = parse_dtype(request.dtype)
+    params, budgets = budgets_for(config, device_memory=request.device_memory, host_memory=request.host_memory,
+                                  optimizer=request.optimizer, dtype=dtype, lora_rank=request.lora_rank,
+                                  gpus=request.gpus, optimizer_offload=request.optimizer_offload)
+    if request.gpus > 1 and not kind.has_attention:
+        raise LongtrainError(f"--gpus {request.gpus} splits the sequence over attention heads (Ulysses), and "
+                             f"{config.model_type} has no attention; plan one GPU, or split its layers over GPUs with "
+                             f"the adjoint engine (torchrun; `longtrain simulate --engine adjoint --layer-groups "
+                             f"{request.gpus}` says what each GPU needs)")
+    return _Setting(request, config, kind, dtype.itemsize, params, budgets)
+
+
+def _empty_plan(setting: _Setting) -> Plan:
+    """The plan's heading: what was asked, before any row."""
+    r = setting.request
+    name = r.model if isinstance(r.model, str) else getattr(setting.config, "name_or_path", "") or setting.config.model_type
+    return Plan(model=name, seq_len=r.seq_len, device_memory=r.device_memory, host_memory=r.host_memory,
+                optimizer=r.optimizer, dtype=str(parse_dtype(r.dtype)).removeprefix("torch."), rows=[], gpus=r.gpus,
+                lora_rank=r.lora_rank, rates_name=r.rates_name, untimed=setting.kind.untimed_work, batch=r.batch)
+
+
+@dataclass
+class _Job:
+    """One candidate with the optimizer's state in one place, as the plan weighs it."""
+
+    strategy: Strategy  # sequence parallel, host budgets and kept outputs fitted to the machine
+    budget: Budget
+    bound: str | None  # why it cannot fit by what it parks alone (not simulated), or None
+    seconds: float  # predicted step time; infinite where its bound refuses it (not timed)
+    beyond: bool  # over 32 chunks: weighed after every usual candidate
+
+    @property
+    def name(self) -> str:
+        return strategy_label(self.strategy)
+
+    @property
+    def offloaded(self) -> bool:
+        return self.budget.optimizer == "adamw-offload"
+
+    @property
+    def shown(self) -> str:
+        return _shown(self.name, self.budget)
+
+
+def _candidates(setting: _Setting) -> list[tuple[Strategy, bool]]:
+    """(candidate, whether it has over 32 chunks), in the candidates' order: those with
+    over 32 chunks — which cost host time per chunk — last, since smaller chunks reach longer
+    contexts (a set's order would change with the process's string hashing, and so the
+    order of the rows they tie in)."""
+    r = setting.request
+    layers = describe_model(setting.config).layers
+    usual = candidates(r.seq_len, r.host_memory, layers, adapter=setting.kind)
+    every = candidates(r.seq_len, r.host_memory, layers, every_chunk=True, adapter=setting.kind)
+    if r.engine is not None:
+        serving = sorted({strategy.engine for strategy in every.values()})
+        if r.engine not in serving:
+            raise LongtrainError(f"--engine {r.engine} does not train {setting.config.model_type} models; engines a "
+                                 f"plan weighs for them: {', '.join(serving)}")
+        usual, every = ({label: s for label, s in found.items() if s.engine == r.engine} for found in (usual, every))
+    fallback = [label for label, strategy in every.items()
+                if label not in usual and registry.engine(strategy.engine).costs.chunk(strategy.engine_options) < r.seq_len]
+    return [(strategy, False) for strategy in usual.values()] + [(every[label], True) for label in fallback]
+
+
+def _jobs(setting: _Setting) -> list[_Job]:
+    """Every candidate at every place of the optimizer's state, bounded and timed: fastest
+    predicted first, those with over 32 chunks after all the others."""
+    jobs = [job for strategy, beyond in _candidates(setting) for job in _placed(setting, strategy, beyond)]
+    return (sorted((job for job in jobs if not job.beyond), key=lambda job: job.seconds)
+            + sorted((job for job in jobs if job.beyond), key=lambda job: job.seconds))
+
+
+def _placed(setting: _Setting, strategy: Strategy, beyond: bool) -> list[_Job]:
+    """``strategy`` over the plan's GPUs at each place of the optimizer's state: its host
+    budgets beside that state, its kept outputs within the host's room, its bound, and its
+    predicted time where the bound does not refuse it already (at lengths far beyond any
+    that fits, the time model's per-chunk schedule alone would take minutes)."""
+    r = setting.request
+    if r.gpus > 1:
+        if not all(registry.technique(name).sequence_parallel for name in strategy.techniques):
+            return []
+        strategy = _rebuilt(strategy, sequence_parallel={"degree": r.gpus})
+    jobs = []
+    for budget in setting.budgets:
+        offloaded = budget.optimizer == "adamw-offload"
+        room = r.host_memory - budget.host_state
+        fitted = outputs_kept_within(setting.config, r.seq_len,
+                                     host_budgets_beside_optimizer(strategy, room) if offloaded else strategy,
+                                     setting.item, r.batch, room)
+        if fitted is None:
+            continue
+        bound = _bound(setting.config, r.seq_len, fitted, budget, setting.item, r.batch, r.gpus)
+        seconds = float("inf") if bound else step_time(setting.config, r.seq_len, fitted, r.rates, batch=r.batch,
+                                                       optimizer_offload=offloaded, trainable=setting.params).seconds
+        jobs.append(_Job(fitted, budget, bound, seconds, beyond))
+    return jobs
+
+
+class _InOrder:
+    """The jobs simulated fastest-predicted first (module docstring): once one fits, the
+    slower ones are listed as such unsimulated (unless ``exhaustive``); the next ones start
+    in the other workers while one is simulated. A fitting row whose technique can leave
+    top layers whole gets a search for how many, in a worker of its own beside the others."""
+
+    def __init__(self, setting: _Setting, jobs: list[_Job], simulations: _Simulations, workers: int, say):
+        self.setting, self.jobs, self.simulations, self.workers, self.say = setting, jobs, simulations, workers, say
+        self.to_simulate = [i for i, job in enumerate(jobs) if job.bound is None]
+        self.winner: str | None = None  # the label of the first row that fits
+
+    def rows(self) -> list[PlanRow]:
+        """A row per job, in order, and after each fitting one its row with top layers whole."""
+        rows, searches = [], []  # searches: (where its row goes, what gives it or None)
+        for i, job in enumerate(self.jobs):
+            rows.append(self._row(i, job))
+            if rows[-1].fits and _leaves_layers_whole(job.strategy) and not self.setting.request.longest:
+                searches.append((len(rows), self._whole_layers(rows[-1], job)))
         for where, search in reversed(searches):
             whole = search()
             if whole is not None:
-                result.rows.insert(where, whole)
-    result.rows.sort(key=lambda r: (not r.fits, not r.simulated,
-                                    r.step_seconds if r.fits else (r.reserved_bytes or float("inf"))))
-    return result
+                rows.insert(where, whole)
+        return rows
+
+    def _row(self, i: int, job: _Job) -> PlanRow:
+        r = self.setting.request
+        if job.bound is not None:
+            return PlanRow(name=job.name, strategy=job.strategy.to_dict(), binds=f"{job.bound} {NOT_SIMULATED}",
+                           optimizer_offload=job.offloaded, simulated=False)
+        if self.winner is not None and not r.exhaustive:  # started ahead or not: the answer must not depend on --jobs
+            skipped = (f"over 32 chunks, and {self.winner} fits" if job.beyond
+                       else f"predicted slower than {self.winner}, which fits")
+            return PlanRow(name=job.name, strategy=job.strategy.to_dict(), notes={"skipped": skipped},
+                           optimizer_offload=job.offloaded, simulated=False)
+        self._start_ahead(i)
+        row = _evaluate(job.strategy, self.setting.config, r.seq_len, job.budget, r.rates, r.batch, self.setting.params,
+                        lambda: self.simulations.result(self.setting.simulation(job.strategy, job.budget)))
+        if r.longest and row.device_bytes is not None:
+            row.longest, row.longest_binds = longest_context(self.setting.config, job.strategy, job.budget, r.dtype,
+                                                             batch=r.batch, lora_rank=r.lora_rank, start=r.seq_len,
+                                                             label=job.name, progress=self.say)
+        if row.fits and self.winner is None:
+            self.winner = row.label
+        return row
+
+    def _start_ahead(self, i: int) -> None:
+        """Job ``i`` and the next ones to simulate, ``workers`` in all, started where not yet."""
+        for j in self.to_simulate[self.to_simulate.index(i):][:self.workers]:
+            job = self.jobs[j]
+            if self.simulations.start(self.setting.simulation(job.strategy, job.budget)):
+                self.say(f"simulating {job.shown} at {self.setting.request.seq_len:,} tokens")
+
+    def _whole_layers(self, row: PlanRow, job: _Job) -> Callable[[], PlanRow | None]:
+        """What gives ``row`` with as many top layers whole as fit (:func:`most_whole_layers`):
+        a search in a worker of its own where there are several, else done here now."""
+        s, r = self.setting, self.setting.request
+        if self.workers > 1:
+            self.say(f"searching how many top layers {job.shown} leaves whole at {r.seq_len:,} tokens")
+            return self.simulations.call(_whole_layers_elsewhere, row, job.strategy.to_json(),
+                                         json.dumps(s.config.to_dict(), default=str), r.seq_len, job.budget, r.rates,
+                                         r.batch, s.params, r.dtype, r.lora_rank).result
+        whole = most_whole_layers(row, job.strategy, s.config, r.seq_len, job.budget, r.rates, r.batch, s.params,
+                                  self.say, lambda candidate: simulate_step(*s.simulation(candidate, job.budget)))
+        return lambda: whole
+
+
+def _rank(row: PlanRow) -> tuple:
+    """Fitting rows fastest first, then the simulated ones that do not fit, nearest first."""
+    return (not row.fits, not row.simulated, row.step_seconds if row.fits else (row.reserved_bytes or float("inf")))
 
 
 def _whole_layers_elsewhere(row: PlanRow, strategy_json: str, config_json: str, seq_len: int, budget: Budget, rates,
@@ -247,12 +363,10 @@ def most_whole_layers(row: PlanRow, strategy: Strategy, config, seq_len, budget:
     name = _leaves_layers_whole(strategy)
 
     def evaluate(count: int) -> None:
-        options, item = registry.technique(name).costs.with_whole_layers(name, strategy.techniques[name], count)
-        label = row.name.replace(name, item, 1)
-        say(f"simulating {_shown(label, budget)} at {seq_len:,} tokens")
+        options, _ = registry.technique(name).costs.with_whole_layers(name, strategy.techniques[name], count)
         candidate = _rebuilt(strategy, **{name: options})
-        tried[count] = _evaluate(label, candidate, config, seq_len, budget, rates, batch, params,
-                                 lambda: simulated(candidate))
+        say(f"simulating {_shown(strategy_label(candidate), budget)} at {seq_len:,} tokens")
+        tried[count] = _evaluate(candidate, config, seq_len, budget, rates, batch, params, lambda: simulated(candidate))
 
     def fits(count: int) -> bool:
         found = tried[count]
@@ -286,13 +400,14 @@ def _shown(label: str, budget: Budget) -> str:
     return label + (" --optimizer-offload" if budget.optimizer == "adamw-offload" else "")
 
 
-def _evaluate(label, strategy, config, seq_len, budget: Budget, rates, batch, params, simulated) -> PlanRow:
+def _evaluate(strategy: Strategy, config, seq_len, budget: Budget, rates, batch, params, simulated) -> PlanRow:
     """The plan's row of one candidate; ``simulated()`` gives its simulate_step figures."""
     offloaded = budget.optimizer == "adamw-offload"
+    name = strategy_label(strategy)
     try:
         device, host, notes = simulated()
     except LongtrainError as exc:  # e.g. memo: the inputs and attention outputs alone exceed the host budget
-        return PlanRow(name=label, strategy=strategy.to_dict(), binds=str(exc), optimizer_offload=offloaded)
+        return PlanRow(name=name, strategy=strategy.to_dict(), binds=str(exc), optimizer_offload=offloaded)
     reserved = reserved_bytes(strategy, budget, device)
     device += budget.device_state
     binds = []
@@ -302,7 +417,7 @@ def _evaluate(label, strategy, config, seq_len, budget: Budget, rates, batch, pa
         binds.append(f"host memory: needs {format_bytes(host)}, {format_bytes(host - budget.host_memory)} over")
     predicted = step_time(config, seq_len, strategy, rates, notes=notes, batch=batch, optimizer_offload=offloaded,
                           trainable=params)
-    return PlanRow(name=label, strategy=strategy.to_dict(), device_bytes=device, reserved_bytes=reserved, host_bytes=host,
+    return PlanRow(name=name, strategy=strategy.to_dict(), device_bytes=device, reserved_bytes=reserved, host_bytes=host,
                    fits=not binds, binds="; ".join(binds) or None, step_seconds=predicted.seconds,
                    tokens_per_s=batch * seq_len / predicted.seconds, mfu=predicted.mfu(rates.peak), notes=notes,
                    optimizer_offload=offloaded)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import functools
 import math
 import time
@@ -30,8 +29,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 from transformers import PretrainedConfig
 
@@ -47,8 +46,16 @@ from ..parallel.distributed import simulated_world
 from ..parallel.layer_groups import busiest_group
 from ..strategy import Strategy, applied_context, apply, step
 from .bounds import refuse_lengths_that_cannot_fit
-from .extrapolate import (ChunkCurve, _budget_stops_layers, _fit, _kept_outputs_apart, _layers, _Simulated,
-                          _stable_phases, chunk_of)
+from .extrapolate import (
+    ChunkCurve,
+    _budget_stops_layers,
+    _fit,
+    _kept_outputs_apart,
+    _layers,
+    _Simulated,
+    _stable_phases,
+    chunk_of,
+)
 from .report import format_table
 
 __all__ = [

@@ -38,8 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import registry
-from ..models.adapters import adapter_class, describe_model
 from ..costs import StepWork
+from ..models.adapters import adapter_class, describe_model
 
 __all__ = ["H100", "MachineRates", "StepTime", "step_time"]
 

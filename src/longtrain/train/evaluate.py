@@ -48,12 +48,20 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import LongtrainError, writing
-from .run_checkpoints import write_text_atomic
 from .config import TrainConfig
-from .eval_config import DEFAULT_DEPTHS, EvalConfig, check_eval_config, check_out, check_settings, default_out, format_length
+from .eval_config import (
+    DEFAULT_DEPTHS,
+    EvalConfig,
+    check_eval_config,
+    check_out,
+    check_settings,
+    default_out,
+    format_length,
+)
 from .metrics import strict_json
 from .passkey import PasskeyTask, TooShortForTask
 from .plot import plot_accuracy_map
+from .run_checkpoints import write_text_atomic
 from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = ["evaluate_long_context", "flat_metrics", "format_table", "run_eval"]

@@ -26,16 +26,17 @@ import torch
 from tqdm import tqdm
 
 from .. import registry
-from ..engines.batch import count_label_tokens
 from ..engines.backprop import forward_loss
+from ..engines.batch import count_label_tokens
 from ..errors import LongtrainError
-from ..models.flops import device_peak_flops, mfu, model_flops_per_sample
 from ..memory.measure import StepMemoryMeter
 from ..memory.units import format_bytes
+from ..models.flops import device_peak_flops, mfu, model_flops_per_sample
 from ..models.loading import parse_dtype
-from ..optimizers import make_optimizer
 from ..optimizer_offload import HostAdamW, streaming
-from ..strategy import Strategy, applied_context, apply, engine_context, step as strategy_step
+from ..optimizers import make_optimizer
+from ..strategy import Strategy, applied_context, apply, engine_context
+from ..strategy import step as strategy_step
 from . import resume
 from .config import MAX_SEQ_LEN, TrainConfig, check_config, config_from_dict, option
 from .data import TokenWindows, collate

@@ -47,7 +47,7 @@ import torch
 from ...errors import LongtrainError
 from ...memory.chunk_store import ChunkStore
 from ...memory.units import parse_bytes
-from ...models.adapters import DecoderAdapter, adapter_for, describe_model
+from ...models.adapters import DecoderAdapter, adapter_for
 from ...models.layers import unwrap
 from ...ops.chunked_loss import chunked_causal_lm_loss
 from ...ops.linear_scan import adjoint_states

@@ -50,7 +50,6 @@ from ..gradient_sum import Float32GradientSum
 from .costs import outputs_that_fit, parked_host_bytes
 from .settings import ChunkSettings
 
-
 _PARKED = object()  # marks a rotary table whose chunks live in the store
 
 

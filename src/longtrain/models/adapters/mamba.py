@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from ...errors import LongtrainError
-from .mamba_recurrence import MambaRecurrence
 from ..layers import unwrap
 from .base import AttentionFreeAdapter, register_adapter
+from .mamba_recurrence import MambaRecurrence
 
 __all__ = ["MambaAdapter"]
 

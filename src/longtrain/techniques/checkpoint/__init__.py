@@ -42,8 +42,8 @@ forward, :class:`CheckpointLayers`), ``costs.py`` (:class:`CheckpointCosts`,
 from __future__ import annotations
 
 from ...registry import TechniqueSpec, register
-from .install import CheckpointLayers, install_checkpoint  # noqa: F401
 from .costs import CheckpointCosts, kept_output_share, whole_layers  # noqa: F401
+from .install import CheckpointLayers, install_checkpoint  # noqa: F401
 from .options import CheckpointOptions
 
 register(TechniqueSpec(

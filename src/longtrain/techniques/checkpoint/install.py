@@ -18,11 +18,10 @@ from torch.utils.checkpoint import checkpoint
 
 from ...errors import LongtrainError
 from ...memory.chunk_store import ChunkStore
-from ...models.kept_attention import KeptOutputStore, attend_keeping, kept_layers_that_fit
 from ...memory.token_swap import storage_id
 from ...models.attention import AttentionCall
+from ...models.kept_attention import KeptOutputStore, attend_keeping, kept_layers_that_fit
 from .options import CheckpointOptions
-
 
 _INPUT_IN_STORE = object()  # what a parked input's pack hook leaves in the graph (the store has the tensor)
 

@@ -21,8 +21,8 @@ The package: ``options.py`` (:class:`LigerOptions`), ``install.py`` (the patchin
 from __future__ import annotations
 
 from ...registry import TechniqueSpec, register
-from .install import install_liger
 from .costs import LigerCosts, liger_available  # noqa: F401
+from .install import install_liger
 from .options import LigerOptions
 
 __all__ = ["LigerOptions", "liger_available"]

@@ -31,9 +31,9 @@ the measurement of α), ``costs.py`` (:func:`memo_alpha`, :class:`MemoCosts`).
 from __future__ import annotations
 
 from ...registry import TechniqueSpec, register
+from .costs import MemoCosts, memo_alpha  # noqa: F401
 from .install import install_memo
 from .layers import DEFAULT_FLOPS_PER_S, DEFAULT_HOST_BANDWIDTH, MemoLayers  # noqa: F401
-from .costs import MemoCosts, memo_alpha  # noqa: F401
 from .options import MemoOptions
 
 register(TechniqueSpec(

@@ -23,13 +23,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ...errors import LongtrainError
 from ...memory.chunk_store import ChunkStore
-from ...models.kept_attention import RecordingAttention, ReplayingAttention, KeptOutputStore
 from ...memory.pinned import host_empty
 from ...memory.token_swap import LayerActivations, storage_id
 from ...memory.tracker import untracked
 from ...memory.units import format_bytes
 from ...models.adapters import describe_model
 from ...models.attention import AttentionCall
+from ...models.kept_attention import KeptOutputStore, RecordingAttention, ReplayingAttention
 from ...ops import replay
 from ...ops.causal_attention import attention_from_output
 from .costs import memo_alpha

@@ -24,8 +24,8 @@ The package: ``options.py`` (:class:`MsTOptions`), ``install.py`` (the tiled MLP
 from __future__ import annotations
 
 from ...registry import TechniqueSpec, register
-from .install import default_mlp_chunk, install_mst  # noqa: F401
 from .costs import MsTCosts
+from .install import default_mlp_chunk, install_mst  # noqa: F401
 from .options import MsTOptions
 
 __all__ = ["MsTOptions"]
