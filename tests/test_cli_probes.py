@@ -1052,3 +1052,11 @@ def test_the_default_warmup_of_a_short_run_is_a_tenth_of_it():
     assert [warmup_steps(TrainConfig(steps=n)) for n in (1, 2, 9, 20, 21, 200)] == [0, 0, 0, 2, 20, 20]
     assert warmup_steps(TrainConfig(steps=3, warmup_steps=2)) == 2
     check_config(TrainConfig(steps=2))  # the default never trips the refusal of a warm-up as long as the run
+
+
+def test_simulating_a_mixture_of_experts_in_float32_is_refused_in_one_line():
+    """The fake mode's grouped-matmul kernel takes bfloat16 only: a float32 simulation of a
+    mixture of experts ended in a traceback."""
+    code, _, err = cli("simulate", "--model", "tiny-qwen3-moe", "--seq-len", "64", "--dtype", "float32")
+    lines = [line for line in err.splitlines() if line.startswith("longtrain: error")]
+    assert code == 2 and len(lines) == 1 and "--dtype bfloat16" in lines[0] and "Traceback" not in err

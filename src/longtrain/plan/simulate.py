@@ -557,7 +557,15 @@ def build_fake_model(config: PretrainedConfig, dtype: torch.dtype, lora_rank: in
     model's, as peft's move would), and every parameter and buffer is then replaced by a
     fake tensor of its shape, dtype and ``requires_grad`` — shared ones (tied embeddings)
     stay shared.
+
+    A mixture of experts is simulated in bfloat16 only: its experts run as one grouped
+    matmul, whose kernel takes bfloat16 alone on a GPU and in the fake mode (the
+    one-by-one loop it has besides reads the routing's values, which fake tensors lack).
     """
+    if dtype != torch.bfloat16 and describe_model(config).is_moe:
+        raise LongtrainError(f"the simulator runs a mixture of experts ({config.model_type}) in bfloat16 only (its "
+                             f"grouped-matmul kernel takes no {str(dtype).replace('torch.', '')}); simulate with "
+                             "--dtype bfloat16")
     if not lora_rank:
         return build_from_config(config, dtype)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
