@@ -50,7 +50,7 @@ from ..gradient_sum import Float32GradientSum
 from .costs import outputs_that_fit, parked_host_bytes
 from .settings import ChunkSettings
 
-_PARKED = object()  # marks a rotary table whose chunks live in the store
+_ROTARY_IN_STORE = object()  # marks a rotary table whose chunks live in the store
 
 
 class ChunkAttention(AttentionCall):
@@ -130,7 +130,7 @@ class ChunkedRun:
                                 pool=context.pool)
         self.selected: set[int] | None = None  # chunks backpropagated (None: all)
         self.hop_factor = 1.0  # multiplies K/V gradients relayed to earlier chunks
-        self._rotary = None  # (leaves, spec) of the whole sequence's rotary tables (_PARKED: in the store)
+        self._rotary = None  # (leaves, spec) of the whole sequence's rotary tables (_ROTARY_IN_STORE: in the store)
         self._draws = RegionStates()  # generator states before each region's forward
         # The lowest this-many layers park their attention output (keep_output, resolved for this shard).
         self.kept_outputs = kept_output_layers(context, shard, settings)
@@ -162,7 +162,7 @@ class ChunkedRun:
         a, b = self.bounds[i]
         chunk = []
         for n, leaf in enumerate(leaves):
-            if leaf is _PARKED:
+            if leaf is _ROTARY_IN_STORE:
                 chunk.append(self.store.get(("rotary", i, n)))
             else:
                 chunk.append(leaf[:, a:b] if isinstance(leaf, torch.Tensor) else leaf)
@@ -177,7 +177,7 @@ class ChunkedRun:
         if layer > 0:
             self.store.prefetch(("x", layer, i))
         for n, leaf in enumerate(self._rotary_tables()[0]):
-            if leaf is _PARKED:
+            if leaf is _ROTARY_IN_STORE:
                 self.store.prefetch(("rotary", i, n))
 
     def _rotary_tables(self):
@@ -196,7 +196,7 @@ class ChunkedRun:
                 if isinstance(leaf, torch.Tensor):
                     for i, (a, b) in enumerate(self.bounds):
                         self.store.put(("rotary", i, n), leaf[:, a:b], offload=True)
-                    leaves[n] = _PARKED
+                    leaves[n] = _ROTARY_IN_STORE
         return leaves, spec
 
     def run_layer(self, index: int, hidden: torch.Tensor, i: int, mode: str) -> torch.Tensor:
