@@ -160,12 +160,10 @@ class EngineCosts(HostBudgetKnob):
         """The engine's variants a plan weighs: label -> options (a mapping)."""
         return {}
 
-    def fit_to_host(self, config, seq_len: int, options, item: int, batch: int, room: int,
-                    sequence_parallel) -> tuple[tuple[str, str], Any] | None:
-        """Options whose host-dependent choices are made for ``room`` bytes of host memory:
-        ((label part replaced, its replacement), options); None where the candidate is
-        redundant then."""
-        return ("", ""), options
+    def fit_to_host(self, config, seq_len: int, options, item: int, batch: int, room: int, sequence_parallel):
+        """Options whose host-dependent choices are made for ``room`` bytes of host memory
+        (the options themselves where none are); None where the candidate is redundant then."""
+        return options
 
     def in_longest_search(self, options) -> bool:
         """Whether the longest-context search weighs this variant (it may park more than
@@ -224,9 +222,8 @@ class TechniqueCosts(HostBudgetKnob):
         """The technique's variants a plan weighs on the default engine: label -> options."""
         return {}
 
-    def with_whole_layers(self, name: str, options, count: int) -> tuple[Any, str] | None:
-        """The options leaving the top ``count`` layers whole, and the label item naming
-        them; None where the technique cannot."""
+    def with_whole_layers(self, options, count: int):
+        """The options leaving the top ``count`` layers whole; None where the technique cannot."""
         return None
 
     def added_automatically(self, device_type: str, model_type: str) -> str | None:

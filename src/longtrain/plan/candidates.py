@@ -70,11 +70,10 @@ def outputs_kept_within(config, seq_len: int, strategy: Strategy, item: int, bat
     (FPDT's ``keep_output=fit`` made a count: :meth:`~longtrain.costs.EngineCosts.fit_to_host`;
     its label follows from its options), or None where the candidate is then redundant.
     Other candidates come back as they are."""
-    fitted = _engine_costs(strategy).fit_to_host(config, seq_len, strategy.engine_options, item, batch, room,
-                                                 strategy.sequence_parallel)
-    if fitted is None:
+    options = _engine_costs(strategy).fit_to_host(config, seq_len, strategy.engine_options, item, batch, room,
+                                                  strategy.sequence_parallel)
+    if options is None:
         return None
-    _, options = fitted  # (the costs' label parts: not read, the label is the fitted strategy's)
     if options is strategy.engine_options:
         return strategy
     return Strategy(engine=strategy.engine, engine_options=options, sequence_parallel=strategy.sequence_parallel,
@@ -85,7 +84,7 @@ def _leaves_layers_whole(strategy: Strategy) -> str | None:
     """The technique of ``strategy`` that can leave top layers whole (checkpointing's
     ``except_last``), or None."""
     return next((name for name, options in strategy.techniques.items()
-                 if registry.technique(name).costs.with_whole_layers(name, options, 0) is not None), None)
+                 if registry.technique(name).costs.with_whole_layers(options, 0) is not None), None)
 
 
 def _rebuilt(strategy: Strategy, sequence_parallel=None, **techniques) -> Strategy:

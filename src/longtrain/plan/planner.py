@@ -363,7 +363,7 @@ def most_whole_layers(row: PlanRow, strategy: Strategy, config, seq_len, budget:
     name = _leaves_layers_whole(strategy)
 
     def evaluate(count: int) -> None:
-        options, _ = registry.technique(name).costs.with_whole_layers(name, strategy.techniques[name], count)
+        options = registry.technique(name).costs.with_whole_layers(strategy.techniques[name], count)
         candidate = _rebuilt(strategy, **{name: options})
         say(f"simulating {_shown(strategy_label(candidate), budget)} at {seq_len:,} tokens")
         tried[count] = _evaluate(candidate, config, seq_len, budget, rates, batch, params, lambda: simulated(candidate))

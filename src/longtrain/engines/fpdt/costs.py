@@ -164,14 +164,14 @@ class FPDTCosts(ChunkedCosts):
         again at each length. None where that is no layer or every one (the plain and
         ``:keep_output`` variants) or under sequence parallelism (ranks share the host)."""
         if options.keep_output != "fit":
-            return ("", ""), options
+            return options
         if sequence_parallel is not None:
             return None
         fitted = dataclasses.replace(options, host_memory=max(1, room)).settings()
         kept = planned_kept_outputs(config, seq_len, fitted, item, batch)
         if kept in (0, describe_model(config).layers):
             return None
-        return (":keep_output=fit", f":keep_output={kept}"), dataclasses.replace(options, keep_output=kept)
+        return dataclasses.replace(options, keep_output=kept)
 
     def in_longest_search(self, options) -> bool:
         return not (options.keep_output or options.segment == 1)  # those park more at the same chunk

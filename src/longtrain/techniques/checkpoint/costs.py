@@ -73,8 +73,8 @@ class CheckpointCosts(TechniqueCosts):
         # checkpointed inputs too, first (whole-sequence layers past where their inputs fit the device).
         return {"checkpoint": budget or True, "checkpoint:offload_inputs": {"offload_inputs": True, **budget}}
 
-    def with_whole_layers(self, name, options: CheckpointOptions, count):
-        return dataclasses.replace(options, except_last=count), f"{name}:except_last={count}"
+    def with_whole_layers(self, options: CheckpointOptions, count):
+        return dataclasses.replace(options, except_last=count)
 
     def describe(self, work: StepWork, options: CheckpointOptions) -> None:
         n = work.layers
