@@ -296,20 +296,20 @@ def test_a_plan_request_refuses_each_wrong_field_in_one_line():
 
 
 def test_a_rows_name_is_computed_from_its_strategy():
-    """A row is named by its strategy's fields (strategy_label: the spec with host budgets left
+    """A row is named by its strategy's fields (Strategy.label: the spec with host budgets left
     out, a flag named alone, MsT last, +spN), also the rows the plan derives from a
     candidate — top layers left whole, sequence parallel — never by editing another label."""
-    assert planner.strategy_label(lt.Strategy(checkpoint={"host_memory": GIB, "except_last": 4, "offload_inputs": True},
-                                              mst=True)) == "checkpoint:except_last=4:offload_inputs,mst"
-    assert planner.strategy_label(lt.Strategy.parse("mst", engine="fpdt:chunk=8192:offload=true:keep_output=3",
-                                                    sequence_parallel=2)) == "fpdt:chunk=8192:offload:keep_output=3,mst+sp2"
-    assert planner.strategy_label(lt.Strategy(engine="adjoint", engine_options={"recompute": False})) == \
+    checkpointed = lt.Strategy(checkpoint={"host_memory": GIB, "except_last": 4, "offload_inputs": True}, mst=True)
+    assert checkpointed.label == "checkpoint:except_last=4:offload_inputs,mst"
+    chunked = lt.Strategy.parse("mst", engine="fpdt:chunk=8192:offload=true:keep_output=3", sequence_parallel=2)
+    assert chunked.label == "fpdt:chunk=8192:offload:keep_output=3,mst+sp2"
+    assert lt.Strategy(engine="adjoint", engine_options={"recompute": False}).label == \
         "adjoint:recompute=false"
     config = preset_config("tiny-llama", num_hidden_layers=8)
     for request in (PlanRequest(config, 2048, device_memory=GIB, host_memory=GIB, optimizer="none", exhaustive=True),
                     PlanRequest("tiny-llama", 2048, device_memory=GIB, host_memory=GIB, gpus=2, exhaustive=True)):
         rows = plan(request).rows
-        assert rows and all(row.name == planner.strategy_label(lt.Strategy.from_dict(row.strategy)) for row in rows)
+        assert rows and all(row.name == lt.Strategy.from_dict(row.strategy).label for row in rows)
         assert any("except_last=" in row.name or "+sp2" in row.name for row in rows)
 
 
@@ -553,7 +553,7 @@ def test_fpdt_keeps_as_many_attention_outputs_as_the_host_holds():
     room = parked[0] + 5 * (parked[1] - parked[0]) // 2  # two and a half layers' outputs
     counted = planner.outputs_kept_within(config, tokens, fit, 2, 1, room)
     assert counted.engine_options.keep_output == 2
-    assert planner.strategy_label(counted) == "fpdt:chunk=512:offload:keep_output=2,mst"  # named by its count
+    assert counted.label == "fpdt:chunk=512:offload:keep_output=2,mst"  # named by its count
     _, host, _ = simulate_step(config, tokens, counted, "bfloat16")
     assert parked[0] < host <= room
     seconds = [step_time(config, tokens, s).seconds for s in (every, counted, none)]

@@ -1,5 +1,5 @@
 """The strategies the planner weighs (:func:`candidates`: each technique's and each engine's
-variants, as their costs propose them), the name each goes by (:func:`strategy_label`), and
+variants, as their costs propose them), the name each goes by (:attr:`~longtrain.strategy.Strategy.label`), and
 their adjustments to the machine: host budgets beside AdamW's state in host memory, kept
 attention outputs within the host's room, and the technique that can leave top layers whole."""
 
@@ -14,7 +14,6 @@ __all__ = [
     "candidates",
     "host_budgets_beside_optimizer",
     "outputs_kept_within",
-    "strategy_label",
 ]
 
 
@@ -22,14 +21,9 @@ CHUNKS = (8192, 16384, 32768)
 
 # The option that holds a host budget: the plan fills it from --host-memory (less what AdamW's
 # state takes there), a run from its own host memory; a label leaves it out.
-def strategy_label(strategy: Strategy) -> str:
-    """The name a plan gives ``strategy`` (:attr:`Strategy.label`)."""
-    return strategy.label
-
-
 def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_chunk: bool = False,
                chunks: tuple[int, ...] = CHUNKS, adapter=None) -> dict[str, Strategy]:
-    """The strategies the planner weighs at ``seq_len`` tokens, by :func:`strategy_label`:
+    """The strategies the planner weighs at ``seq_len`` tokens, by :attr:`~longtrain.strategy.Strategy.label`:
     each technique's variants on the default engine, then each engine's (``candidates`` of
     their costs), with the techniques every candidate carries (MsT) where the engine takes
     them. ``every_chunk``:
@@ -54,7 +48,7 @@ def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_ch
         for options in engine.costs.candidates(seq_len, host_memory, layers, every_chunk, chunks).values():
             if adapter is None or engine.costs.serves(adapter, options):
                 found.append(Strategy(engine=name, engine_options=options, **extra))
-    return {strategy_label(strategy): strategy for strategy in found}
+    return {strategy.label: strategy for strategy in found}
 
 
 def host_budgets_beside_optimizer(strategy: Strategy, room: int) -> Strategy:

@@ -29,7 +29,7 @@ covers the whole length (:func:`simulate_step`: the simulator extends per-phase 
 itself from its fit simulations, seconds to half a minute per 8B candidate); simulations
 are cached in the process. A fitting checkpointed row's search for top layers left whole
 runs in a worker of its own, beside the others. Each row names its strategy as
-``--strategy`` reads it — computed from the strategy's fields (:func:`strategy_label`), also
+``--strategy`` reads it — computed from the strategy's fields (:attr:`Strategy.label`), also
 for the rows derived from a candidate — and AdamW's place apart (:meth:`PlanRow.flags`;
 :meth:`Plan.command` the whole ``longtrain train`` line). ``longest=True`` adds, per
 simulated strategy, the longest context it reaches (a search: :mod:`longtrain.plan.longest`).
@@ -71,7 +71,6 @@ from .candidates import (
     candidates,
     host_budgets_beside_optimizer,
     outputs_kept_within,
-    strategy_label,
 )
 from .longest import longest_context
 from .report import Plan, PlanRow
@@ -103,7 +102,6 @@ __all__ = [
     "plan",
     "reserved_bytes",
     "simulate_step",
-    "strategy_label",
 ]
 
 
@@ -196,7 +194,7 @@ class _Job:
 
     @property
     def name(self) -> str:
-        return strategy_label(self.strategy)
+        return self.strategy.label
 
     @property
     def offloaded(self) -> bool:
@@ -365,7 +363,7 @@ def most_whole_layers(row: PlanRow, strategy: Strategy, config, seq_len, budget:
     def evaluate(count: int) -> None:
         options = registry.technique(name).costs.with_whole_layers(strategy.techniques[name], count)
         candidate = _rebuilt(strategy, **{name: options})
-        say(f"simulating {_shown(strategy_label(candidate), budget)} at {seq_len:,} tokens")
+        say(f"simulating {_shown(candidate.label, budget)} at {seq_len:,} tokens")
         tried[count] = _evaluate(candidate, config, seq_len, budget, rates, batch, params, lambda: simulated(candidate))
 
     def fits(count: int) -> bool:
@@ -403,7 +401,7 @@ def _shown(label: str, budget: Budget) -> str:
 def _evaluate(strategy: Strategy, config, seq_len, budget: Budget, rates, batch, params, simulated) -> PlanRow:
     """The plan's row of one candidate; ``simulated()`` gives its simulate_step figures."""
     offloaded = budget.optimizer == "adamw-offload"
-    name = strategy_label(strategy)
+    name = strategy.label
     try:
         device, host, notes = simulated()
     except LongtrainError as exc:  # e.g. memo: the inputs and attention outputs alone exceed the host budget

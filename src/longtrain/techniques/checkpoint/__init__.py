@@ -51,7 +51,5 @@ register(TechniqueSpec(
     options=CheckpointOptions,
     install=install_checkpoint,
     summary="per-layer activation checkpointing (attention kept, not recomputed)",
-    excludes={},
     costs=CheckpointCosts(),
-    sequence_parallel=True,
 ))

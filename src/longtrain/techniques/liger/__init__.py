@@ -32,7 +32,5 @@ register(TechniqueSpec(
     options=LigerOptions,
     install=install_liger,
     summary="Liger's fused RMSNorm, gated-MLP and rotary kernels (CUDA)",
-    excludes={},
     costs=LigerCosts(),
-    sequence_parallel=True,
 ))

@@ -35,7 +35,5 @@ register(TechniqueSpec(
     options=MsTOptions,
     install=install_mst,
     summary="mini-sequence MLP and LM-head + loss (exact)",
-    excludes={},
     costs=MsTCosts(),
-    sequence_parallel=True,
 ))
