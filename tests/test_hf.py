@@ -279,16 +279,11 @@ def test_hugging_face_checkpointing_is_taken_over(strategy, on_model, applied, t
     assert not any(getattr(m, "gradient_checkpointing", False) for m in ours.modules())
 
 
-def _world_of_two(monkeypatch, args):
-    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
-
-
 ARGUMENT_REFUSALS = {
     "deepspeed": (lambda mp, a: setattr(a, "deepspeed", {"train_micro_batch_size_per_gpu": 1}), "longtrain train --sp P"),
     "fsdp": (lambda mp, a: setattr(a, "fsdp", ["full_shard"]), "longtrain train --sp P"),
     "parallelism_config": (lambda mp, a: setattr(a, "parallelism_config", object()), "longtrain train --sp P"),
     "DataParallel": (lambda mp, a: setattr(a, "_n_gpu", 2), "CUDA_VISIBLE_DEVICES=0"),
-    "several processes": (_world_of_two, "longtrain train --sp P"),
     "fp16": (lambda mp, a: setattr(a, "fp16", True), "bf16=True"),
     "torch_compile": (lambda mp, a: setattr(a, "torch_compile", True), "torch_compile=False"),
     "lomo": (lambda mp, a: setattr(a, "optim", "lomo"), "pick another optimizer"),

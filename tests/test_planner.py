@@ -615,3 +615,26 @@ def test_plan_weighs_one_engine_when_asked(capsys):
     assert main(["plan", "--model", "tiny-llama", "--seq-len", "2K", "--device-memory", "1GiB", "--host-memory", "4GiB",
                  "--engine", "adjoint"]) == 2
     assert "--engine adjoint does not train llama models; engines a plan weighs for them: backprop, fpdt" in capsys.readouterr().err
+
+
+def _sleep(seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
+
+
+def test_a_plan_does_not_wait_for_the_simulations_it_started_ahead_and_no_longer_needs():
+    """Once a plan has its rows, a simulation a worker started ahead (the candidate after the
+    winner) is not waited for: the workers are ended on the way out. A plan at 512K waited
+    40 s for one."""
+    with steps._Simulations(2) as simulations:
+        started_ahead = simulations.call(_sleep, 600)
+        processes = list(simulations.executor._processes.values())
+    from multiprocessing.connection import wait
+
+    ending = [process.sentinel for process in processes]
+    while ending:  # each worker ends (SIGTERM), without finishing the simulation it runs
+        ended = wait(ending)
+        ending = [sentinel for sentinel in ending if sentinel not in ended]
+    assert processes
+    assert started_ahead.cancelled() or isinstance(started_ahead.exception(), Exception)

@@ -8,7 +8,10 @@
 Everything but the micro-batch's forward and backward stays the Trainer's own: data
 loading and collation, gradient accumulation, clipping, the optimizer and scheduler,
 logging, evaluation (Hugging Face's forward, through longtrain's attention), checkpoints
-and resumption. The step divides the summed token loss by exactly what the stock step
+and resumption. Several processes (``torchrun``, ``accelerate launch``) train data
+parallel: the step runs backward past DDP's wrapper, so on each accumulation step's last
+micro-batch the gradients are summed over the processes here (what DDP's reduction gives,
+with stock's loss scaling). The step divides the summed token loss by exactly what the stock step
 divides it by — the Trainer's ``num_items_in_batch`` (the label tokens of the whole
 accumulation step) when it counts one, else this micro-batch's label tokens times the
 accumulation steps (a mean per micro-batch, divided as stock divides it) — so the
@@ -41,6 +44,7 @@ from .engines.batch import count_label_tokens
 from .errors import LongtrainError
 from .models.adapters import describe_model
 from .models.layers import unwrap
+from .parallel.distributed import sum_gradients
 from .strategy import Strategy, applied_strategy, apply, router_aux_loss, step
 
 __all__ = ["LongtrainTrainer", "wrap"]
@@ -88,18 +92,34 @@ class _LongtrainTraining:
             apply(target, self.strategy)
         batch = _longtrain_batch(self._prepare_inputs(inputs))
         count = self._loss_normaliser(batch["labels"], num_items_in_batch)
+        processes, scale = self._processes_and_loss_scale(num_items_in_batch)
         if count == 0:
             # No label token in this micro-batch: its loss and gradients are 0, as TRL reports
             # them (stock Transformers divides 0 by 0 where the whole step has none).
-            return torch.zeros((), device=self.args.device)
-        # The autocast Accelerate wraps the model's forward in (bf16=True), around longtrain's step.
-        with self.compute_loss_context_manager(), self.accelerator.autocast():
-            loss = step(target, batch, num_label_tokens=count, aux_loss_weight=self._aux_loss_weight(num_items_in_batch))
-        aux = router_aux_loss(target)
-        if aux is not None and getattr(self, "aux_loss_enabled", False):  # TRL logs the MoE balancing loss
-            self._metrics["train"]["aux_loss"].append(float(aux))
+            loss = torch.zeros((), device=self.args.device)
+        else:
+            # The autocast Accelerate wraps the model's forward in (bf16=True), around longtrain's step.
+            with self.compute_loss_context_manager(), self.accelerator.autocast():
+                loss = step(target, batch, num_label_tokens=count,
+                            aux_loss_weight=self._aux_loss_weight(num_items_in_batch))
+            aux = router_aux_loss(target)
+            if aux is not None and getattr(self, "aux_loss_enabled", False):  # TRL logs the MoE balancing loss
+                self._metrics["train"]["aux_loss"].append(float(aux))
+        if processes > 1 and self.accelerator.sync_gradients:  # every process reaches this, labels or none
+            sum_gradients(target.parameters(), scale / processes)
         self._maybe_empty_cache()
-        return loss
+        return loss * scale
+
+    def _processes_and_loss_scale(self, num_items_in_batch) -> tuple[int, int]:
+        """(data-parallel processes, what the stock step multiplies its loss by). Stock DDP
+        averages the gradients over the processes, and where the label tokens are counted
+        over all of them (``average_tokens_across_devices``) its loss is multiplied by their
+        number first; longtrain's step, which backward past DDP, sums the gradients and
+        multiplies them by ``scale / processes`` (1 or 1/N): the same update, the same logged loss."""
+        processes = self.accelerator.num_processes if _data_parallel(self.accelerator) else 1
+        counted_over_all = (self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs
+                            and num_items_in_batch is not None)
+        return processes, processes if counted_over_all and processes > 1 else 1
 
     def _aux_loss_weight(self, num_items_in_batch) -> float:
         """The weight of a mixture of experts' ``coef · aux`` in this micro-batch's loss, as the
@@ -163,8 +183,11 @@ class LongtrainTrainer(_LongtrainTraining, Trainer):
     ``"fpdt:chunk=8192:offload=true,mst"``, ``"memo:alpha=0.3,mst"``), ``"auto"`` (the
     planner's fastest strategy that fits this device at the run's length), or None (plain
     autograd through longtrain's engine). Every other argument is the Trainer's. What
-    cannot run exactly (DeepSpeed, FSDP, several processes or GPUs, fp16's GradScaler, a
-    custom loss, ...) is refused here in one line. ``trainer.strategy`` is the strategy applied.
+    cannot run exactly (DeepSpeed, FSDP, several GPUs in one process, fp16's GradScaler, a
+    custom loss, ...) is refused here in one line. Under ``torchrun`` or ``accelerate launch``
+    with several processes it trains data parallel: each process runs the step on its own
+    micro-batches, and their gradients are summed before clipping and the optimizer step, as
+    DDP's are. ``trainer.strategy`` is the strategy applied.
     """
 
 
@@ -312,8 +335,6 @@ def _check_arguments(args) -> None:
          f"({_SP_HINT})"),
         (args.n_gpu > 1, f"{args.n_gpu} GPUs visible to one process make the Trainer use torch DataParallel, which "
                          f"longtrain's step bypasses; make one visible (CUDA_VISIBLE_DEVICES=0), or {_SP_HINT}"),
-        (args.world_size > 1, f"data parallelism over {args.world_size} processes is not supported (longtrain's step "
-                              f"bypasses DDP's gradient reduction); run one process, or {_SP_HINT}"),
         (args.fp16, _FP16),
         (args.torch_compile, "torch_compile compiles the model's forward, which longtrain's step does not call; set "
                              "torch_compile=False"),
@@ -345,8 +366,9 @@ def _check_trainer(trainer) -> None:
          f"the Accelerate config enables DeepSpeed, which longtrain's step replaces; disable it ({_SP_HINT})"),
         (kind == DistributedType.FSDP,
          f"the Accelerate config enables FSDP, which longtrain's step bypasses; disable it ({_SP_HINT})"),
-        (accelerator.num_processes > 1,
-         f"data parallelism over {accelerator.num_processes} processes is not supported; run one process, or {_SP_HINT}"),
+        (accelerator.num_processes > 1 and not _data_parallel(accelerator),
+         f"{accelerator.num_processes} processes under {kind} are not supported; run them as plain data parallel "
+         f"(torchrun or accelerate launch without DeepSpeed or FSDP), or {_SP_HINT}"),
         (getattr(accelerator, "parallelism_config", None) is not None,
          f"the Accelerate config enables context, sequence or tensor parallelism, which is not supported ({_SP_HINT})"),
         (accelerator.scaler is not None, _FP16),
@@ -357,6 +379,16 @@ def _check_trainer(trainer) -> None:
          f"or {_SP_HINT}"),
     ]
     _refuse_first(refusals)
+
+
+def _data_parallel(accelerator) -> bool:
+    """Whether the Trainer's processes are plain data parallel (DDP): each trains the whole
+    model on its own micro-batches and the gradients are summed over them."""
+    from accelerate.utils import DistributedType
+
+    kinds = {getattr(DistributedType, name, None) for name in ("MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU",
+                                                               "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_HPU")}
+    return accelerator.num_processes > 1 and accelerator.distributed_type in kinds
 
 
 def _refuse_first(refusals) -> None:

@@ -21,6 +21,7 @@ import weakref
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -46,6 +47,7 @@ DEVICE, HOST = "device", "host"
 _ACTIVE: list["MemoryTracker"] = []
 _HOST_ALLOCATION = ThreadFlag()
 _UNTRACKED = ThreadFlag()
+_DEVICE_QUERY = torch.ops.prim.device.default  # tensor.device asked of a subclass (fake) tensor
 
 
 def untracked():
@@ -319,6 +321,8 @@ class MemoryTracker(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE_QUERY and type(args[0]) is FakeTensor:
+            return args[0].fake_device  # most dispatches of a simulation: answered here, nothing allocated
         out = func(*args, **(kwargs or {}))
         if _UNTRACKED.on:
             return out

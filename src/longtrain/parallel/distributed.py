@@ -26,6 +26,7 @@ __all__ = [
     "joined",
     "rank_device",
     "simulated_world",
+    "sum_gradients",
     "sum_over_data_parallel",
 ]
 
@@ -79,6 +80,46 @@ def sum_over_data_parallel(count: int, degree: int, device) -> int:
     total = torch.tensor(float(count), dtype=torch.float64, device=device)
     dist.all_reduce(total)
     return int(round(float(total) / degree))
+
+
+_BUCKET_BYTES = 64 * 2**20  # gradients summed per collective: few calls, bounded extra memory
+
+
+def sum_gradients(parameters, scale: float = 1.0) -> None:
+    """Data parallelism: each trainable parameter's gradient summed over the processes of the
+    default group (what DDP's reduction does, for a step that runs backward past DDP), then
+    times ``scale`` — in buckets of at most 64 MiB, one collective each. A parameter without a
+    gradient here takes zeros where another process has one; one without a gradient anywhere
+    keeps none (the optimizer skips it, as it would in one process)."""
+    params = [p for p in parameters if p.requires_grad]
+    if not params:
+        return
+    device = params[0].device
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX)
+    params = [p for p, flag in zip(params, has.tolist()) if flag]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    bucket: list[torch.Tensor] = []
+    for i, p in enumerate(params):
+        bucket.append(p.grad)
+        full = sum(g.numel() * g.element_size() for g in bucket) >= _BUCKET_BYTES
+        same_kind = i + 1 < len(params) and params[i + 1].grad.dtype == p.grad.dtype
+        if full or not same_kind:
+            _sum_bucket(bucket, scale)
+            bucket = []
+
+
+def _sum_bucket(grads: list[torch.Tensor], scale: float) -> None:
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    if scale != 1.0:
+        flat.mul_(scale)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def joined() -> bool:

@@ -125,14 +125,14 @@ def plan(request: PlanRequest, *, workers: int = 1, progress: Callable[[str], No
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise LongtrainError(f"workers (--jobs) must be a positive count, got {workers!r}")
     setting = _setting(request)
-    jobs = _jobs(setting)
-    if jobs and all(job.bound is not None for job in jobs):
-        raise LongtrainError(_beyond_reach(setting.config, request.seq_len, [(job.shown, job.strategy, job.budget)
-                                                                              for job in jobs],
-                                           [job.bound for job in jobs], setting.item, request.batch, request.gpus,
-                                           request.device_memory, request.host_memory))
-    result = _empty_plan(setting)
-    with _Simulations(workers) as simulations:
+    with _Simulations(workers) as simulations:  # the workers start while the candidates are weighed
+        jobs = _jobs(setting)
+        if jobs and all(job.bound is not None for job in jobs):
+            raise LongtrainError(_beyond_reach(setting.config, request.seq_len,
+                                               [(job.shown, job.strategy, job.budget) for job in jobs],
+                                               [job.bound for job in jobs], setting.item, request.batch, request.gpus,
+                                               request.device_memory, request.host_memory))
+        result = _empty_plan(setting)
         result.rows = _InOrder(setting, jobs, simulations, workers, progress or (lambda _: None)).rows()
     result.rows.sort(key=_rank)
     return result

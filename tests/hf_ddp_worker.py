@@ -1,0 +1,82 @@
+"""Run under ``torchrun --nproc-per-node N`` or ``accelerate launch --num_processes N`` (or as
+one process): two optimizer steps of a float64 tiny-llama through the Hugging Face Trainer —
+stock (``stock``) or :class:`~longtrain.hf.LongtrainTrainer` with each strategy named — on
+eight micro-batches of packed and padded rows (the order fixed: micro-batch k goes to
+process k mod N). Rank 0 writes ``{name}.pt``: the trained parameters and the logged losses.
+
+    worker.py OUT ACCUMULATION {full|lora|unlabelled} NAME=STRATEGY ...   (STRATEGY "stock": the stock Trainer)
+
+``unlabelled``: full fine-tuning with micro-batch 3 — under two processes the second one's
+last of the first step — without a label token. ``MAX_STEPS`` in the environment: stop
+after that many steps, saving a checkpoint at each; ``RESUME`` (a checkpoint folder): go on
+from it to the second step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from conftest import packed_batch, padded_batch, stock_and_ours, stock_lora_and_ours
+from test_hf import Batches, completion_only, in_float64, training_args
+from transformers import Trainer
+
+from longtrain.hf import LongtrainTrainer
+
+VOCAB = 320
+MICRO_BATCHES = [
+    completion_only(packed_batch(VOCAB, documents=((20, 13, 15), (30, 18)), seed=k)) if k % 2 else
+    completion_only(padded_batch(VOCAB, lengths=(37 - k, 26 + k), seed=k))
+    for k in range(8)
+]
+
+
+def in_order(cls):
+    """``cls`` sampling its micro-batches in order (the Trainer shuffles them with a seeded sampler)."""
+
+    class InOrder(cls):
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    return InOrder
+
+
+def train(out: Path, accumulation: int, kind: str, name: str, strategy: str) -> None:
+    stock, ours = stock_lora_and_ours("tiny-llama") if kind == "lora" else stock_and_ours("tiny-llama")
+    model = in_float64(stock) if strategy == "stock" else ours
+    batches = [dict(b) for b in MICRO_BATCHES]
+    if kind == "unlabelled":
+        batches[3]["labels"] = torch.full_like(batches[3]["labels"], -100)
+    data = Batches(batches)
+    saving = dict(save_strategy="steps", save_steps=1) if "MAX_STEPS" in os.environ else {}
+    args = training_args(out / name, gradient_accumulation_steps=accumulation, max_steps=2, optim="adamw_torch",
+                         learning_rate=1e-2, weight_decay=0.1, lr_scheduler_type="linear", **saving)
+    extra = {} if strategy == "stock" else {"strategy": None if strategy == "backprop" else strategy}
+    trainer = in_order(Trainer if strategy == "stock" else LongtrainTrainer)(
+        model=model, args=args, train_dataset=data, data_collator=data.collate, **extra)
+    if "MAX_STEPS" in os.environ:  # interrupted after these steps (the schedule still planned for two)
+        from transformers import TrainerCallback
+
+        class Stop(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                control.should_training_stop = state.global_step >= int(os.environ["MAX_STEPS"])
+
+        trainer.add_callback(Stop())
+    trainer.train(resume_from_checkpoint=os.environ.get("RESUME"))
+    if trainer.is_world_process_zero():
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        torch.save({"params": params, "losses": losses}, out / f"{name}.pt")
+
+
+def main() -> None:
+    out, accumulation, kind, *runs = sys.argv[1:]
+    for run in runs:
+        name, strategy = run.split("=", 1)
+        train(Path(out), int(accumulation), kind, name, strategy)
+
+
+if __name__ == "__main__":
+    main()
