@@ -507,6 +507,23 @@ def test_evaluation_adds_long_context_accuracies(tmp_path):
         LongtrainTrainer(model=ours, args=training_args(tmp_path), train_dataset=data, long_context_eval={"depth": [0]})
 
 
+def test_long_context_eval_beyond_the_models_positions_is_refused_unless_asked(tmp_path, caplog):
+    """As `longtrain eval` refuses `--lengths` past max_position_embeddings (without
+    `--extend-context`), the Trainer refuses such long_context_eval lengths when it is built,
+    and says what each evaluation will cost."""
+    import logging
+
+    model = stock_and_ours("tiny-llama")[1]
+    limit = model.config.max_position_embeddings
+    with pytest.raises(lt.LongtrainError) as refused:
+        tiny_trainer(tmp_path, model=model, long_context_eval={"lengths": [256, 2 * limit]})
+    assert "\n" not in str(refused.value) and "extend_context=True" in str(refused.value)
+    with caplog.at_level(logging.INFO, logger="longtrain.hf"):
+        tiny_trainer(tmp_path, model=model, long_context_eval={"lengths": [256, 2 * limit], "extend_context": True,
+                                                               "depths": [0.5], "samples": 3})
+    assert f"4 long-context cells of 3 samples: 12 forward passes of up to {2 * limit:,} tokens" in caplog.text
+
+
 def moe_stock_and_ours():
     """A tiny Qwen3-MoE with its load-balancing loss on (coefficient 0.02), experts one by one."""
     from longtrain.families import tiny_config

@@ -76,6 +76,7 @@ class _LongtrainTraining:
         super().__init__(*args, **kwargs)
         _check_arguments(self.args)  # the defaults the Trainer filled in (TRL's SFTConfig())
         _check_trainer(self)
+        _check_long_context_lengths(self.long_context_eval, self.model)
         strategy = _auto_strategy(self) if planned == "auto" else planned
         self.strategy = _take_over_checkpointing(self, strategy, planned == "auto")
         apply(self.model, self.strategy)
@@ -159,8 +160,8 @@ class _LongtrainTraining:
         if self.long_context_eval is not None:
             from .train.evaluate import evaluate_long_context, flat_metrics
 
-            cells = evaluate_long_context(self.accelerator.unwrap_model(self.model), self.processing_class,
-                                          **self.long_context_eval)
+            settings = {k: v for k, v in self.long_context_eval.items() if k != "extend_context"}
+            cells = evaluate_long_context(self.accelerator.unwrap_model(self.model), self.processing_class, **settings)
             found = flat_metrics(cells, prefix=f"{metric_key_prefix}_")
             self.log(found)
             metrics = {**metrics, **found}
@@ -196,13 +197,38 @@ def _check_long_context_eval(settings: Mapping | None) -> dict | None:
     required; ``depths``, ``samples``, ``task``, ``seed``), checked by name now."""
     if settings is None:
         return None
-    allowed = {"lengths", "depths", "samples", "task", "seed"}
+    allowed = {"lengths", "depths", "samples", "task", "seed", "extend_context"}
     if not isinstance(settings, Mapping) or "lengths" not in settings or set(settings) - allowed:
         unknown = sorted(set(settings) - allowed) if isinstance(settings, Mapping) else []
         raise LongtrainError(f"long_context_eval takes a mapping with 'lengths' and optionally depths, samples, task and "
-                             f"seed{f'; unknown: {unknown[0]!r}' if unknown else ''}, e.g. "
+                             f"seed (and extend_context){f'; unknown: {unknown[0]!r}' if unknown else ''}, e.g. "
                              "{'lengths': [2048, 8192], 'depths': [0, 0.5, 1], 'samples': 8}")
     return dict(settings)
+
+
+def _check_long_context_lengths(settings: dict | None, model) -> None:
+    """``long_context_eval``'s lengths within the model's ``max_position_embeddings`` (as
+    ``longtrain eval`` has them) unless ``extend_context=True``; and what each evaluation will
+    cost, said once."""
+    if settings is None:
+        return
+    from .train.eval_config import DEFAULT_DEPTHS
+
+    lengths = [n for n in settings["lengths"] if isinstance(n, int) and not isinstance(n, bool)]
+    if not lengths:  # refused by the evaluation, in its words
+        return
+    longest = describe_model(unwrap(model).config).max_positions
+    beyond = [n for n in lengths if longest and n > longest]
+    if beyond and not settings.get("extend_context", False):
+        raise LongtrainError(f"long_context_eval lengths {', '.join(f'{n:,}' for n in beyond)} exceed the model's "
+                             f"max_position_embeddings ({longest:,}); pass extend_context=True to evaluate at positions "
+                             f"it was not configured for, or lengths up to {longest:,}")
+    task = settings.get("task", "both")
+    depths = len(settings.get("depths", DEFAULT_DEPTHS)) if task != "passkey" else 0
+    cells = len(lengths) * ((task != "needle") + depths)
+    samples = settings.get("samples", 16)
+    logger.info("longtrain: each evaluation adds %d long-context cells of %d samples: %d forward passes of up to "
+                "%s tokens", cells, samples, cells * samples, f"{max(lengths):,}")
 
 
 def wrap(trainer_cls: type) -> type:
