@@ -44,6 +44,7 @@ from .engines.batch import count_label_tokens
 from .errors import LongtrainError
 from .models.adapters import describe_model
 from .models.layers import unwrap
+from .ops.token_stats import TokenStats, counting
 from .parallel.distributed import sum_gradients
 from .strategy import Strategy, applied_strategy, apply, router_aux_loss, step
 
@@ -91,18 +92,22 @@ class _LongtrainTraining:
         target = self.accelerator.unwrap_model(model)
         if applied_strategy(target) is None:  # a model model_init built inside train()
             apply(target, self.strategy)
-        batch = _longtrain_batch(self._prepare_inputs(inputs))
+        inputs = self._prepare_inputs(inputs)
+        batch = _longtrain_batch(inputs)
         count = self._loss_normaliser(batch["labels"], num_items_in_batch)
         processes, scale = self._processes_and_loss_scale(num_items_in_batch)
+        stats = TokenStats()
         if count == 0:
             # No label token in this micro-batch: its loss and gradients are 0, as TRL reports
             # them (stock Transformers divides 0 by 0 where the whole step has none).
             loss = torch.zeros((), device=self.args.device)
         else:
             # The autocast Accelerate wraps the model's forward in (bf16=True), around longtrain's step.
-            with self.compute_loss_context_manager(), self.accelerator.autocast():
+            with self.compute_loss_context_manager(), self.accelerator.autocast(), counting(stats):
                 loss = step(target, batch, num_label_tokens=count,
                             aux_loss_weight=self._aux_loss_weight(num_items_in_batch))
+        if _logs_token_metrics(self):
+            self._log_token_metrics(stats, inputs)
             aux = router_aux_loss(target)
             if aux is not None and getattr(self, "aux_loss_enabled", False):  # TRL logs the MoE balancing loss
                 self._metrics["train"]["aux_loss"].append(float(aux))
@@ -110,6 +115,28 @@ class _LongtrainTraining:
             sum_gradients(target.parameters(), scale / processes)
         self._maybe_empty_cache()
         return loss * scale
+
+    def _log_token_metrics(self, stats: TokenStats, inputs: Mapping) -> None:
+        """TRL's training metrics of this micro-batch, as SFTTrainer's ``compute_loss`` logs
+        them: ``entropy`` and ``mean_token_accuracy`` over the label tokens of every process
+        (from the step's LM head, :mod:`longtrain.ops.token_stats`) and the running
+        ``num_tokens`` (attention-mask tokens, or the padding-free row's length)."""
+        device = self.args.device
+
+        def summed(value) -> torch.Tensor:
+            value = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            return self.accelerator.gather_for_metrics(value.to(device).reshape(())).sum()
+
+        valid, entropy, correct = summed(stats.tokens), summed(stats.entropy), summed(stats.correct)
+        metrics = self._metrics["train"]
+        metrics["entropy"].append((entropy / valid).item() if valid > 0 else 0.0)
+        metrics["mean_token_accuracy"].append((correct / valid).item() if valid > 0 else 0.0)
+        if "attention_mask" in inputs:
+            tokens = summed(inputs["attention_mask"].sum()).item()
+        else:
+            tokens = summed(inputs["position_ids"].size(1)).item()
+        self._total_train_tokens += tokens // getattr(self, "_tp_size", 1)
+        metrics["num_tokens"] = [self._total_train_tokens]
 
     def _processes_and_loss_scale(self, num_items_in_batch) -> tuple[int, int]:
         """(data-parallel processes, what the stock step multiplies its loss by). Stock DDP
@@ -236,9 +263,9 @@ def wrap(trainer_cls: type) -> type:
     subclass) that takes ``strategy=`` and trains with :func:`longtrain.step`, as
     :class:`LongtrainTrainer` does. Training never calls ``compute_loss``: a class whose
     loss is not next-token cross-entropy (one overriding ``compute_loss``, other than
-    TRL's SFTTrainer) is refused, and metrics computed from logits in ``compute_loss``
-    (SFTTrainer's entropy and token accuracy) are not logged in training; evaluation runs
-    as the class has it."""
+    TRL's SFTTrainer) is refused; SFTTrainer's training metrics (``entropy``,
+    ``mean_token_accuracy``, ``num_tokens``) are computed by the step as TRL computes them,
+    chunk by chunk of the LM head; evaluation runs as the class has it."""
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
         raise LongtrainError(f"wrap takes a transformers.Trainer subclass such as trl.SFTTrainer, got {trainer_cls!r}")
     return _wrapped(trainer_cls)
@@ -405,6 +432,12 @@ def _check_trainer(trainer) -> None:
          f"or {_SP_HINT}"),
     ]
     _refuse_first(refusals)
+
+
+def _logs_token_metrics(trainer) -> bool:
+    """Whether ``trainer`` logs TRL's token metrics from its ``compute_loss`` (SFTTrainer), which
+    training never calls: the step computes them instead."""
+    return hasattr(trainer, "_metrics") and hasattr(trainer, "_total_train_tokens")
 
 
 def _data_parallel(accelerator) -> bool:

@@ -21,6 +21,9 @@ backpropagated at once with gradient 1) passes one :class:`GradientCarry` to all
 them: the weight's and bias's float32 buffers are carried from call to call, and only
 the last call hands their sum to autograd, rounded once — instead of one rounded
 gradient per call, summed in the weight's dtype.
+
+Where gradients are formed, each chunk's top-1 hits and entropies go to the active
+:class:`~longtrain.ops.token_stats.TokenStats`, if any (TRL's training metrics).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from . import _autocast
 from .gemm import add_product
 from .loss import IGNORE_INDEX, shift_labels
 from .tiles import tile_starts
+from .token_stats import TokenStats, active
 
 __all__ = ["GradientCarry", "chunked_causal_lm_loss"]
 
@@ -92,7 +96,7 @@ def _times(grad: torch.Tensor | None, factor: torch.Tensor, dtype: torch.dtype) 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, targets, normalizer, chunk_tokens, ignore_index, label_smoothing, logit_scale, softcap,
-                with_grads, carry):
+                with_grads, carry, stats: TokenStats | None):
         n_tokens = x.shape[0]
         valid = targets != ignore_index
         safe_targets = torch.where(valid, targets, 0)
@@ -116,6 +120,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 terms = terms - label_smoothing * z.mean(dim=-1)
             total = total + (terms * valid[sl]).sum()
             del terms
+            if stats is not None:
+                stats.add(z, lse, safe_targets[sl], valid[sl])
             if not (want_x or want_w or want_b):
                 del z  # drop this chunk's logits before the next chunk's exist
                 continue
@@ -143,7 +149,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grads = ctx.saved_tensors
-        return (*(_times(g, grad_loss, dtype) for g, dtype in zip(grads, ctx.dtypes)), *(None,) * 9)
+        return (*(_times(g, grad_loss, dtype) for g, dtype in zip(grads, ctx.dtypes)), *(None,) * 10)
 
 
 def _buffer(carry: GradientCarry | None, name: str, shape, dtype, device) -> torch.Tensor:
@@ -212,5 +218,5 @@ def chunked_causal_lm_loss(
     with_grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     return _ChunkedLinearCrossEntropy.apply(
         x, weight, bias, targets, normalizer, chunk_tokens, ignore_index, float(label_smoothing), float(logit_scale),
-        float(softcap or 0.0), with_grads, carry,
+        float(softcap or 0.0), with_grads, carry, active() if with_grads else None,
     )

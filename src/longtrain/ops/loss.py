@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .token_stats import active
+
 __all__ = ["IGNORE_INDEX", "causal_lm_loss", "logits_loss", "shift_labels"]
 
 IGNORE_INDEX = -100
@@ -39,7 +41,12 @@ def logits_loss(
         logits = logits * logit_scale
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    total = F.cross_entropy(logits.flatten(0, -2), targets.to(logits.device).flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    flat, targets = logits.flatten(0, -2), targets.to(logits.device).flatten()
+    stats = active()
+    if stats is not None and torch.is_grad_enabled():  # the pass that forms the gradients (token_stats)
+        valid = targets != IGNORE_INDEX
+        stats.add(flat.detach(), None, torch.where(valid, targets, 0), valid)
+    total = F.cross_entropy(flat, targets, ignore_index=IGNORE_INDEX, reduction="sum")
     return total / num_label_tokens
 
 
