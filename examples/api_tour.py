@@ -59,7 +59,7 @@ print("packed batch loss:", float(lt.step(lt.apply(build_from_config(preset_conf
 
 # 6. On a GPU: layer checkpointing keeps attention's output in pinned host memory (backward
 #    does not rerun attention), and `liger` adds Liger's fused norm/activation/rotary
-#    kernels (pip install 'longtrain[liger]'): together 0.99x HF + Liger's speed at 32K
+#    kernels (pip install liger-kernel): together 0.99x HF + Liger's speed at 32K
 #    tokens of Llama-3-8B on an H100, with exact-math gradients (docs/speed.md).
 if torch.cuda.is_available():
     gpu_model = build_from_config(preset_config("tiny-llama"), torch.bfloat16).cuda()

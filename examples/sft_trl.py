@@ -1,6 +1,6 @@
 """Fine-tune with TRL's SFTTrainer, each step run by a longtrain strategy; a CPU does it in seconds.
 
-    pip install 'longtrain[hf]' && python examples/sft_trl.py
+    make install && .venv/bin/pip install -e '.[hf]' && .venv/bin/python examples/sft_trl.py   # in this repository
 
 A real run loads its model and tokenizer with from_pretrained and sets max_length to its
 context (32768, ...); here both are tiny and built offline: a byte-level tokenizer and a

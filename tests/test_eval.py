@@ -177,7 +177,7 @@ def test_without_matplotlib_the_json_is_written_and_one_line_says_why_no_png(tmp
                             "--task", "needle", "--out", tmp_path / "e", "--no-progress")
     assert code == 0, err
     assert sorted(p.name for p in (tmp_path / "e").iterdir()) == ["eval.json"]
-    assert err == "longtrain eval: no eval.png (matplotlib is not installed: pip install 'longtrain[plot]')\n"
+    assert err == "longtrain eval: no eval.png (matplotlib is not installed: pip install matplotlib)\n"
     assert "eval.json in" in stdout
 
 

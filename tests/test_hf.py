@@ -374,7 +374,7 @@ def test_imports_stay_light():
 # ---- TRL --------------------------------------------------------------------------------
 
 needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None,
-                               reason="TRL and datasets are not installed (pip install 'longtrain[hf]')")
+                               reason="TRL and datasets are not installed (pip install trl datasets accelerate)")
 
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}"
                  "{{ m['content'] }}<eos>{% endgeneration %}{% else %}<|user|>{{ m['content'] }}{% endif %}{% endfor %}"
@@ -492,9 +492,15 @@ def test_sft_example_runs(tmp_path, monkeypatch):
 
 
 def test_doc_shows_the_example():
-    """docs/hf.md shows examples/sft_trl.py as it is."""
+    """docs/hf.md shows examples/sft_trl.py as it is, and its first commands install from this
+    repository (there is no package on the index) and run that example, which
+    test_sft_example_runs runs."""
     doc = (REPO / "docs" / "hf.md").read_text()
     assert f"```python\n{(REPO / 'examples' / 'sft_trl.py').read_text()}```" in doc
+    first = doc.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    assert first[0].startswith("make install && .venv/bin/pip install -e '.[hf]'")
+    assert first[1].startswith(".venv/bin/python examples/sft_trl.py")
+    assert "pip install 'longtrain" not in doc
 
 
 def test_evaluation_adds_long_context_accuracies(tmp_path):

@@ -137,7 +137,7 @@ def _add_train(sub) -> None:
     p.add_argument("--resume-from", default=None, help="continue from this checkpoint directory, or a run directory's latest")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out (its checkpoints, metrics and final model)")
     p.add_argument("--extend-context", action="store_true", help="allow --seq-len beyond a pretrained model's max_position_embeddings")
-    p.add_argument("--tensorboard", action="store_true", help="also log to --out/tensorboard (needs longtrain[tensorboard])")
+    p.add_argument("--tensorboard", action="store_true", help="also log to --out/tensorboard (needs tensorboard)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(run=_run_train)
 
@@ -200,7 +200,7 @@ def _add_simulate(sub) -> None:
     p.add_argument("--exact", action="store_true", help="simulate every layer at the whole length instead of extrapolating "
                    "from a few layers and chunks (equal figures; minutes to hours at long context instead of seconds)")
     p.add_argument("--fragmentation", action="store_true",
-                   help="also plan the step's device memory offline (CP-SAT; needs longtrain[plan]) and compare the "
+                   help="also plan the step's device memory offline (CP-SAT; needs ortools) and compare the "
                         "planned peak with the allocated one and with an allocator that cannot see the future (implies --exact)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress on stderr")

@@ -16,7 +16,7 @@ Here:
 - :func:`best_fit` is the greedy (biggest first, each at the lowest gap that fits);
   :func:`first_fit_online` is what an allocator without future knowledge does, a
   stand-in for the reserved peak where no GPU allocator ran;
-- :func:`solve` is OR-Tools CP-SAT (``pip install 'longtrain[plan]'``): fixed time
+- :func:`solve` is OR-Tools CP-SAT (``pip install ortools``): fixed time
   intervals, variable address intervals, ``NoOverlap2D``, minimize the top; greedy's
   plan as hint and fallback, under a time limit;
 - :func:`solve_bilevel` is Memo's two levels, for whole-model traces: the timeline is cut
@@ -184,7 +184,7 @@ def _cp_model():
     try:
         from ortools.sat.python import cp_model
     except ImportError:
-        raise LongtrainError("memory planning needs OR-Tools: pip install 'longtrain[plan]'") from None
+        raise LongtrainError("memory planning needs OR-Tools: pip install ortools") from None
     return cp_model
 
 

@@ -171,7 +171,7 @@ def add_lora(model: nn.Module, rank: int = 8, alpha: float | None = None, dropou
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
-        raise LongtrainError("LoRA needs peft: pip install 'longtrain[lora]'") from None
+        raise LongtrainError("LoRA needs peft: pip install peft") from None
     if rank <= 0:
         raise LongtrainError(f"--lora-rank must be positive, got {rank}")
     exclude = adapter_class(getattr(getattr(model, "config", None), "model_type", None)).lora_exclude

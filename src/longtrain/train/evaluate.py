@@ -201,6 +201,6 @@ def run_eval(config: EvalConfig, say: Callable[[str], None] = _say) -> dict:
         if os.path.isdir(config.model) else config.model  # a run's final/ goes by its run's name
     title = f"{name}: whole keys found"
     if plot_accuracy_map(cells, out / "eval.png", title=title) is None:
-        say("no eval.png (matplotlib is not installed: pip install 'longtrain[plot]')")
+        say("no eval.png (matplotlib is not installed: pip install matplotlib)")
     document["out"] = str(out)
     return document

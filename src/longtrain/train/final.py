@@ -34,7 +34,7 @@ def log_final_evaluation(out: Path, step: int, evaluation: dict) -> None:
 def plot_run(out: Path) -> None:
     """metrics.png beside metrics.jsonl, over the whole run (resumed parts included)."""
     if plot_metrics(read_metrics(out / "metrics.jsonl"), out / "metrics.png") is None:
-        print("longtrain train: no metrics.png (matplotlib is not installed: pip install 'longtrain[plot]')", flush=True)
+        print("longtrain train: no metrics.png (matplotlib is not installed: pip install matplotlib)", flush=True)
 
 
 def save_final(model, tokenizer, out: Path, config: TrainConfig) -> None:

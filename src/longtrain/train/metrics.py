@@ -33,7 +33,7 @@ def check_tensorboard() -> None:
     try:
         from torch.utils.tensorboard import SummaryWriter  # noqa: F401
     except ImportError:
-        raise LongtrainError("--tensorboard needs the tensorboard package: pip install 'longtrain[tensorboard]', "
+        raise LongtrainError("--tensorboard needs the tensorboard package: pip install tensorboard, "
                              "or drop --tensorboard") from None
 
 

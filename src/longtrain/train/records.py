@@ -124,7 +124,7 @@ def _datasets():
         import datasets
     except ImportError:
         raise LongtrainError("reading .json, .parquet, .arrow, .csv and save_to_disk data needs the datasets library: "
-                             "pip install 'longtrain[data]'") from None
+                             "pip install datasets") from None
     return datasets
 
 

@@ -13,7 +13,7 @@ def _patchers() -> dict:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ModuleNotFoundError as error:
         if error.name and error.name.split(".")[0] == "liger_kernel":
-            raise LongtrainError("the liger technique needs liger-kernel: pip install 'longtrain[liger]' "
+            raise LongtrainError("the liger technique needs liger-kernel: pip install liger-kernel "
                                  "(or leave 'liger' out of the strategy)") from None
         raise LongtrainError(f"liger-kernel cannot be imported here ({error}); it needs a CUDA build of torch "
                              "with Triton: leave 'liger' out of the strategy on this machine") from None
