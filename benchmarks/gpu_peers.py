@@ -1,8 +1,8 @@
 """Step time, MFU and memory of longtrain's strategies beside the peers users would pick.
 
 One GPU, bf16 weights and gradients, batch 1, random token ids, forward + backward per
-step, no optimizer step (gradients freed between steps) — the method of
-../shared/gpu/h100-2026-11-22.md. Cases, side by side in one run:
+step, no optimizer step (gradients freed between steps), as docs/speed.md describes.
+Cases, side by side in one run:
 
 - ``hf``: stock Hugging Face, SDPA attention, non-reentrant gradient checkpointing,
   the loss from ``labels``;
@@ -11,6 +11,11 @@ step, no optimizer step (gradients freed between steps) — the method of
 - ``hf+liger`` / ``hf+liger+offload``: the same plus Liger's kernels (rope, swiglu,
   rms_norm, fused linear cross-entropy), where ``liger-kernel`` is installed (the
   optional ``liger`` extra); skipped with a note otherwise;
+- the peers experts run, each with and without Liger: ``hf+sac`` (selective activation
+  checkpointing keeping SDPA's outputs, torchtitan's default: attention is not
+  recomputed), ``hf+top`` (the top layers ``--strategy auto`` leaves whole are not
+  checkpointed: the same memory), ``hf+trl-offload`` (TRL's stream-overlapped activation
+  offloading in place of ``save_on_cpu``; it needs an accelerator: refused on a CPU);
 - ``lt:...``: longtrain's strategies (backprop with checkpoint + MsT, attention kept
   — ``lt:recompute+mst`` reruns it as stock checkpointing does — and ``+liger`` with
   Liger's fused norm/activation/rotary kernels; ``lt:checkpoint+offload+mst+liger`` with
@@ -31,21 +36,23 @@ per case. ``--append`` merges with the JSON already in the output folder, so a s
 be split into several commands (one per length group, each within 10 minutes) that build
 one report.
 
-Per case: ``--warmup`` steps (default 1; 0 from 128K on, where a step takes a minute —
-then one 2K-token step takes the one-time costs that do not depend on the length, such as
-Triton's compiles for Liger; not for Memo, which fixes its alpha in its first step),
-then the median of ``--repeats`` steps (default 2; 1 from 128K on) timed with CUDA events; tokens/s; MFU =
-(6·s·P + 6·n·h·s²) / time / peak (dense bf16: 989 TFLOP/s on H100/H200); the allocator's
-peak allocated and reserved bytes of the timed steps and their ratio; the process's peak
-resident host memory during the timed steps (sampled every 10 ms); longtrain's pinned
-pool; the allocator setting; for longtrain, the attention kernel its blocks ran
-(``--attention-kernel`` forces one). ``--expandable-segments longtrain`` (the default)
-runs longtrain's cases with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which
-keeps the reserved peak near the allocated one where host offload fragments the cache;
-peers keep PyTorch's default unless ``all``. Writes docs/results/gpu_peers.json, .md and a
-tokens/s-vs-length PNG.
+Per case: ``--warmup`` steps at the length (default 1; the first records the attention
+operators it dispatched, with how often: a forward kernel run twice per layer is attention
+recomputed), then ``--repeats`` timed steps (default 3; CUDA events), every one stored with the
+SM clock and power after it; ``--rounds R`` runs every case R times per length, the order
+reversed each round (interleaved: drift falls on every case alike), pooling their steps.
+The median, its spread ((slowest − fastest) / median), tokens/s; MFU = (6·s·P + 6·n·h·s²)
+/ time / peak (dense bf16: 989 TFLOP/s on H100/H200); the allocator's peak allocated and
+reserved bytes of the timed steps and their ratio; the process's peak resident host memory
+during the timed steps (sampled every 10 ms); longtrain's pinned pool; the allocator setting
+(``--expandable-segments all``, the default: the same for every case); for longtrain, the
+attention kernel of its blocks (``--attention-kernel`` forces one); cuDNN's and torch's
+versions. ``--device-memory 80GiB`` caps every case's allocator (its per-process fraction of
+the device): an H100's memory on an H200, said in every row and the report. Writes
+docs/results/gpu_peers.json, .md and a tokens/s-vs-length PNG on a zero-based axis.
 
     python benchmarks/gpu_peers.py                        # Llama-3-8B at 16K and 32K, every case
+    python benchmarks/gpu_peers.py --lengths 128K --device-memory 80GiB --cases hf+liger+sac,lt:auto --append
     python benchmarks/gpu_peers.py --lengths 64K --append
     python benchmarks/gpu_peers.py --lengths 128K,256K,512K --append --cases hf+liger+offload,lt:fpdt+offload+keep+mst
     python benchmarks/gpu_peers.py --smoke                # tiny model on the CPU: checks the script
@@ -54,6 +61,7 @@ tokens/s-vs-length PNG.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -88,7 +96,6 @@ from longtrain.strategy import applied_context, pinned_host_bytes  # noqa: E402
 
 GIB = 2**30
 ROW_TAG = "GPU_PEERS_ROW "  # how an isolated case hands its row to the parent
-LONG = 131072  # from here on a step takes about a minute: no warm-up step at the length by default
 SHORT_WARMUP = 2048  # tokens of the short step that then takes the one-time costs
 STARTED = time.perf_counter()  # the time budget counts from here (imports included)
 COMMAND_LIMIT_S = 590  # no case may run past this many seconds of the whole command (10-minute calls)
@@ -116,27 +123,84 @@ def _liger():
         return None
 
 
-def _hf_peer(liger: bool, offload: bool):
-    def make(config, device, dtype):
+# SDPA's fused kernels: what selective activation checkpointing keeps (their outputs), as
+# torchtitan's default policy does, so that backward recomputes the layer but not attention.
+_ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _keep_attention_policy():
+    """A ``context_fn`` for torch.utils.checkpoint: save SDPA's outputs, recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    keep = {getattr(torch.ops.aten, name).default for name in _ATTENTION_OPS if hasattr(torch.ops.aten, name)}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return lambda: create_selective_checkpoint_contexts(policy)
+
+
+def _top_layers_whole(config, length: int, device, dtype, layers: int) -> int:
+    """How many top layers ``longtrain train --strategy auto`` leaves unchecked on this device
+    at this length: N of ``checkpoint:except_last=N``, every layer where it checkpoints none
+    (plain backprop fits), none where it runs another engine."""
+    from longtrain.plan.auto import auto_strategy
+
+    strategy = auto_strategy(config, length, device, dtype=str(dtype).replace("torch.", ""), optimizer="none",
+                             say=lambda line: None)
+    options = strategy.techniques.get("checkpoint")
+    if options is None:
+        return layers if strategy.engine == "backprop" else 0
+    return int(getattr(options, "except_last", 0) or 0)
+
+
+def _hf_peer(liger: bool, offload: str | None = None, keep_attention: bool = False, top_whole: bool = False):
+    """Stock Hugging Face with non-reentrant checkpointing: ``offload`` ``"save_on_cpu"``
+    (synchronous, pinned) or ``"trl"`` (TRL's stream-overlapped activation offloading);
+    ``keep_attention``: selective checkpointing keeping SDPA's outputs; ``top_whole``: the
+    top layers auto leaves whole are not checkpointed."""
+    def make(config, device, dtype, length):
         from transformers import AutoModelForCausalLM
 
         if liger:
             _liger()(rope=True, swiglu=True, rms_norm=True, fused_linear_cross_entropy=True, cross_entropy=False)
         with torch.device(device), default_dtype(dtype):
             model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        kwargs = {"use_reentrant": False, **({"context_fn": _keep_attention_policy()} if keep_attention else {})}
         if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.2x on
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        notes = []
+        if top_whole:
+            layers = model.model.layers
+            whole = _top_layers_whole(config, length, device, dtype, len(layers))
+            for layer in layers[len(layers) - whole:] if whole else []:
+                layer.gradient_checkpointing = False
+            notes.append(f"top {whole} of {len(layers)} layers unchecked (auto's except_last)")
         model.config.use_cache = False
         model.train()
+        saving = None
+        if offload == "trl":
+            if device.type == "cpu":  # reported as refused, as a limit is
+                raise lt.LongtrainError("TRL's activation offloading moves activations from an accelerator to host "
+                                        "memory; this device is the host")
+            from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+            saving = get_act_offloading_ctx_manager(model, use_pin_memory=device.type == "cuda",
+                                                    use_streams=device.type == "cuda", warn_if_no_head=False)
 
         def step(ids):
-            saving = torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda") if offload else contextlib.nullcontext()
-            with saving:
+            if offload == "save_on_cpu":
+                context = torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+            else:
+                context = saving if saving is not None else contextlib.nullcontext()
+            with context:
                 loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
 
+        step.notes = "; ".join(notes) or None
         return model, step
 
     return make
@@ -157,10 +221,18 @@ def _fpdt(length: int, liger: bool = False, **options):
 
 
 CASES = [
-    Case("hf", "peer", _hf_peer(liger=False, offload=False)),
-    Case("hf+offload", "peer", _hf_peer(liger=False, offload=True)),
-    Case("hf+liger", "peer", _hf_peer(liger=True, offload=False)),
-    Case("hf+liger+offload", "peer", _hf_peer(liger=True, offload=True)),
+    Case("hf", "peer", _hf_peer(liger=False)),
+    Case("hf+offload", "peer", _hf_peer(liger=False, offload="save_on_cpu")),
+    Case("hf+liger", "peer", _hf_peer(liger=True)),
+    Case("hf+liger+offload", "peer", _hf_peer(liger=True, offload="save_on_cpu")),
+    # What experts run: selective checkpointing keeping attention's outputs (torchtitan's
+    # default), the top layers unchecked where memory allows, TRL's overlapped offloading.
+    Case("hf+sac", "peer", _hf_peer(liger=False, keep_attention=True)),
+    Case("hf+liger+sac", "peer", _hf_peer(liger=True, keep_attention=True)),
+    Case("hf+top", "peer", _hf_peer(liger=False, top_whole=True)),
+    Case("hf+liger+top", "peer", _hf_peer(liger=True, top_whole=True)),
+    Case("hf+trl-offload", "peer", _hf_peer(liger=False, offload="trl")),
+    Case("hf+liger+trl-offload", "peer", _hf_peer(liger=True, offload="trl")),
     # Layer checkpointing keeps attention's output (host memory) instead of rerunning it.
     Case("lt:checkpoint+mst", "longtrain", lambda n: lt.Strategy(checkpoint=True, mst=True)),
     Case("lt:checkpoint+mst+liger", "longtrain", lambda n: lt.Strategy(checkpoint=True, mst=True, liger=True)),
@@ -260,7 +332,8 @@ def _empty_row(case: Case, length: int) -> dict:
     return {"tokens": length, "case": case.name, "status": "ok", "step_s": None, "tokens_per_s": None, "mfu_pct": None,
             "alloc_gib": None, "reserved_gib": None, "reserved_over_alloc": None, "host_peak_gib": None,
             "host_pinned_gib": None, "alloc_conf": allocator_setting(),
-            "attention_kernel": None, "notes": None}
+            "attention_kernel": None, "attention_ops": None, "step_times": None, "spread_pct": None,
+            "sm_clock_mhz": None, "power_w": None, "device_cap_gib": None, "notes": None}
 
 
 def _kernel_of(config, device, dtype) -> str:
@@ -319,14 +392,66 @@ def _profile_step(one_step, device: torch.device, path: Path) -> None:
     path.write_text("\n\n".join(f"# by {title}\n" + table.table(sort_by=key, row_limit=40) for title, key in sections) + "\n")
 
 
+class _AttentionOps:
+    """The attention operators a step dispatches (SDPA's fused kernels, longtrain's blocks
+    call them too): which kernel each case ran, recorded from its warm-up step."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        seen = self.seen = collections.Counter()
+
+        class Recording(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if "attention" in func.__name__ or "attn" in func.__name__:
+                    seen[func.__name__.split(".")[0]] += 1
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Recording()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+    @property
+    def names(self) -> str | None:
+        """Each operator with how often the step ran it (a forward kernel run twice per
+        layer: attention recomputed in backward)."""
+        return ", ".join(f"{name} ×{count}" for name, count in sorted(self.seen.items())) or None
+
+
+def _clock_and_power(device: torch.device) -> tuple[float | None, float | None]:
+    """The GPU's SM clock (MHz) and power draw (W) now, where NVML answers (None elsewhere)."""
+    if device.type != "cuda":
+        return None, None
+    try:
+        return float(torch.cuda.clock_rate(device)), torch.cuda.power_draw(device) / 1000
+    except Exception:  # noqa: BLE001 - no pynvml, or NVML refuses: not recorded
+        return None, None
+
+
+def cap_device_memory(device: torch.device, cap: int | None) -> float | None:
+    """``--device-memory``: the allocator may not pass ``cap`` bytes in this process (its
+    per-process fraction of the device), so a smaller card's case runs on a larger one.
+    The cap in GiB, or None where none is asked; on a CPU it is recorded, not enforced."""
+    if cap is None:
+        return None
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    return cap / GIB
+
+
 def run_case(case: Case, config, length: int, device: torch.device, dtype, repeats: int, warmup: int,
-             profile_dir: Path | None = None) -> dict:
+             profile_dir: Path | None = None, device_cap: int | None = None) -> dict:
     row = _empty_row(case, length)
     model = None
     try:
+        row["device_cap_gib"] = cap_device_memory(device, device_cap)
         strategy = None
         if case.kind == "peer":
-            model, step = case.make(config, device, dtype)
+            model, step = case.make(config, device, dtype, length)
         else:
             strategy = _strategy_of(case, config, length, device, dtype)
             model, step = _build_longtrain(config, device, dtype, strategy)
@@ -338,19 +463,30 @@ def run_case(case: Case, config, length: int, device: torch.device, dtype, repea
             model.zero_grad(set_to_none=True)
 
         if not warmup and not (strategy is not None and "memo" in strategy.techniques):
-            # Long lengths time one step without a warm-up at their length: a short step first
-            # takes the one-time costs that do not depend on it (Triton's compiles for Liger,
-            # cuBLAS and cuDNN start-up). Not Memo: it fixes α in its first step, for that length.
+            # Without a warm-up at the length (--warmup 0), a short step takes the one-time
+            # costs that do not depend on it (Triton's compiles for Liger, cuBLAS and cuDNN
+            # start-up). Not Memo: it fixes α in its first step, for that length.
             step(ids[:, :min(length, SHORT_WARMUP)])
             model.zero_grad(set_to_none=True)
-        for _ in range(warmup):  # kernels and their plans, the pinned pool, the allocator's segments
-            timer.time(one_step)
+        for i in range(warmup):  # kernels and their plans, the pinned pool, the allocator's segments
+            with _AttentionOps() if i == 0 else contextlib.nullcontext() as seen:
+                timer.time(one_step)
+            if i == 0:
+                row["attention_ops"] = seen.names
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        times, clocks, power = [], [], []
         with _HostPeak() as host:
-            times = [timer.time(one_step) for _ in range(repeats)]
+            for _ in range(repeats):
+                times.append(timer.time(one_step))
+                clock, watts = _clock_and_power(device)
+                clocks.append(clock)
+                power.append(watts)
         seconds = statistics.median(times)
-        row.update(step_s=seconds, tokens_per_s=length / seconds, host_peak_gib=host.peak / GIB)
+        row.update(step_s=seconds, tokens_per_s=length / seconds, host_peak_gib=host.peak / GIB, step_times=times,
+                   spread_pct=100 * (max(times) - min(times)) / seconds,
+                   sm_clock_mhz=[c for c in clocks if c is not None] or None,
+                   power_w=[w for w in power if w is not None] or None)
         peak = device_peak_flops(device)
         if peak:
             row["mfu_pct"] = 100 * model_flops_per_sample(model, length) / seconds / peak
@@ -365,6 +501,8 @@ def run_case(case: Case, config, length: int, device: torch.device, dtype, repea
             # After the steps, on this device's index: a kernel that failed at run time was dropped there.
             here = torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device
             row["attention_kernel"] = _kernel_of(config, here, dtype)
+        else:
+            row["notes"] = getattr(step, "notes", None)
         if profile_dir is not None:
             _profile_step(one_step, device, Path(profile_dir) / f"{case.name.replace(':', '_')}_{length}.txt")
     except torch.OutOfMemoryError:
@@ -397,6 +535,8 @@ def run_isolated(case: Case, length: int, args, timeout: float) -> dict:
            "--model", args.model, "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
     if args.smoke:
         cmd.append("--smoke")
+    if getattr(args, "device_memory", None):
+        cmd += ["--device-memory", args.device_memory]
     if args.profile:
         cmd += ["--profile", str(args.profile)]
     row = _empty_row(case, length)
@@ -452,11 +592,33 @@ def _config(model_name: str, lengths: list[int]):
     return config
 
 
+def _cap(args) -> int | None:
+    from longtrain.memory.units import parse_bytes
+
+    return parse_bytes(args.device_memory) if args.device_memory else None
+
+
+def _pooled(earlier: dict | None, row: dict) -> dict:
+    """A case's row of this round with its earlier rounds' timed steps (--rounds): the median
+    and spread of all of them."""
+    if earlier is None or not earlier.get("step_times") or not row.get("step_times"):
+        return row
+    times = earlier["step_times"] + row["step_times"]
+    median = statistics.median(times)
+    pooled = dict(row, step_times=times, step_s=median, tokens_per_s=row["tokens"] / median,
+                  spread_pct=100 * (max(times) - min(times)) / median)
+    if row.get("mfu_pct"):
+        pooled["mfu_pct"] = row["mfu_pct"] * row["step_s"] / median
+    for key in ("sm_clock_mhz", "power_w"):
+        pooled[key] = (earlier.get(key) or []) + (row.get(key) or []) or None
+    return pooled
+
+
 def _one_case(args) -> int:
     """``--case-only``: run one case at one length in this process and print its row."""
     device, dtype, model_name, lengths = _settings(args)
     row = run_case(BY_NAME[args.case_only], _config(model_name, lengths), lengths[0], device, dtype, args.repeats,
-                   args.warmup, args.profile)
+                   args.warmup, args.profile, _cap(args))
     print(ROW_TAG + json.dumps(row), flush=True)
     return 0
 
@@ -466,14 +628,19 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="llama3-8b", help="preset (default %(default)s)")
     parser.add_argument("--lengths", default=None, help="comma list of sequence lengths, short to long (default 16K,32K)")
     parser.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma list of cases (default: all)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed steps per case (default 2; 1 from 128K on)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 1; 0 from 128K on)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per case and round (default 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps at the length first (default 1)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every case this many times per length, the order reversed each round, pooling "
+                             "their timed steps (default %(default)s)")
+    parser.add_argument("--device-memory", default=None, metavar="SIZE",
+                        help="cap each case's allocator at SIZE (its per-process fraction of the device), e.g. 80GiB: "
+                             "an H100's memory on an H200; rows say so")
     parser.add_argument("--budget-s", type=float, default=540.0,
                         help="start no new case after this many seconds (default %(default)s)")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                         help="each case in its own process (default: on a GPU yes, with --smoke no)")
-    parser.add_argument("--expandable-segments", choices=("off", "longtrain", "all"), default="longtrain",
+    parser.add_argument("--expandable-segments", choices=("off", "longtrain", "all"), default="all",
                         help="cases run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, with --isolate "
                              "(default %(default)s)")
     parser.add_argument("--attention-kernel", choices=("cudnn", "flash", "math"), default=None,
@@ -493,9 +660,11 @@ def main(argv=None) -> int:
         print("gpu_peers: no CUDA device here; run it on a GPU machine, or pass --smoke to exercise the script on the CPU")
         return 0
     device, dtype, model_name, lengths = _settings(args)
-    short = args.smoke or max(lengths) >= LONG  # smoke: the plumbing, not the numbers; long: a minute a step
-    args.repeats = args.repeats if args.repeats is not None else (1 if short else 2)
-    args.warmup = args.warmup if args.warmup is not None else (0 if short else 1)
+    args.repeats = args.repeats if args.repeats is not None else (2 if args.smoke else 3)
+    args.warmup = args.warmup if args.warmup is not None else 1
+    if args.rounds < 1 or args.repeats < 1 or args.warmup < 0:
+        print("gpu_peers: --rounds and --repeats must be at least 1, --warmup at least 0", file=sys.stderr)
+        return 2
     if args.case_only:
         return _one_case(args)
     isolate = args.isolate if args.isolate is not None else not args.smoke
@@ -519,12 +688,14 @@ def main(argv=None) -> int:
         skipped += [note] if note not in skipped else []
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     start = STARTED
-    for length in lengths:
-        for name in names:
+    this_run: dict[tuple, dict] = {}
+    for length, round_index in ((n, r) for n in lengths for r in range(args.rounds)):
+        for name in (names if round_index % 2 == 0 else names[::-1]):  # interleaved: drift falls on every case
             case = BY_NAME[name]
             if "liger" in name and _liger() is None:
                 continue
-            failed_before = [r for r in rows if r["case"] == name and r["tokens"] < length and r["status"] != "ok"]
+            failed_before = [r for r in rows if r["case"] == name and (r["tokens"] < length or round_index)
+                             and r["status"] != "ok"]
             if failed_before:
                 skipped.append(f"{name} at {length:,} tokens ({failed_before[0]['status']} at {failed_before[0]['tokens']:,})")
                 continue
@@ -537,7 +708,8 @@ def main(argv=None) -> int:
                 hard = min(args.budget_s + 50, COMMAND_LIMIT_S) - (time.perf_counter() - start)
                 row = run_isolated(case, length, args, timeout=max(1.0, min(left + 60, hard)))
             else:
-                row = run_case(case, config, length, device, dtype, args.repeats, args.warmup, args.profile)
+                row = run_case(case, config, length, device, dtype, args.repeats, args.warmup, args.profile, _cap(args))
+            row = this_run[(length, name)] = _pooled(this_run.get((length, name)), row)
             rows = [r for r in rows if (r["tokens"], r["case"]) != (length, name)] + [row]
             print(f"  {length:>8,} {name:<26} {row['status']:<14} "
                   + (f"{row['step_s']:.3f} s  {row['tokens_per_s']:,.0f} tok/s" if row["step_s"] else ""), flush=True)
@@ -558,31 +730,42 @@ def _report(rows, skipped, out, model_name, dtype, device_name, args, argv) -> N
     rows.sort(key=lambda r: (r["tokens"], list(BY_NAME).index(r["case"]) if r["case"] in BY_NAME else 99))
     _add_ratios(rows)
     fits = longest_fit(rows)
+    cap = _cap(args)
+    cap_line = (f" Every case capped at {cap / GIB:.0f} GiB of the device (--device-memory; the allocator's per-process "
+                "fraction): a smaller card's figures on this one." if cap else "")
     fit_lines = "; ".join(f"{case} {_tokens(entry['longest_ok'])}"
                           + (f" (not {_tokens(entry['first_failure'])})" if entry["first_failure"] else "")
                           for case, entry in fits.items())
     notes = f"""
 {model_name}, {str(dtype).replace('torch.', '')}, batch 1, forward + backward, no optimizer step, on {device_name}.
-Median of the timed steps ({'CUDA events' if device_name != 'cpu' else 'wall clock'}) after warm-up steps (none from
-128K tokens on, where one step is timed); MFU against dense bf16 peak; allocator peaks of the timed steps and their ratio
-(OOM follows *reserved*); host peak: the case process's resident memory during the timed steps. `× best peer`:
-tokens/s over the fastest peer at that length. alloc conf: PYTORCH_CUDA_ALLOC_CONF of the case. kernel: the attention
-kernel of longtrain's blocks.
+Median of {args.repeats} timed steps per round × {args.rounds} round(s), cases interleaved (order reversed each round),
+({'CUDA events' if device_name != 'cpu' else 'wall clock'}) after {args.warmup} warm-up step(s) at the length; spread:
+(slowest − fastest) / median, every step's time in the JSON with the SM clock and power after it; MFU against dense
+bf16 peak; allocator peaks of the timed steps and their ratio (OOM follows *reserved*); host peak: the case process's
+resident memory during the timed steps. `× best peer`: tokens/s over the fastest peer at that length (the expert
+peers — selective checkpointing keeping attention, top layers unchecked, TRL's offloading — included). alloc conf:
+the allocator setting of the case (the same for all by default). kernel: longtrain's attention-block kernel;
+attention ops: the attention operators the warm-up step dispatched. cuDNN {torch.backends.cudnn.version()}, torch
+{torch.__version__}.{cap_line}
 
 Longest length each case ran: {fit_lines or 'nothing ran'}.
 
 Not run: {'; '.join(skipped) or 'nothing'}."""
     columns = [("tokens", "tokens"), ("case", "case"), ("status", "status"), ("step_s", "step s"),
-               ("tokens_per_s", "tokens/s"), ("vs_best_peer", "× best peer"), ("mfu_pct", "MFU %"),
+               ("spread_pct", "spread %"), ("tokens_per_s", "tokens/s"), ("vs_best_peer", "× best peer"), ("mfu_pct", "MFU %"),
                ("alloc_gib", "alloc GiB"), ("reserved_gib", "reserved GiB"), ("reserved_over_alloc", "reserved/alloc"),
                ("host_peak_gib", "host peak GiB"), ("host_pinned_gib", "pinned GiB"), ("alloc_conf", "alloc conf"),
-               ("attention_kernel", "kernel"), ("notes", "notes")]
+               ("attention_kernel", "kernel"), ("attention_ops", "attention ops"), ("device_cap_gib", "cap GiB"),
+               ("notes", "notes")]
     for r in rows:  # rows appended from an earlier version of this script may lack a column
         for key, _ in columns:
             r.setdefault(key, None)
     command = "python benchmarks/gpu_peers.py " + " ".join(argv if argv is not None else sys.argv[1:])
     write_report("gpu_peers", "longtrain vs Hugging Face (+ Liger, + offload) on one GPU", columns, rows, notes, command.strip(),
-                 out_dir=out, meta={"device": device_name, "skipped": skipped, "longest_fit": fits}, quiet=True)
+                 out_dir=out, meta={"device": device_name, "skipped": skipped, "longest_fit": fits,
+                                    "cudnn": torch.backends.cudnn.version(), "torch": torch.__version__,
+                                    "device_cap_gib": cap / GIB if cap else None, "rounds": args.rounds,
+                                    "repeats": args.repeats, "warmup": args.warmup}, quiet=True)
 
 
 def _tokens(n: int | None) -> str:
@@ -602,6 +785,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     plot_series(ax, [r for r in rows if r["tokens_per_s"]], "case", "tokens", "tokens_per_s")
     ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=0)  # a zero-based axis: heights compare as ratios
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("tokens/s")
     ax.legend(fontsize=7)

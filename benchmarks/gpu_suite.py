@@ -40,7 +40,7 @@ DOCS = ROOT / "docs" / "results"
 # A GPU machine may have the repository and no installed longtrain: use the source tree.
 sys.path.insert(0, str(ROOT / "src"))
 # The suite's share of gpu_peers.py: what fits its 3 minutes, the most telling first.
-SUITE_PEER_CASES = "hf+liger,lt:checkpoint+mst+liger,lt:auto,lt:checkpoint+mst,lt:fpdt+offload+keep+mst+liger,hf+liger+offload,lt:memo+mst,hf"
+SUITE_PEER_CASES = "hf+liger,hf+liger+sac,lt:checkpoint+mst+liger,lt:auto,lt:checkpoint+mst,lt:fpdt+offload+keep+mst+liger,hf+liger+offload,lt:memo+mst,hf"
 SOURCE_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
 
 

@@ -20,7 +20,8 @@ def test_gpu_suite_smoke_runs_end_to_end_on_the_cpu():
     rows = json.loads((folder / "gpu_peers.json").read_text())["rows"]
     cases = {r["case"] for r in rows}
     assert {"hf", "hf+offload", "lt:checkpoint+mst", "lt:fpdt+offload+mst", "lt:memo+mst", "lt:seco+checkpoint+mst"} <= cases
-    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows if "trl-offload" not in r["case"])
+    assert {"hf+sac", "hf+top"} <= cases  # the expert peers (TRL's offloading needs an accelerator: refused here)
     assert all(r["notes"].startswith("memo alpha ") for r in rows if r["case"] == "lt:memo+mst")  # what it chose, measured
     assert "Not run:" in (folder / "gpu_suite.md").read_text()
 
@@ -97,3 +98,45 @@ def test_step_work_counts_fpdt_matmuls_as_checkpointing_and_writes_its_report(tm
     kept = rows["fpdt:keep_output,mst"]
     assert kept["attention_forward_calls"] == kept["attention_backward_calls"] == rows["fpdt,mst"]["attention_forward_calls"] // 2
     assert rows["checkpoint,mst"]["attention_forward_calls"] == 2 and (tmp_path / "step_work.md").exists()
+
+
+def test_expert_peers_interleaved_rounds_and_the_device_cap_run_in_the_smoke_test(tmp_path):
+    """The peers experts run: selective checkpointing keeps attention's outputs (the forward
+    kernel runs once per layer, not twice as under HF's checkpointing); TRL's offloading is
+    refused on a CPU, as a limit; two rounds pool every timed step; --device-memory is
+    recorded in every row and the report (enforced on CUDA only)."""
+    cases = "hf,hf+sac,hf+top,hf+trl-offload"
+    result = subprocess.run([sys.executable, "benchmarks/gpu_peers.py", "--smoke", "--cases", cases, "--lengths", "128",
+                             "--rounds", "2", "--device-memory", "1GiB", "--out", str(tmp_path)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_peers.json").read_text())
+    rows = {r["case"]: r for r in report["rows"]}
+    forward = "_scaled_dot_product_flash_attention_for_cpu ×"
+    count = {case: int(rows[case]["attention_ops"].split(forward)[1].split(",")[0]) for case in ("hf", "hf+sac")}
+    assert count["hf"] == 2 * count["hf+sac"] == 4  # two layers: recomputed under HF's checkpointing, kept under SAC
+    assert rows["hf+trl-offload"]["status"].startswith("refused: TRL's activation offloading")
+    for case in ("hf", "hf+sac", "hf+top"):
+        assert rows[case]["status"] == "ok" and len(rows[case]["step_times"]) == 4  # 2 rounds × 2 steps
+        assert rows[case]["device_cap_gib"] == 1.0 and rows[case]["spread_pct"] >= 0
+    assert "layers unchecked" in rows["hf+top"]["notes"]
+    assert report["meta"]["device_cap_gib"] == 1.0 and report["meta"]["rounds"] == 2
+    assert "capped at 1 GiB" in (tmp_path / "gpu_peers.md").read_text()
+
+
+def test_the_top_layers_peer_leaves_what_auto_leaves_whole_unchecked(monkeypatch):
+    """hf+top: Hugging Face's checkpointing off in the top N layers, N as auto's
+    ``checkpoint:except_last=N`` (here 1 of 2): attention runs three times, not four."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_peers
+
+    monkeypatch.setattr(gpu_peers, "_top_layers_whole", lambda config, length, device, dtype, layers: 1)
+    config = gpu_peers._config("tiny-llama", [128])
+    model, step = gpu_peers._hf_peer(liger=False, top_whole=True)(config, torch.device("cpu"), torch.float32, 128)
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False]
+    with gpu_peers._AttentionOps() as seen:
+        step(torch.randint(0, config.vocab_size, (1, 128)))
+    assert seen.seen["_scaled_dot_product_flash_attention_for_cpu"] == 3
+    assert step.notes == "top 1 of 2 layers unchecked (auto's except_last)"
