@@ -2,14 +2,14 @@
 one process): two optimizer steps of a float64 tiny-llama through the Hugging Face Trainer —
 stock (``stock``) or :class:`~longtrain.hf.LongtrainTrainer` with each strategy named — on
 eight micro-batches of packed and padded rows (the order fixed: micro-batch k goes to
-process k mod N). Rank 0 writes ``{name}.pt``: the trained parameters and the logged losses.
+process k mod N). Rank 0 writes ``{kind}-{name}.pt``: the trained parameters and the logged losses.
 
-    worker.py OUT ACCUMULATION {full|lora|unlabelled} NAME=STRATEGY ...   (STRATEGY "stock": the stock Trainer)
+    worker.py OUT ACCUMULATION KIND/NAME[@STEPS]=STRATEGY ...   (STRATEGY "stock": the stock Trainer)
 
-``unlabelled``: full fine-tuning with micro-batch 3 — under two processes the second one's
-last of the first step — without a label token. ``MAX_STEPS`` in the environment: stop
-after that many steps, saving a checkpoint at each; ``RESUME`` (a checkpoint folder): go on
-from it to the second step.
+KIND: ``full`` or ``lora`` fine-tuning, or ``unlabelled``: full fine-tuning with micro-batch
+3 — under two processes the second one's last of the first step — without a label token.
+``@STEPS``: stop after that many steps, saving a checkpoint at each; ``RESUME`` in the
+environment (a checkpoint folder): go on from it to the second step.
 """
 
 from __future__ import annotations
@@ -43,39 +43,41 @@ def in_order(cls):
     return InOrder
 
 
-def train(out: Path, accumulation: int, kind: str, name: str, strategy: str) -> None:
+def train(out: Path, accumulation: int, kind: str, name: str, strategy: str, stop: int | None = None) -> None:
     stock, ours = stock_lora_and_ours("tiny-llama") if kind == "lora" else stock_and_ours("tiny-llama")
     model = in_float64(stock) if strategy == "stock" else ours
     batches = [dict(b) for b in MICRO_BATCHES]
     if kind == "unlabelled":
         batches[3]["labels"] = torch.full_like(batches[3]["labels"], -100)
     data = Batches(batches)
-    saving = dict(save_strategy="steps", save_steps=1) if "MAX_STEPS" in os.environ else {}
-    args = training_args(out / name, gradient_accumulation_steps=accumulation, max_steps=2, optim="adamw_torch",
+    saving = dict(save_strategy="steps", save_steps=1) if stop else {}
+    args = training_args(out / f"{kind}-{name}", gradient_accumulation_steps=accumulation, max_steps=2, optim="adamw_torch",
                          learning_rate=1e-2, weight_decay=0.1, lr_scheduler_type="linear", **saving)
     extra = {} if strategy == "stock" else {"strategy": None if strategy == "backprop" else strategy}
     trainer = in_order(Trainer if strategy == "stock" else LongtrainTrainer)(
         model=model, args=args, train_dataset=data, data_collator=data.collate, **extra)
-    if "MAX_STEPS" in os.environ:  # interrupted after these steps (the schedule still planned for two)
+    if stop:  # interrupted after these steps (the schedule still planned for two)
         from transformers import TrainerCallback
 
         class Stop(TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
-                control.should_training_stop = state.global_step >= int(os.environ["MAX_STEPS"])
+                control.should_training_stop = state.global_step >= stop
 
         trainer.add_callback(Stop())
     trainer.train(resume_from_checkpoint=os.environ.get("RESUME"))
     if trainer.is_world_process_zero():
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-        torch.save({"params": params, "losses": losses}, out / f"{name}.pt")
+        torch.save({"params": params, "losses": losses}, out / f"{kind}-{name}.pt")
 
 
 def main() -> None:
-    out, accumulation, kind, *runs = sys.argv[1:]
+    out, accumulation, *runs = sys.argv[1:]
     for run in runs:
-        name, strategy = run.split("=", 1)
-        train(Path(out), int(accumulation), kind, name, strategy)
+        kind_and_name, strategy = run.split("=", 1)
+        kind, name = kind_and_name.split("/")
+        name, _, stop = name.partition("@")
+        train(Path(out), int(accumulation), kind, name, strategy, int(stop) if stop else None)
 
 
 if __name__ == "__main__":

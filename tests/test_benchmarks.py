@@ -140,3 +140,18 @@ def test_the_top_layers_peer_leaves_what_auto_leaves_whole_unchecked(monkeypatch
         step(torch.randint(0, config.vocab_size, (1, 128)))
     assert seen.seen["_scaled_dot_product_flash_attention_for_cpu"] == 3
     assert step.notes == "top 1 of 2 layers unchecked (auto's except_last)"
+
+
+def test_the_truncated_depth_benchmark_simulates_what_the_exact_tracker_measures(tmp_path):
+    """measured_longest.py --smoke: a two-layer tiny-llama under FPDT with offload and MsT, at a
+    length of whole chunks and one that is not: the simulated peak equals the exact tracker's
+    to the byte; the full-depth limit is reported with what binds."""
+    result = subprocess.run([sys.executable, "benchmarks/measured_longest.py", "--smoke", "--lengths", "256,200",
+                             "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "measured_longest.json").read_text())
+    assert [r["tokens"] for r in report["rows"]] == [256, 200]
+    for row in report["rows"]:
+        assert row["status"] == "ok" and row["simulated_bytes"] == row["tracker_bytes"] > 0
+    assert report["meta"]["full_depth_longest"] > 256 and report["meta"]["binds"]
+    assert "Full depth (simulated)" in (tmp_path / "measured_longest.md").read_text()

@@ -95,6 +95,7 @@ def run_training_steps(
     phases: dict | None = None,
     warm_start: bool = False,
     host_memory: int | None = None,
+    device: torch.device | str | None = None,
 ) -> tuple[MemoryReport, int]:
     """Train ``iterations`` steps and report the last step's peak.
 
@@ -110,7 +111,9 @@ def run_training_steps(
     state does not depend on the step's work: :data:`WARM_STARTS`). ``host_memory``: the
     host memory of the machine simulated, in bytes (:attr:`EngineContext.host_memory`: the
     default budget of whatever parks in host memory); None: unbounded. A real run
-    (``fake=False``) keeps this machine's unless one is given.
+    (``fake=False``) keeps this machine's unless one is given. ``device``: where a real
+    run's token ids are drawn (the model's device: ``build_model`` places the model; default
+    the CPU).
 
     ``build_model()`` must return a model (strategy not yet applied). With ``fake=True``
     everything runs on fake tensors; with ``fake=False`` it allocates for real, which
@@ -134,7 +137,7 @@ def run_training_steps(
         n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         vocab = describe_model(model.config).vocab
         opt = make_optimizer(optimizer, model.parameters(), lr=1e-4, model=model)
-        generator = None if fake else torch.Generator().manual_seed(seed)
+        generator = None if fake else torch.Generator(device or "cpu").manual_seed(seed)
         if warm_start and opt is not None and optimizer in WARM_STARTS:
             _initialize_state(model, opt)
             iterations = 1
@@ -150,7 +153,8 @@ def run_training_steps(
                 for micro in range(grad_accum):
                     if marks is not None:
                         marks.micro_batch(micro)
-                    input_ids = torch.randint(0, vocab, (batch_size, seq_len), generator=generator)
+                    input_ids = torch.randint(0, vocab, (batch_size, seq_len), generator=generator,
+                                              device=None if fake else device)
                     # The label count is passed, not computed: under fake tensors it would
                     # need the data (every position but the last has a label here).
                     step(model, {"input_ids": input_ids}, strategy, num_label_tokens=grad_accum * batch_size * (seq_len - 1))
