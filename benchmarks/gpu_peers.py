@@ -36,9 +36,9 @@ per case. ``--append`` merges with the JSON already in the output folder, so a s
 be split into several commands (one per length group, each within 10 minutes) that build
 one report.
 
-Per case: ``--warmup`` steps at the length (default 1; the first records the attention
+Per case: ``--warmup`` steps at the length (default 1; the last records the attention
 operators it dispatched, with how often: a forward kernel run twice per layer is attention
-recomputed), then ``--repeats`` timed steps (default 3; CUDA events), every one stored with the
+recomputed — not Memo's first step, which it times to choose α), then ``--repeats`` timed steps (default 3; CUDA events), every one stored with the
 SM clock and power after it; ``--rounds R`` runs every case R times per length, the order
 reversed each round (interleaved: drift falls on every case alike), pooling their steps.
 The median, its spread ((slowest − fastest) / median), tokens/s; MFU = (6·s·P + 6·n·h·s²)
@@ -468,10 +468,14 @@ def run_case(case: Case, config, length: int, device: torch.device, dtype, repea
             # start-up). Not Memo: it fixes α in its first step, for that length.
             step(ids[:, :min(length, SHORT_WARMUP)])
             model.zero_grad(set_to_none=True)
+        memo = strategy is not None and "memo" in strategy.techniques
         for i in range(warmup):  # kernels and their plans, the pinned pool, the allocator's segments
-            with _AttentionOps() if i == 0 else contextlib.nullcontext() as seen:
+            # The last warm-up step records the attention operators (not Memo's first: it times
+            # that step to choose its α, and the recording slows it).
+            recording = i == warmup - 1 and not (memo and i == 0)
+            with _AttentionOps() if recording else contextlib.nullcontext() as seen:
                 timer.time(one_step)
-            if i == 0:
+            if recording:
                 row["attention_ops"] = seen.names
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -601,8 +605,10 @@ def _cap(args) -> int | None:
 def _pooled(earlier: dict | None, row: dict) -> dict:
     """A case's row of this round with its earlier rounds' timed steps (--rounds): the median
     and spread of all of them."""
-    if earlier is None or not earlier.get("step_times") or not row.get("step_times"):
+    if earlier is None or not earlier.get("step_times"):
         return row
+    if not row.get("step_times"):  # this round failed (out of memory, timed out): say so, keep the steps
+        return dict(earlier, notes="; ".join(filter(None, [earlier.get("notes"), f"a later round: {row['status']}"])))
     times = earlier["step_times"] + row["step_times"]
     median = statistics.median(times)
     pooled = dict(row, step_times=times, step_s=median, tokens_per_s=row["tokens"] / median,
@@ -611,6 +617,11 @@ def _pooled(earlier: dict | None, row: dict) -> dict:
         pooled["mfu_pct"] = row["mfu_pct"] * row["step_s"] / median
     for key in ("sm_clock_mhz", "power_w"):
         pooled[key] = (earlier.get(key) or []) + (row.get(key) or []) or None
+    for key in ("alloc_gib", "reserved_gib", "host_peak_gib", "host_pinned_gib"):  # the peaks of every round
+        values = [r[key] for r in (earlier, row) if r.get(key) is not None]
+        pooled[key] = max(values) if values else None
+    if pooled.get("alloc_gib"):
+        pooled["reserved_over_alloc"] = pooled["reserved_gib"] / pooled["alloc_gib"]
     return pooled
 
 
@@ -694,8 +705,8 @@ def main(argv=None) -> int:
             case = BY_NAME[name]
             if "liger" in name and _liger() is None:
                 continue
-            failed_before = [r for r in rows if r["case"] == name and (r["tokens"] < length or round_index)
-                             and r["status"] != "ok"]
+            failed_before = [r for r in rows if r["case"] == name and r["status"] != "ok"
+                             and (r["tokens"] < length or (r["tokens"] == length and round_index))]
             if failed_before:
                 skipped.append(f"{name} at {length:,} tokens ({failed_before[0]['status']} at {failed_before[0]['tokens']:,})")
                 continue

@@ -123,6 +123,8 @@ def main(argv=None) -> int:
             row.update(measure(config, length, strategy, device, dtype, args.optimizer))
         except torch.OutOfMemoryError:
             row.update(status="out of memory", tracker_gib=None, allocated_gib=None, reserved_gib=None, step_s=None)
+            gc.collect()
+            torch.cuda.empty_cache()
         with default_dtype(dtype):
             simulated = simulate(config, length, strategy=strategy, optimizer=args.optimizer, dtype=dtype_name,
                                  iterations=1)

@@ -43,6 +43,18 @@ def in_order(cls):
     return InOrder
 
 
+class WithTokenMetrics(LongtrainTrainer):
+    """A LongtrainTrainer that logs TRL's token metrics (as wrap(SFTTrainer) does): its step
+    gathers them over the processes, labels or none."""
+
+    def __init__(self, *args, **kwargs):
+        import collections
+
+        self._metrics = collections.defaultdict(lambda: collections.defaultdict(list))
+        self._total_train_tokens = 0
+        super().__init__(*args, **kwargs)
+
+
 def train(out: Path, accumulation: int, kind: str, name: str, strategy: str, stop: int | None = None) -> None:
     stock, ours = stock_lora_and_ours("tiny-llama") if kind == "lora" else stock_and_ours("tiny-llama")
     model = in_float64(stock) if strategy == "stock" else ours
@@ -54,7 +66,8 @@ def train(out: Path, accumulation: int, kind: str, name: str, strategy: str, sto
     args = training_args(out / f"{kind}-{name}", gradient_accumulation_steps=accumulation, max_steps=2, optim="adamw_torch",
                          learning_rate=1e-2, weight_decay=0.1, lr_scheduler_type="linear", **saving)
     extra = {} if strategy == "stock" else {"strategy": None if strategy == "backprop" else strategy}
-    trainer = in_order(Trainer if strategy == "stock" else LongtrainTrainer)(
+    cls = Trainer if strategy == "stock" else WithTokenMetrics if name == "metrics" else LongtrainTrainer
+    trainer = in_order(cls)(
         model=model, args=args, train_dataset=data, data_collator=data.collate, **extra)
     if stop:  # interrupted after these steps (the schedule still planned for two)
         from transformers import TrainerCallback
@@ -68,7 +81,8 @@ def train(out: Path, accumulation: int, kind: str, name: str, strategy: str, sto
     if trainer.is_world_process_zero():
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-        torch.save({"params": params, "losses": losses}, out / f"{kind}-{name}.pt")
+        metrics = {k: list(v) for k, v in getattr(trainer, "_metrics", {}).get("train", {}).items()}
+        torch.save({"params": params, "losses": losses, "metrics": metrics}, out / f"{kind}-{name}.pt")
 
 
 def main() -> None:

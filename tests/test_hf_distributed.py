@@ -55,7 +55,8 @@ def two_processes(tmp_path_factory):
     out = tmp_path_factory.mktemp("two")
     runs = {**{("full", name): strategy for name, strategy in STRATEGIES.items()},
             ("lora", "checkpoint"): "checkpoint,mst", ("lora", "fpdt"): "fpdt:chunk=32",
-            ("unlabelled", "checkpoint"): "checkpoint,mst", ("full", "first@1"): "checkpoint,mst"}
+            ("unlabelled", "checkpoint"): "checkpoint,mst", ("unlabelled", "metrics"): "seco:chunk=32",
+            ("full", "first@1"): "checkpoint,mst"}
     return launch(torchrun(2), out, 2, runs), out
 
 
@@ -68,11 +69,16 @@ def assert_same_training(ours: dict, stock: dict) -> None:
 
 def test_data_parallel_over_two_processes_equals_one_process(one_process, two_processes):
     """Every strategy, full and LoRA; the process whose last micro-batch has no label token
-    skips its backward but joins the gradient sum."""
+    skips its backward but joins the gradient sum, and — where TRL's token metrics are
+    logged — their gathering (the step counts none there, the other process some)."""
     stock, _ = one_process
     for (kind, name), result in two_processes[0].items():
         if name != "first@1":
             assert_same_training(result, stock[kind])
+    metrics = two_processes[0][("unlabelled", "metrics")]["metrics"]
+    assert len(metrics["entropy"]) == len(metrics["mean_token_accuracy"]) == 4  # a value per micro-batch
+    assert all(e > 0 for e in metrics["entropy"]) and all(0 <= a <= 1 for a in metrics["mean_token_accuracy"])
+    assert metrics["num_tokens"][0] > 0
 
 
 def test_data_parallel_over_four_processes_equals_one_process(one_process, tmp_path):

@@ -638,3 +638,15 @@ def test_a_plan_does_not_wait_for_the_simulations_it_started_ahead_and_no_longer
         ending = [sentinel for sentinel in ending if sentinel not in ended]
     assert processes
     assert started_ahead.cancelled() or isinstance(started_ahead.exception(), Exception)
+
+
+def test_auto_plans_for_the_memory_the_allocator_allows(monkeypatch):
+    """`--strategy auto` on a GPU whose allocator is capped (torch.cuda.set_per_process_memory_fraction,
+    e.g. an 80 GB card's share of an H200) plans for the cap, not the whole device."""
+    from types import SimpleNamespace
+
+    from longtrain.plan import auto
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 80 / 140, raising=False)
+    assert auto._usable_device_memory(torch.device("cuda", 0)) == 80 * 2**30

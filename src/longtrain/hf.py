@@ -96,7 +96,7 @@ class _LongtrainTraining:
         batch = _longtrain_batch(inputs)
         count = self._loss_normaliser(batch["labels"], num_items_in_batch)
         processes, scale = self._processes_and_loss_scale(num_items_in_batch)
-        stats = TokenStats()
+        stats, aux = TokenStats(), None
         if count == 0:
             # No label token in this micro-batch: its loss and gradients are 0, as TRL reports
             # them (stock Transformers divides 0 by 0 where the whole step has none).
@@ -105,38 +105,44 @@ class _LongtrainTraining:
             # The autocast Accelerate wraps the model's forward in (bf16=True), around longtrain's step.
             with self.compute_loss_context_manager(), self.accelerator.autocast(), counting(stats):
                 loss = step(target, batch, num_label_tokens=count,
-                            aux_loss_weight=self._aux_loss_weight(num_items_in_batch))
-        if _logs_token_metrics(self):
-            self._log_token_metrics(stats, inputs)
+                            aux_loss_weight=self._aux_loss_weight(num_items_in_batch, scale))
             aux = router_aux_loss(target)
-            if aux is not None and getattr(self, "aux_loss_enabled", False):  # TRL logs the MoE balancing loss
-                self._metrics["train"]["aux_loss"].append(float(aux))
+        if _logs_token_metrics(self):
+            self._log_token_metrics(stats, inputs, aux)
         if processes > 1 and self.accelerator.sync_gradients:  # every process reaches this, labels or none
             sum_gradients(target.parameters(), scale / processes)
         self._maybe_empty_cache()
         return loss * scale
 
-    def _log_token_metrics(self, stats: TokenStats, inputs: Mapping) -> None:
+    def _log_token_metrics(self, stats: TokenStats, inputs: Mapping, aux: torch.Tensor | None) -> None:
         """TRL's training metrics of this micro-batch, as SFTTrainer's ``compute_loss`` logs
         them: ``entropy`` and ``mean_token_accuracy`` over the label tokens of every process
-        (from the step's LM head, :mod:`longtrain.ops.token_stats`) and the running
-        ``num_tokens`` (attention-mask tokens, or the padding-free row's length)."""
+        (from the step's LM head, :mod:`longtrain.ops.token_stats`), the running
+        ``num_tokens`` (attention-mask tokens, or the padding-free row's length) and, where
+        TRL logs it, the MoE balancing loss ``aux_loss`` averaged over the processes that ran
+        a step. Every process gathers the same float64 scalars, labels or none."""
         device = self.args.device
 
-        def summed(value) -> torch.Tensor:
-            value = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-            return self.accelerator.gather_for_metrics(value.to(device).reshape(())).sum()
+        def gathered(value) -> torch.Tensor:
+            value = (value.to(device=device, dtype=torch.float64) if isinstance(value, torch.Tensor)
+                     else torch.tensor(float(value), dtype=torch.float64, device=device))
+            return self.accelerator.gather_for_metrics(value.reshape(1))
 
-        valid, entropy, correct = summed(stats.tokens), summed(stats.entropy), summed(stats.correct)
+        valid, entropy, correct = (gathered(v).sum() for v in (stats.tokens, stats.entropy, stats.correct))
         metrics = self._metrics["train"]
         metrics["entropy"].append((entropy / valid).item() if valid > 0 else 0.0)
         metrics["mean_token_accuracy"].append((correct / valid).item() if valid > 0 else 0.0)
         if "attention_mask" in inputs:
-            tokens = summed(inputs["attention_mask"].sum()).item()
+            tokens = gathered(inputs["attention_mask"].sum()).sum().item()
         else:
-            tokens = summed(inputs["position_ids"].size(1)).item()
-        self._total_train_tokens += tokens // getattr(self, "_tp_size", 1)
+            tokens = gathered(inputs["position_ids"].size(1)).sum().item()
+        self._total_train_tokens += int(tokens) // getattr(self, "_tp_size", 1)
         metrics["num_tokens"] = [self._total_train_tokens]
+        if getattr(self, "aux_loss_enabled", False):
+            ran = gathered(aux is not None)
+            values = gathered(0.0 if aux is None else float(aux))
+            if ran.sum() > 0:
+                metrics["aux_loss"].append(float((values * ran).sum() / ran.sum()))
 
     def _processes_and_loss_scale(self, num_items_in_batch) -> tuple[int, int]:
         """(data-parallel processes, what the stock step multiplies its loss by). Stock DDP
@@ -149,14 +155,15 @@ class _LongtrainTraining:
                             and num_items_in_batch is not None)
         return processes, processes if counted_over_all and processes > 1 else 1
 
-    def _aux_loss_weight(self, num_items_in_batch) -> float:
+    def _aux_loss_weight(self, num_items_in_batch, scale: int = 1) -> float:
         """The weight of a mixture of experts' ``coef · aux`` in this micro-batch's loss, as the
-        stock step weighs it: TRL's SFTTrainer averages it over the accumulation steps; the
+        stock step weighs it: TRL's SFTTrainer averages it over the accumulation steps (and,
+        added after its loss is multiplied by ``scale`` processes, over the processes); the
         Trainer adds the model's own loss (``LM + coef · aux``), divided by the accumulation
         steps only where that loss is not yet scaled for accumulation."""
         steps = self.current_gradient_accumulation_steps
         if hasattr(self, "aux_loss_enabled"):  # TRL
-            return 1.0 / steps
+            return 1.0 / (steps * scale)
         scaled = getattr(self, "loss_is_scaled_for_ga", None)
         if scaled is None:
             scaled = bool(self.model_accepts_loss_kwargs) and num_items_in_batch is not None

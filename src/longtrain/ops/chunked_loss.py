@@ -22,7 +22,7 @@ them: the weight's and bias's float32 buffers are carried from call to call, and
 the last call hands their sum to autograd, rounded once — instead of one rounded
 gradient per call, summed in the weight's dtype.
 
-Where gradients are formed, each chunk's top-1 hits and entropies go to the active
+Each chunk's top-1 hits and entropies go to the active
 :class:`~longtrain.ops.token_stats.TokenStats`, if any (TRL's training metrics).
 """
 
@@ -218,5 +218,5 @@ def chunked_causal_lm_loss(
     with_grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     return _ChunkedLinearCrossEntropy.apply(
         x, weight, bias, targets, normalizer, chunk_tokens, ignore_index, float(label_smoothing), float(logit_scale),
-        float(softcap or 0.0), with_grads, carry, active() if with_grads else None,
+        float(softcap or 0.0), with_grads, carry, active(),
     )

@@ -43,7 +43,7 @@ def logits_loss(
         logits = torch.tanh(logits / softcap) * softcap
     flat, targets = logits.flatten(0, -2), targets.to(logits.device).flatten()
     stats = active()
-    if stats is not None and torch.is_grad_enabled():  # the pass that forms the gradients (token_stats)
+    if stats is not None:  # TRL's training metrics (token_stats)
         valid = targets != IGNORE_INDEX
         stats.add(flat.detach(), None, torch.where(valid, targets, 0), valid)
     total = F.cross_entropy(flat, targets, ignore_index=IGNORE_INDEX, reduction="sum")

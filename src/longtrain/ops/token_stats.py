@@ -3,8 +3,10 @@ whether the top logit is its target (``mean_token_accuracy``) and the entropy of
 predicted distribution (``entropy``), summed over a step.
 
 The loss ops add a tile's figures while its logits exist (no second pass over them), in
-the call that forms the loss's gradients — each label token once per step whatever the
-engine (SeCO's first, loss-only pass is not counted). Sums stay tensors: no host sync per tile.
+row blocks of at most :data:`ROWS` (two extra blocks of logits, not two extra tiles). Each
+label token is counted once per step: an engine that runs the head again on the same tokens
+(SeCO's and SpaCO's recomputation after their loss-only first pass) does it under
+:func:`paused`. Sums stay tensors: no host sync per tile.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import contextlib
 
 import torch
 
-__all__ = ["TokenStats", "active", "counting"]
+__all__ = ["ROWS", "TokenStats", "active", "counting", "paused"]
+
+ROWS = 256  # logits rows whose entropy is formed at once
 
 
 class TokenStats:
@@ -30,26 +34,34 @@ class TokenStats:
         where known, targets (N,) and which of them carry a label (N,)."""
         if lse is None:
             lse = torch.logsumexp(logits, dim=-1)
-        probs = (logits - lse[:, None]).exp_()
-        entropy = lse - (probs * logits).sum(-1)  # −Σ p log p, with log p = z − lse
-        del probs
+        entropy = torch.empty_like(lse)
+        for start in range(0, logits.shape[0], ROWS):
+            rows = slice(start, start + ROWS)
+            probs = (logits[rows] - lse[rows, None]).exp_()
+            entropy[rows] = lse[rows] - probs.mul_(logits[rows]).sum(-1)  # −Σ p log p, with log p = z − lse
+            del probs
         hit = logits.argmax(-1) == targets
         self.tokens = self.tokens + valid.sum()
         self.correct = self.correct + (hit & valid).sum()
         self.entropy = self.entropy + torch.where(valid, entropy, 0).sum()
 
 
-_ACTIVE: list[TokenStats] = []
+_ACTIVE: list[TokenStats | None] = []
 
 
 @contextlib.contextmanager
-def counting(stats: TokenStats):
-    """Within it, the loss ops add to ``stats``."""
+def counting(stats: TokenStats | None):
+    """Within it, the loss ops add to ``stats`` (None: to nothing)."""
     _ACTIVE.append(stats)
     try:
         yield stats
     finally:
-        _ACTIVE.remove(stats)
+        _ACTIVE.pop()
+
+
+def paused():
+    """Within it, the loss ops count nothing (a pass over tokens already counted)."""
+    return counting(None)
 
 
 def active() -> TokenStats | None:

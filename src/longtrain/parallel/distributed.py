@@ -88,9 +88,10 @@ _BUCKET_BYTES = 64 * 2**20  # gradients summed per collective: few calls, bounde
 def sum_gradients(parameters, scale: float = 1.0) -> None:
     """Data parallelism: each trainable parameter's gradient summed over the processes of the
     default group (what DDP's reduction does, for a step that runs backward past DDP), then
-    times ``scale`` — in buckets of at most 64 MiB, one collective each. A parameter without a
-    gradient here takes zeros where another process has one; one without a gradient anywhere
-    keeps none (the optimizer skips it, as it would in one process)."""
+    times ``scale`` — in buckets of at most 64 MiB per dtype (a larger gradient alone, in
+    place), one collective each. A parameter without a gradient here takes zeros where
+    another process has one; one without a gradient anywhere keeps none (the optimizer skips
+    it, as it would in one process)."""
     params = [p for p in parameters if p.requires_grad]
     if not params:
         return
@@ -101,17 +102,29 @@ def sum_gradients(parameters, scale: float = 1.0) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    bucket: list[torch.Tensor] = []
-    for i, p in enumerate(params):
-        bucket.append(p.grad)
-        full = sum(g.numel() * g.element_size() for g in bucket) >= _BUCKET_BYTES
-        same_kind = i + 1 < len(params) and params[i + 1].grad.dtype == p.grad.dtype
-        if full or not same_kind:
+    by_kind: dict[tuple, list[torch.Tensor]] = {}  # in the same order on every process
+    for p in params:
+        by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for grads in by_kind.values():
+        bucket, size = [], 0
+        for g in grads:
+            if bucket and size + g.numel() * g.element_size() > _BUCKET_BYTES:
+                _sum_bucket(bucket, scale)
+                bucket, size = [], 0
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+        if bucket:
             _sum_bucket(bucket, scale)
-            bucket = []
 
 
 def _sum_bucket(grads: list[torch.Tensor], scale: float) -> None:
+    """One collective for ``grads`` (one dtype and device): a lone gradient in place, several
+    through one flat copy."""
+    if len(grads) == 1 and grads[0].is_contiguous():
+        dist.all_reduce(grads[0])
+        if scale != 1.0:
+            grads[0].mul_(scale)
+        return
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
     if scale != 1.0:

@@ -1,6 +1,7 @@
 """``--strategy auto``: the planner's fastest fitting strategy for the machine at hand.
 
-The plan is made for this device's memory, half the host's physical memory (what Memo
+The plan is made for this device's memory (the share the allocator's per-process fraction
+allows, where one is set), half the host's physical memory (what Memo
 and kept attention may pin) and this machine's measured rates where ``longtrain
 calibrate`` stored them (the H100's otherwise). Techniques that cost no memory and save
 time where they run (``added_automatically`` in their costs: Liger's fused kernels on a
@@ -33,7 +34,7 @@ def auto_strategy(model, seq_len: int, device: torch.device, *, dtype: str = "bf
     from .time_model import H100
 
     host = pinned_host_budget()
-    device_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host
+    device_memory = _usable_device_memory(device) if device.type == "cuda" else host
     say(f"planning --strategy auto for {seq_len:,} tokens ...")
     rates = local_rates(device)  # this machine's `longtrain calibrate`, else the H100 rates
     result = plan(PlanRequest(model, seq_len, device_memory=device_memory, host_memory=host, optimizer=optimizer,
@@ -53,3 +54,12 @@ def auto_strategy(model, seq_len: int, device: torch.device, *, dtype: str = "bf
             chosen = {**chosen, "techniques": {**chosen["techniques"], name: {}}}
             say(f"--strategy auto adds {name} ({reason})")
     return Strategy.from_dict(chosen)
+
+
+def _usable_device_memory(device: torch.device) -> int:
+    """What this process may allocate on ``device``: its memory, times the allocator's
+    per-process fraction where one is set (``torch.cuda.set_per_process_memory_fraction``:
+    a smaller card's memory on a larger one)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return int(total * fraction(device)) if fraction is not None else total

@@ -18,6 +18,7 @@ import contextlib
 
 import torch
 
+from ...ops.token_stats import paused
 from ..base import EngineContext
 from ..batch import prepare_batch
 from ..chunked.run import ChunkedRun, check_host_budget
@@ -67,7 +68,10 @@ def _chunk_forward(run: ChunkedRun, i: int, mode: str) -> torch.Tensor:
     numbers the chunk's forward drew."""
     if mode == "forward":
         run.record_draws(i)
-    with run.replay_draws(i) if mode == "recompute" else contextlib.nullcontext():
+    recompute = mode == "recompute"
+    # A recomputation draws the forward's random numbers, and counts no token metric twice.
+    replaying = run.replay_draws(i) if recompute else contextlib.nullcontext()
+    with replaying, paused() if recompute else contextlib.nullcontext():
         hidden = run.adapter.embed(run.input_ids(i))
         for layer in range(len(run.layers)):
             hidden = run.run_layer(layer, hidden, i, mode)
