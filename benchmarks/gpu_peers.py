@@ -269,6 +269,7 @@ CASES = [
                                checkpoint=True, mst=True)),
 ]
 BY_NAME = {case.name: case for case in CASES}
+EXPERT_PEERS = ("hf+sac", "hf+liger+sac", "hf+top", "hf+liger+top", "hf+trl-offload", "hf+liger+trl-offload")
 
 
 def _build_longtrain(config, device, dtype, strategy):

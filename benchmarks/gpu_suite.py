@@ -92,6 +92,13 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int |
     return code, time.perf_counter() - start, output[-4000:]
 
 
+def _smoke_peer_cases() -> str:
+    """Every gpu_peers case but the expert peers, which a smoke test of their own runs."""
+    import gpu_peers  # beside this script
+
+    return ",".join(name for name in gpu_peers.BY_NAME if name not in gpu_peers.EXPERT_PEERS)
+
+
 def cuda_tier(timeout: float, smoke: bool, scratch: Path) -> dict:
     report = scratch / "cuda_tier.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "tests/test_cuda.py", f"--junitxml={report}", "-p", "no:cacheprovider"]
@@ -138,8 +145,9 @@ def main(argv=None) -> int:
         summary["parts"]["cuda_tier"] = cuda_tier(200, args.smoke, scratch)
 
     peers = [sys.executable, "benchmarks/gpu_peers.py", "--budget-s", "180"] + (
-        ["--smoke", "--out", str(scratch)] if args.smoke  # --append: the full sweep's other lengths in docs/results/ stay
-        else ["--lengths", args.lengths, "--cases", args.cases, "--append"])
+        # The plumbing at toy sizes; the expert peers have a smoke test of their own.
+        ["--smoke", "--out", str(scratch), "--cases", _smoke_peer_cases()] if args.smoke
+        else ["--lengths", args.lengths, "--cases", args.cases, "--append"])  # --append: other lengths stay
     adjoint = [sys.executable, "benchmarks/adjoint.py", "--only", "gpu"]
     for name, cmd, timeout in (("peers", peers, 260), ("adjoint", adjoint, 80)):
         if name in skip:

@@ -20,8 +20,7 @@ def test_gpu_suite_smoke_runs_end_to_end_on_the_cpu():
     rows = json.loads((folder / "gpu_peers.json").read_text())["rows"]
     cases = {r["case"] for r in rows}
     assert {"hf", "hf+offload", "lt:checkpoint+mst", "lt:fpdt+offload+mst", "lt:memo+mst", "lt:seco+checkpoint+mst"} <= cases
-    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows if "trl-offload" not in r["case"])
-    assert {"hf+sac", "hf+top"} <= cases  # the expert peers (TRL's offloading needs an accelerator: refused here)
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows)
     assert all(r["notes"].startswith("memo alpha ") for r in rows if r["case"] == "lt:memo+mst")  # what it chose, measured
     assert "Not run:" in (folder / "gpu_suite.md").read_text()
 

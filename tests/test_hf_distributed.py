@@ -38,13 +38,9 @@ def torchrun(processes: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """The stock Trainer in one process, accumulating the four micro-batches of each step; and
-    longtrain's run of full fine-tuning stopped after its first step (a checkpoint)."""
-    out = tmp_path_factory.mktemp("one")
-    runs = {**{(kind, "stock"): "stock" for kind in ("full", "lora", "unlabelled")},
-            ("full", "first@1"): "checkpoint,mst"}
-    found = launch([sys.executable], out, 4, runs)
-    return {kind if name == "stock" else "first": result for (kind, name), result in found.items()}, out
+    """The stock Trainer in one process, accumulating the four micro-batches of each step."""
+    found = launch([sys.executable], tmp_path_factory.mktemp("one"), 4, {(kind, "stock"): "stock" for kind in ("full", "lora", "unlabelled")})
+    return {kind: result for (kind, _), result in found.items()}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +67,7 @@ def test_data_parallel_over_two_processes_equals_one_process(one_process, two_pr
     """Every strategy, full and LoRA; the process whose last micro-batch has no label token
     skips its backward but joins the gradient sum, and — where TRL's token metrics are
     logged — their gathering (the step counts none there, the other process some)."""
-    stock, _ = one_process
+    stock = one_process
     for (kind, name), result in two_processes[0].items():
         if name != "first@1":
             assert_same_training(result, stock[kind])
@@ -81,37 +77,30 @@ def test_data_parallel_over_two_processes_equals_one_process(one_process, two_pr
     assert metrics["num_tokens"][0] > 0
 
 
-def test_data_parallel_over_four_processes_equals_one_process(one_process, tmp_path):
-    """Full fine-tuning over four processes, one micro-batch each per step."""
-    four = launch(torchrun(4), tmp_path, 1, {("full", "checkpoint"): "checkpoint,mst"})
-    assert_same_training(four[("full", "checkpoint")], one_process[0]["full"])
-
-
-def test_accelerate_launch_runs_data_parallel(one_process, tmp_path):
-    """The same run started by `accelerate launch --multi_gpu --num_processes 2`: on a machine
-    without GPUs the training arguments' use_cpu makes it data parallel over gloo (its
-    `--cpu` would start one process)."""
+def test_four_processes_started_by_accelerate_launch_equal_one_process(one_process, tmp_path):
+    """Full fine-tuning over four processes, one micro-batch each per step, started by
+    `accelerate launch --multi_gpu --num_processes 4` (which starts them through torchrun's
+    launcher): on a machine without GPUs the training arguments' use_cpu makes it data
+    parallel over gloo (its `--cpu` would start one process)."""
     launcher = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or "accelerate"
-    command = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+    command = [launcher, "launch", "--multi_gpu", "--num_processes", "4", "--num_machines", "1", "--mixed_precision", "no",
                "--dynamo_backend", "no", "--main_process_port", "0"]
-    result = launch(command, tmp_path, 2, {("full", "fpdt"): "fpdt:chunk=32"})
-    assert_same_training(result[("full", "fpdt")], one_process[0]["full"])
+    result = launch(command, tmp_path, 1, {("full", "fpdt"): "fpdt:chunk=32"})
+    assert_same_training(result[("full", "fpdt")], one_process["full"])
 
 
-@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)], ids=["two-then-one", "one-then-two"])
-def test_a_checkpoint_resumes_under_another_process_count(first, then, one_process, two_processes, tmp_path):
-    """A run saved after its first step under ``first`` processes goes on under ``then``
-    (the same global batch: four micro-batches a step) to the parameters and second loss of
-    an uninterrupted one-process run; the checkpoint loads in stock Transformers."""
-    runs, out = {1: one_process, 2: two_processes}[first]
-    saved = runs[("full", "first@1")] if first == 2 else runs["first"]
+def test_a_checkpoint_resumes_under_another_process_count(one_process, two_processes, tmp_path):
+    """A run saved after its first step under two processes goes on in one (the same global
+    batch: four micro-batches a step) to the parameters and second loss of an uninterrupted
+    one-process run; the checkpoint loads in stock Transformers."""
+    runs, out = two_processes
+    saved = runs[("full", "first@1")]
     checkpoint = out / "full-first" / "checkpoint-1"
     stock = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64)  # loads in stock Transformers
     assert all(torch.equal(p, saved["params"][n]) for n, p in stock.named_parameters())
-    command = {1: [sys.executable], 2: torchrun(2)}[then]
-    resumed = launch(command, tmp_path, 4 // then, {("full", "resumed"): "checkpoint,mst"},
+    resumed = launch([sys.executable], tmp_path, 4, {("full", "resumed"): "checkpoint,mst"},
                      RESUME=str(checkpoint))[("full", "resumed")]
-    whole = one_process[0]["full"]
+    whole = one_process["full"]
     for name, expected in whole["params"].items():
         torch.testing.assert_close(resumed["params"][name], expected, rtol=1e-10, atol=1e-12, msg=name)
     assert resumed["losses"][-1] == pytest.approx(whole["losses"][-1], rel=1e-6)

@@ -630,6 +630,7 @@ def test_a_plan_does_not_wait_for_the_simulations_it_started_ahead_and_no_longer
     with steps._Simulations(2) as simulations:
         started_ahead = simulations.call(_sleep, 600)
         processes = list(simulations.executor._processes.values())
+    from concurrent.futures import CancelledError
     from multiprocessing.connection import wait
 
     ending = [process.sentinel for process in processes]
@@ -637,7 +638,11 @@ def test_a_plan_does_not_wait_for_the_simulations_it_started_ahead_and_no_longer
         ended = wait(ending)
         ending = [sentinel for sentinel in ending if sentinel not in ended]
     assert processes
-    assert started_ahead.cancelled() or isinstance(started_ahead.exception(), Exception)
+    try:  # never run (cancelled), or ended with its worker (BrokenProcessPool): not finished
+        outcome = started_ahead.exception()
+    except CancelledError:
+        outcome = "cancelled"
+    assert outcome is not None
 
 
 def test_auto_plans_for_the_memory_the_allocator_allows(monkeypatch):

@@ -61,5 +61,8 @@ def _usable_device_memory(device: torch.device) -> int:
     per-process fraction where one is set (``torch.cuda.set_per_process_memory_fraction``:
     a smaller card's memory on a larger one)."""
     total = torch.cuda.get_device_properties(device).total_memory
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    return int(total * fraction(device)) if fraction is not None else total
+    try:
+        fraction = torch.cuda.get_per_process_memory_fraction(device)
+    except (AttributeError, AssertionError, RuntimeError):  # an older torch, or no CUDA runtime to ask
+        fraction = 1.0
+    return int(total * fraction)
