@@ -570,6 +570,26 @@ def test_a_mixture_of_experts_balancing_loss_trains_as_the_stock_trainer(mean, t
     assert all(abs(a - b) <= 1e-10 * abs(b) for a, b in zip(losses, stock_losses))
 
 
+def test_a_micro_batch_without_labels_still_trains_the_balancing_loss(tmp_path):
+    """A micro-batch with no label token: its language-model loss is 0, but the stock Trainer
+    still adds coef · aux and trains the routers with it; so does longtrain's step."""
+    from longtrain.families import float64_throughout
+
+    stock, ours = moe_stock_and_ours()
+    before = {n: p.detach().clone() for n, p in stock.named_parameters()}
+    unlabelled = dict(MICRO_BATCHES[1], labels=torch.full_like(MICRO_BATCHES[1]["labels"], -100))
+    results = []
+    with float64_throughout():
+        for model, cls, kwargs in ((stock, Trainer, {}), (ours, LongtrainTrainer, {"strategy": "checkpoint,mst"})):
+            data = Batches([MICRO_BATCHES[0], unlabelled])
+            trainer = cls(model=in_float64(model), args=training_args(tmp_path / cls.__name__), train_dataset=data,
+                          data_collator=data.collate, **kwargs)
+            results.append(train(trainer))
+    (stock_params, stock_losses), (params, losses) = results
+    assert max_rel(params, stock_params, before) <= 1e-10
+    assert all(abs(a - b) <= 1e-10 * abs(b) for a, b in zip(losses, stock_losses)) and min(losses) > 0
+
+
 @needs_trl
 def test_a_mixture_of_experts_balancing_loss_trains_as_stock_trl(tmp_path, monkeypatch):
     """TRL's SFTTrainer averages coef · aux over the accumulation steps and logs aux_loss;

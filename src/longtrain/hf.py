@@ -46,7 +46,7 @@ from .models.adapters import describe_model
 from .models.layers import unwrap
 from .ops.token_stats import TokenStats, counting
 from .parallel.distributed import sum_gradients
-from .strategy import Strategy, applied_strategy, apply, router_aux_loss, step
+from .strategy import Strategy, applied_context, applied_strategy, apply, router_aux_loss, step
 
 __all__ = ["LongtrainTrainer", "wrap"]
 
@@ -97,14 +97,16 @@ class _LongtrainTraining:
         count = self._loss_normaliser(batch["labels"], num_items_in_batch)
         processes, scale = self._processes_and_loss_scale(num_items_in_batch)
         stats, aux = TokenStats(), None
-        if count == 0:
+        if count == 0 and not _adds_balancing_loss(target):
             # No label token in this micro-batch: its loss and gradients are 0, as TRL reports
             # them (stock Transformers divides 0 by 0 where the whole step has none).
             loss = torch.zeros((), device=self.args.device)
         else:
             # The autocast Accelerate wraps the model's forward in (bf16=True), around longtrain's step.
+            # Without a label token a mixture of experts still trains its routers' balancing loss
+            # (the language-model part is 0 whatever it is divided by).
             with self.compute_loss_context_manager(), self.accelerator.autocast(), counting(stats):
-                loss = step(target, batch, num_label_tokens=count,
+                loss = step(target, batch, num_label_tokens=max(count, 1),
                             aux_loss_weight=self._aux_loss_weight(num_items_in_batch, scale))
             aux = router_aux_loss(target)
         if _logs_token_metrics(self):
@@ -439,6 +441,13 @@ def _check_trainer(trainer) -> None:
          f"or {_SP_HINT}"),
     ]
     _refuse_first(refusals)
+
+
+def _adds_balancing_loss(model) -> bool:
+    """Whether ``model``'s step adds its routers' load-balancing loss (a mixture of experts
+    whose config sets ``output_router_logits`` and a coefficient)."""
+    balance = getattr(applied_context(model), "router_balance", None)
+    return balance is not None and balance.coef > 0
 
 
 def _logs_token_metrics(trainer) -> bool:
