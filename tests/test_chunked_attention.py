@@ -226,7 +226,7 @@ def test_the_flash_backward_gets_a_dense_lse_for_each_query_block_of_a_longer_se
     assert all(lse.is_contiguous() for lse in lses)
 
 
-# ---- which fused kernel a block runs (issue 13): chosen once per device, dtype, head dimension ----
+# ---- which fused kernel a block runs: chosen once per device, dtype, head dimension ----
 
 def _pretend_gpu(monkeypatch, capability=(9, 0), cudnn=90500):
     """A CUDA device of ``capability`` with cuDNN ``cudnn`` as far as the kernel choice can

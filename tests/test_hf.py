@@ -182,6 +182,18 @@ def test_trainer_mean_per_micro_batch_equals_stock(stock_runs, tmp_path):
     assert max_rel(params, stock_runs[False][1], before) > 1e-3  # the two normalisations differ
 
 
+def test_a_trainer_that_logs_no_token_metrics_does_not_compute_them(tmp_path, monkeypatch):
+    """Entropy and top-1 hits cost passes over every tile's logits: only a trainer that logs
+    TRL's token metrics (SFTTrainer) has the step count them."""
+    from longtrain.ops.token_stats import TokenStats
+
+    def refused(*args, **kwargs):
+        raise AssertionError("token metrics computed for a trainer that does not log them")
+
+    monkeypatch.setattr(TokenStats, "add", refused)
+    train(tiny_trainer(tmp_path, strategy="checkpoint,mst"))
+
+
 def test_model_init_gets_the_strategy_at_its_first_step(stock_runs, tmp_path):
     """A model that model_init builds again inside train() is trained with the strategy too."""
     before, stock_params, _ = stock_runs[False]

@@ -433,7 +433,7 @@ def test_an_unread_tiled_mlp_output_is_a_placeholder_with_the_same_gradients(dty
     assert torch.equal(dx, dx_u) and all(torch.equal(a, b) for a, b in zip(dw, dw_u))
 
 
-# ---- speed (issue 13): FLOPs and GEMMs counted on the CPU ----------------------------------------
+# ---- speed: FLOPs and GEMMs counted on the CPU ----------------------------------------
 
 class _MatmulFlops(TorchDispatchMode):
     """FLOPs of every op PyTorch has a formula for, and each matmul's operand dtypes.

@@ -18,9 +18,9 @@ from longtrain.plan.time_model import H100, step_time
 K = 1024
 GIB = 2**30
 
-# Every longtrain row of the 2026-11-23 H100 lease (docs/results/gpu_peers.md; Llama-3-8B, bf16;
+# Every longtrain row measured on an H100 on 2026-11-23 (docs/results/gpu_peers.md; Llama-3-8B, bf16;
 # `lt:recompute+mst` is checkpoint,mst rerunning attention) and, where nothing newer was
-# measured, SeCO's rows of ../shared/gpu/h100-2026-11-22.md: (tokens, techniques, engine,
+# measured, SeCO's rows measured on an H100 on 2026-11-22: (tokens, techniques, engine,
 # measured seconds per step). Memo's rows are left out: its copies did not hide (docs/speed.md).
 H100_ROWS = [
     (16 * K, "checkpoint:keep_attention=false,mst", None, 2.69), (32 * K, "checkpoint:keep_attention=false,mst", None, 6.41),

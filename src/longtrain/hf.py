@@ -96,7 +96,7 @@ class _LongtrainTraining:
         batch = _longtrain_batch(inputs)
         count = self._loss_normaliser(batch["labels"], num_items_in_batch)
         processes, scale = self._processes_and_loss_scale(num_items_in_batch)
-        stats, aux = TokenStats(), None
+        stats, aux = (TokenStats() if _logs_token_metrics(self) else None), None
         if count == 0 and not _adds_balancing_loss(target):
             # No label token in this micro-batch: its loss and gradients are 0, as TRL reports
             # them (stock Transformers divides 0 by 0 where the whole step has none).
@@ -109,7 +109,7 @@ class _LongtrainTraining:
                 loss = step(target, batch, num_label_tokens=max(count, 1),
                             aux_loss_weight=self._aux_loss_weight(num_items_in_batch, scale))
             aux = router_aux_loss(target)
-        if _logs_token_metrics(self):
+        if stats is not None:  # TRL's metrics, counted by the step's LM head only where they are logged
             self._log_token_metrics(stats, inputs, aux)
         if processes > 1 and self.accelerator.sync_gradients:  # every process reaches this, labels or none
             sum_gradients(target.parameters(), scale / processes)
