@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from adjoint_ranks_worker import build_model_and_batch
+from adjoint_ranks_worker import build_model_and_batch, case_name
 
 import longtrain as lt
 from longtrain.errors import LongtrainError
@@ -21,22 +21,25 @@ from longtrain.parallel.layer_groups import layer_ranges
 WORKER = Path(__file__).with_name("adjoint_ranks_worker.py")
 
 
-def torchrun(ranks: int, out_dir: Path, truncate: int | None, preset: str, tied: bool = False) -> list[dict]:
+# (preset, truncate, tied) by rank count; the cases of one rank count run in one launch.
+CASES = {2: [("tiny-ssm", 5, False), ("tiny-mamba", None, False), ("tiny-mamba2", 5, False), ("tiny-mamba", None, True)],
+         3: [("tiny-mamba2", None, True)],
+         4: [("tiny-ssm", None, False)]}
+
+
+def torchrun(ranks: int, out: Path) -> dict[str, list[dict]]:
+    """Every case of ``ranks`` in one launch: each rank's results by case name."""
+    names = [case_name(truncate, preset, tied) for preset, truncate, tied in CASES[ranks]]
     launcher = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent)}
-    args = [launcher, "--standalone", f"--nproc-per-node={ranks}", str(WORKER), str(out_dir)]
-    result = subprocess.run(args + [str(truncate or 0), preset, "tied" if tied else "untied"], env=env,
-                            capture_output=True, text=True, timeout=240)
+    result = subprocess.run([launcher, "--standalone", f"--nproc-per-node={ranks}", str(WORKER), str(out), *names],
+                            env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(ranks)]
+    return {name: [torch.load(out / name / f"rank{r}.pt") for r in range(ranks)] for name in names}
 
 
-@pytest.mark.parametrize("preset,ranks,truncate,tied", [
-    ("tiny-ssm", 4, None, False), ("tiny-ssm", 2, 5, False), ("tiny-mamba", 2, None, False), ("tiny-mamba2", 2, 5, False),
-    ("tiny-mamba", 2, None, True), ("tiny-mamba2", 3, None, True)],
-    ids=["4-ranks", "2-ranks-truncated", "mamba-2-ranks", "mamba2-2-ranks-truncated", "mamba-tied-2-ranks",
-         "mamba2-tied-3-ranks"])
-def test_layer_groups_equal_one_process(tmp_path, preset, ranks, truncate, tied):
+@pytest.mark.parametrize("ranks", sorted(CASES))
+def test_layer_groups_equal_one_process(tmp_path, ranks):
     """Two micro-batches accumulated; every gradient and the loss equal this process's to
     float64 rounding (relative 1e-12), a tied embedding's two copies (rank 0's, the last
     rank's) carrying the one-process gradient. Not bit for bit: the reference runs in this
@@ -45,11 +48,16 @@ def test_layer_groups_equal_one_process(tmp_path, preset, ranks, truncate, tied)
     alignment — the same float64 values summed in another order. The two tied copies are
     compared bit for bit: both ranks form them from the same two tensors with the same
     additions (``LayerGroup.sum_tied``), so they agree in every bit wherever they run."""
+    launched = torchrun(ranks, tmp_path)
+    for preset, truncate, tied in CASES[ranks]:
+        assert_equal_to_one_process(launched[case_name(truncate, preset, tied)], preset, truncate, tied)
+
+
+def assert_equal_to_one_process(results: list[dict], preset: str, truncate: int | None, tied: bool) -> None:
     model, batches, options = build_model_and_batch(truncate, preset, tied)
     applied = lt.apply(model, lt.Strategy(engine="adjoint", engine_options=options))
     loss = torch.stack([lt.step(applied, batch) for batch in batches])
     single = {name: p.grad for name, p in model.named_parameters()}
-    results = torchrun(ranks, tmp_path, truncate, preset, tied)
     merged = {}
     for result in results:
         assert not merged.keys() & result["grads"].keys(), "a parameter is held by two ranks"
@@ -62,7 +70,7 @@ def test_layer_groups_equal_one_process(tmp_path, preset, ranks, truncate, tied)
     for name, grad in single.items():
         # Relative to the tensor's norm: an element summed from terms that cancel has no relative precision.
         error = float((merged[name] - grad).norm() / grad.norm().clamp_min(1e-300))
-        assert error <= 1e-12, (name, error)
+        assert error <= 1e-12, (preset, truncate, tied, name, error)
     # Each rank holds a share of the parameters, not all of them.
     total = sum(p.numel() for p in model.parameters())
     assert max(r["parameters"] for r in results) < total
