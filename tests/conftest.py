@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 import longtrain as lt
 from longtrain.models.loading import build_from_config, default_dtype
@@ -48,11 +49,13 @@ def pytest_collection_modifyitems(config, items):
 def stock_and_ours(preset, dtype=torch.float64, seed: int = 0):
     """The stock Hugging Face model and longtrain's build of the same config, holding
     identical weights. Stock attention is SDPA, or eager for models with attention logit
-    soft-capping (Gemma-2), as Hugging Face recommends for training them. ``preset`` is a
+    soft-capping (Gemma-2), as Hugging Face recommends for training them, and for models
+    without an SDPA path (gpt-oss). ``preset`` is a
     preset name or a config."""
     config = preset_config(preset) if isinstance(preset, str) else copy.deepcopy(preset)
     config.use_cache = False  # with a cache, stock transformers ignores packed position ids
-    attention = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+    sdpa = getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_supports_sdpa", True)  # gpt-oss's sinks: eager only
+    attention = "eager" if getattr(config, "attn_logit_softcapping", None) or not sdpa else "sdpa"
     with default_dtype(dtype):
         torch.manual_seed(seed)
         stock = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attention)

@@ -41,10 +41,14 @@ def config(kind: str):
                                    output_router_logits=True, router_aux_loss_coef=0.02, **base)
         moe._experts_implementation = "eager"  # experts one by one: the grouped-matmul kernels take no float64
         return moe
-    if kind == "gemma2":
+    if kind in ("gemma2", "gpt-oss"):  # gpt-oss: a sink per head, each rank its heads'; its balancing loss on
         from longtrain.models.presets import preset_config
 
-        return preset_config("tiny-gemma2")
+        tiny = preset_config(f"tiny-{kind}")
+        if kind == "gpt-oss":
+            tiny.output_router_logits, tiny.router_aux_loss_coef = True, 0.02
+            tiny._experts_implementation = "eager"
+        return tiny
     raise ValueError(kind)
 
 

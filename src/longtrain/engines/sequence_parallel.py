@@ -68,14 +68,17 @@ class UlyssesAttention(AttentionCall):
     def __init__(self, inner: AttentionCall, sp: "SequenceParallel"):
         self.inner, self.sp, self.mask, self.rows = inner, sp, inner.mask, inner.rows
 
-    def attend(self, module, q, k, v, *, scale, window, softcap):
+    def attend(self, module, q, k, v, *, scale, window, softcap, sink=None):
         sp = self.sp
         q = sequence_to_heads(q, sp.heads, sp.comm)
         k = sequence_to_heads(k, sp.heads, sp.comm, kv=True)
         v = sequence_to_heads(v, sp.heads, sp.comm, kv=True)
         if sp.kv_index is not None:  # this rank's query heads do not group evenly over its K/V heads
             k, v = k[:, sp.kv_index], v[:, sp.kv_index]
-        out = q if q.shape[1] == 0 else self.inner.attend(module, q, k, v, scale=scale, window=window, softcap=softcap)
+        if sink is not None:  # this rank's query heads' sinks
+            sink = sink[list(sp.heads.q_heads(sp.rank))]
+        out = q if q.shape[1] == 0 else self.inner.attend(module, q, k, v, scale=scale, window=window, softcap=softcap,
+                                                          sink=sink)
         return heads_to_sequence(out, sp.heads, sp.comm)
 
 

@@ -7,10 +7,14 @@ import contextlib
 
 import torch
 
-__all__ = ["BATCHES", "DROPOUT", "FD_TOLERANCE", "ROUTER_AUX_LOSS_COEF", "STRATEGIES", "TOLERANCE", "causal_families",
-           "tiny_config"]
+__all__ = ["BATCHES", "DROPOUT", "FD_TOLERANCE", "MASKS_WITHOUT_POSITIONS", "ROUTER_AUX_LOSS_COEF", "STRATEGIES",
+           "TOLERANCE", "causal_families", "tiny_config"]
 
 TOLERANCE = 1e-10
+
+# Families whose model builds its masks without the position ids, so that stock would attend
+# across packed documents: the stock reference gets their document masks built with them.
+MASKS_WITHOUT_POSITIONS = ("gpt_oss",)
 
 VOCAB = 320
 

@@ -11,7 +11,16 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import LongtrainError
-from .cases import BATCHES, FD_TOLERANCE, ROUTER_AUX_LOSS_COEF, STRATEGIES, TOLERANCE, _strategies, tiny_config
+from .cases import (
+    BATCHES,
+    FD_TOLERANCE,
+    MASKS_WITHOUT_POSITIONS,
+    ROUTER_AUX_LOSS_COEF,
+    STRATEGIES,
+    TOLERANCE,
+    _strategies,
+    tiny_config,
+)
 from .dropout import _with_dropouts, dropout_errors
 from .float64 import float64_throughout
 from .result import FamilyResult, _finish, _is_refusal, _one_line
@@ -21,14 +30,37 @@ __all__ = ["check_family"]
 def _stock_loss(model, batch) -> torch.Tensor:
     """Stock's loss: the mean next-token cross-entropy, plus ``coef · aux_loss`` where the
     model returns a router load-balancing loss (as its own loss adds it)."""
-    out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                position_ids=batch.get("position_ids"), use_cache=False)
-    logits = out.logits
+    if "position_ids" in batch and model.config.model_type in MASKS_WITHOUT_POSITIONS:
+        logits, aux = _with_document_masks(model, batch)
+    else:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                    position_ids=batch.get("position_ids"), use_cache=False)
+        logits, aux = out.logits, getattr(out, "aux_loss", None)
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
-    aux = getattr(out, "aux_loss", None)
     if aux is not None:
         loss = loss + model.config.router_aux_loss_coef * aux
     return loss
+
+def _with_document_masks(model, batch) -> tuple:
+    """(logits, router balancing loss or None) of a packed batch (no padding), the model's
+    masks built with the position ids — each document attending only to itself — and handed
+    to its decoder prepared; the balancing loss as the model's own forward computes it."""
+    import sys
+
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    config, ids = model.config, batch["input_ids"]
+    settings = dict(config=config, inputs_embeds=model.get_input_embeddings()(ids), attention_mask=None, cache=None,
+                    position_ids=batch["position_ids"])
+    masks = {"full_attention": create_causal_mask(**settings), "sliding_attention": create_sliding_window_causal_mask(**settings)}
+    out = model.model(input_ids=ids, attention_mask=masks, position_ids=batch["position_ids"], use_cache=False,
+                      output_router_logits=config.output_router_logits)
+    aux = None
+    if config.output_router_logits:
+        balance = sys.modules[type(model).__module__].load_balancing_loss_func
+        aux = balance(out.router_logits, config.num_local_experts, config.num_experts_per_tok, None)
+    return model.lm_head(out.last_hidden_state), aux
+
 
 def _grads(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -42,15 +74,17 @@ def _relative_error(loss, ref, ours: dict, stock: dict) -> float:
     return error
 
 def _build_pair(config):
-    """The stock model (SDPA, or eager where logits are soft-capped) and longtrain's build,
-    with identical float64 weights."""
+    """The stock model (SDPA, or eager where logits are soft-capped or the model has no
+    SDPA path, as gpt-oss's sinks) and longtrain's build, with identical float64 weights."""
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from ..models.loading import build_from_config, default_dtype
 
+    sdpa = getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_supports_sdpa", True)
+    eager = getattr(config, "attn_logit_softcapping", None) or not sdpa
     # Experts one by one: the grouped-matmul kernels take no float64.
-    stock_kwargs = {"attn_implementation": "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa",
-                    "experts_implementation": "eager"}
+    stock_kwargs = {"attn_implementation": "eager" if eager else "sdpa", "experts_implementation": "eager"}
     ours = build_from_config(copy.deepcopy(config), torch.float64)
     ours.config._experts_implementation = "eager"
     with default_dtype(torch.float64):

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from .cases import DROPOUT, FD_TOLERANCE, ROUTER_AUX_LOSS_COEF, STRATEGIES, TOLERANCE
+from .cases import DROPOUT, FD_TOLERANCE, MASKS_WITHOUT_POSITIONS, ROUTER_AUX_LOSS_COEF, STRATEGIES, TOLERANCE
 from .result import FamilyResult, _is_refusal
 
 __all__ = ["merged", "write_table"]
@@ -54,7 +54,10 @@ def write_table(results: list[FamilyResult], out: Path, transformers_version: st
         f"✓: the loss and every gradient within {TOLERANCE:g} of stock (relative) and, with dropouts on, the",
         f"derivative within {FD_TOLERANCE:g} (or ten times backprop's own difference, where the model trains",
         "through a straight-through estimator); refused: longtrain refuses that strategy for the family in one",
-        "line (listed below the tables).",
+        "line (listed below the tables). Stock attention is SDPA, or eager where logits are soft-capped or the",
+        "model has no SDPA path (gpt-oss's sinks); a model that builds its masks without the position ids",
+        f"({', '.join(f'`{f}`' for f in MASKS_WITHOUT_POSITIONS)}: stock would attend across packed documents) gets",
+        "the packed batch's document masks built with them and handed over prepared.",
         "",
         "## Supported",
         "",

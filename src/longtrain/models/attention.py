@@ -49,17 +49,19 @@ class KeysParked(Exception):
 
 class AttentionCall:
     """What an engine passes to a layer as its ``attention_mask``: it receives the layer's
-    q (B, H, S, D), k, v (B, H_kv, S, D) and returns the output (B, H, S, D)."""
+    q (B, H, S, D), k, v (B, H_kv, S, D) and returns the output (B, H, S, D). ``sink``:
+    the layer's (H,) attention sinks where it has them (gpt-oss; :mod:`longtrain.ops.attention_sinks`)."""
 
     mask: SequenceMask
     # (B, T) of the tokens of the layer this call serves: 1 for a real token, 0 for padding
     # (what statistics over real tokens count: a router's balancing loss); None: all real.
     rows: torch.Tensor | None = None
 
-    def attend(self, module, q, k, v, *, scale: float | None, window: int | None, softcap: float | None):
+    def attend(self, module, q, k, v, *, scale: float | None, window: int | None, softcap: float | None,
+               sink: torch.Tensor | None = None):
         raise NotImplementedError
 
-    def attend_keeping_output(self, module, q, k, v, *, scale, window, softcap):
+    def attend_keeping_output(self, module, q, k, v, *, scale, window, softcap, sink=None):
         """``(out, lse, backward)``: the output and log-sum-exp computed once without
         autograd, and ``backward(grad_out, q, k, v, out, lse) -> (dq, dk, dv)``. For
         techniques that keep attention's output instead of recomputing it (Memo);
@@ -87,13 +89,13 @@ class WholeSequenceAttention(AttentionCall):
             self._block_planner = plan
         return plan
 
-    def attend(self, module, q, k, v, *, scale, window, softcap):
+    def attend(self, module, q, k, v, *, scale, window, softcap, sink=None):
         return causal_attention(q, k, v, mask=self.mask, window=window, scale=scale, softcap=softcap,
-                                plan=self._plan(q, window, softcap))
+                                plan=self._plan(q, window, softcap), sink=sink)
 
-    def attend_keeping_output(self, module, q, k, v, *, scale, window, softcap):
+    def attend_keeping_output(self, module, q, k, v, *, scale, window, softcap, sink=None):
         settings = dict(mask=self.mask, window=window, scale=scale, softcap=softcap, plan=self._plan(q, window, softcap))
-        out, lse = causal_attention_forward(q, k, v, **settings)
+        out, lse = causal_attention_forward(q, k, v, sink=sink, **settings)
         return out, lse, functools.partial(causal_attention_backward, **settings)
 
 
@@ -108,18 +110,26 @@ def _autocast_inputs(*tensors):
 
 
 def longtrain_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                        sliding_window=None, softcap=None, **kwargs):
+                        sliding_window=None, softcap=None, s_aux=None, **kwargs):
     query, key, value = _autocast_inputs(query, key, value)
     if isinstance(attention_mask, AttentionCall):
         if dropout and module.training:
             raise LongtrainError("longtrain's engines do not support attention dropout; set attention_dropout=0 in the model config")
-        out = attention_mask.attend(module, query, key, value, scale=scaling, window=sliding_window, softcap=softcap)
+        out = attention_mask.attend(module, query, key, value, scale=scaling, window=sliding_window, softcap=softcap,
+                                    sink=s_aux)
         return out.transpose(1, 2).contiguous(), None
-    return _stock_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs)
+    return _stock_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
+                            s_aux=s_aux, **kwargs)
 
 
-def _stock_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs):
+def _stock_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, s_aux=None,
+                     **kwargs):
     """What transformers' own backends compute, for Hugging Face's own forward."""
+    if s_aux is not None:  # gpt-oss's sinks: its eager attention (no SDPA kernel takes them)
+        from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+        return eager_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                       sliding_window=sliding_window, **kwargs)
     if softcap is not None:  # Gemma-2: its eager attention (no SDPA kernel soft-caps)
         from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
@@ -139,7 +149,8 @@ def _mask_for_stock_forward(*args, **kwargs):
     from transformers.masking_utils import eager_mask, sdpa_mask
 
     config = kwargs.get("config")
-    return eager_mask(*args, **kwargs) if getattr(config, "attn_logit_softcapping", None) else sdpa_mask(*args, **kwargs)
+    eager = getattr(config, "attn_logit_softcapping", None) or getattr(config, "model_type", None) == "gpt_oss"
+    return eager_mask(*args, **kwargs) if eager else sdpa_mask(*args, **kwargs)
 
 
 def _register() -> None:

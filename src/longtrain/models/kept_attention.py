@@ -127,14 +127,15 @@ class KeptOutputStore:
         return functools.partial(_contiguous_backward, backward)
 
     def serve(self, key: Hashable, q, k, v, backward: Callable | None, *, pop: bool = False, start: int = 0,
-              prefetch: Hashable | None = None) -> torch.Tensor:
+              prefetch: Hashable | None = None, sink: torch.Tensor | None = None) -> torch.Tensor:
         """The kept output of ``key`` as the attention of q (B, H, S, D), k, v (B, H_kv, S, D):
         an autograd node whose backward is ``backward(grad_out, q, k, v, out, lse)`` (None: a
-        stand-in never differentiated). ``prefetch``: the key served next, fetched meanwhile."""
+        stand-in never differentiated). ``prefetch``: the key served next, fetched meanwhile.
+        ``sink``: the attention sinks the kept output includes (their gradient)."""
         out, lse = self.fetch(key, pop=pop, start=start)
         if prefetch is not None:
             self.prefetch(prefetch)
-        return attention_from_output(q, k, v, out, lse, self.backward_of(backward))
+        return attention_from_output(q, k, v, out, lse, self.backward_of(backward), sink=sink)
 
 
 def _contiguous_backward(backward, grad_out, q, k, v, out, lse):
@@ -142,14 +143,15 @@ def _contiguous_backward(backward, grad_out, q, k, v, out, lse):
 
 
 def attend_keeping(call: AttentionCall, module, q, k, v, *, scale, window, softcap, kept: KeptOutputStore,
-                   key: Hashable) -> tuple[torch.Tensor, Callable]:
+                   key: Hashable, sink: torch.Tensor | None = None) -> tuple[torch.Tensor, Callable]:
     """Attention of ``call`` run once (output and LSE without autograd), kept in ``kept``
     under ``key``: (the output as an attention node of q, k, v, its backward). Raises
     :class:`NotImplementedError` where ``call`` cannot give its output (chunked engines')."""
-    out, lse, backward = call.attend_keeping_output(module, q, k, v, scale=scale, window=window, softcap=softcap)
+    out, lse, backward = call.attend_keeping_output(module, q, k, v, scale=scale, window=window, softcap=softcap,
+                                                    sink=sink)
     out, lse = kept.keep(key, out, lse)
     backward = kept.backward_of(backward)
-    return attention_from_output(q, k, v, out, lse, backward), backward
+    return attention_from_output(q, k, v, out, lse, backward, sink=sink), backward
 
 
 class RecordingAttention(AttentionCall):
@@ -161,10 +163,10 @@ class RecordingAttention(AttentionCall):
         self.inner, self.kept, self.key, self.refusal, self.mask = inner, kept, key, refusal, inner.mask
         self.rows = inner.rows
 
-    def attend(self, module, q, k, v, *, scale, window, softcap):
+    def attend(self, module, q, k, v, *, scale, window, softcap, sink=None):
         try:
             out, _ = attend_keeping(self.inner, module, q, k, v, scale=scale, window=window, softcap=softcap,
-                                    kept=self.kept, key=self.key)
+                                    kept=self.kept, key=self.key, sink=sink)
         except NotImplementedError:
             if self.refusal is None:
                 raise
@@ -180,5 +182,5 @@ class ReplayingAttention(AttentionCall):
     def __init__(self, kept: KeptOutputStore, key: Hashable, mask, backward: Callable | None = None, start: int = 0):
         self.kept, self.key, self.mask, self.backward, self.start = kept, key, mask, backward, start
 
-    def attend(self, module, q, k, v, *, scale, window, softcap):
-        return self.kept.serve(self.key, q, k, v, self.backward, start=self.start)
+    def attend(self, module, q, k, v, *, scale, window, softcap, sink=None):
+        return self.kept.serve(self.key, q, k, v, self.backward, start=self.start, sink=sink)

@@ -64,6 +64,12 @@ _PRESETS: dict[str, tuple[str, dict]] = {
         num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
         max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None,
         tie_word_embeddings=False)),
+    "gpt-oss-20b": ("gpt_oss", dict(  # 32 experts, 4 per token: 20.9B parameters, 3.6B active; a sink per head
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096, "rope_theta": 150000.0})),
     # State-space models (Hugging Face Mamba, state-spaces/mamba-*-hf): attention-free.
     "mamba-130m": ("mamba", dict(
         vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=24, conv_kernel=4, expand=2,
@@ -129,6 +135,12 @@ _PRESETS: dict[str, tuple[str, dict]] = {
         vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
         max_position_embeddings=16384, tie_word_embeddings=False)),
+    "tiny-gpt-oss": ("gpt_oss", dict(  # sliding and full layers, a sink per head, 4 experts, 2 per token
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=24,
+        max_position_embeddings=16384, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096, "rope_theta": 150000.0})),
     "tiny-mixtral": ("mixtral", dict(
         vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16384,

@@ -22,11 +22,13 @@ document that are not padding, inside the window; a row with nothing to see give
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Union
 
 import torch
 
 from .attention_blocks import attention_kernel, block_backward, block_forward, lse_dtype
+from .attention_sinks import add_sink, sink_gradient
 from .chunked_attention import chunk_bounds, chunked_attention, chunked_backward, chunked_forward
 from .masking import BlockPlanner, DocumentSpans, SequenceMask, document_spans
 from .sdpa import sdpa_gqa
@@ -93,11 +95,20 @@ def causal_attention(
     scale: float | None = None,
     softcap: float | None = None,
     plan: Plan | str = "auto",
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of (B, H, S, D) queries over (B, H_kv, S, D) keys/values of the same
     tokens. ``plan``: :func:`attention_plan`'s answer, when a caller that runs many layers
-    over one mask already has it; ``"auto"`` works it out."""
+    over one mask already has it; ``"auto"`` works it out. ``sink``: (H,) logits in every
+    row's normaliser (:mod:`.attention_sinks`)."""
     scale = scale if scale is not None else q.shape[-1] ** -0.5
+    if sink is not None:  # the output and LSE without autograd, rescaled once, and their backward
+        plan = attention_plan(q, mask, window, softcap) if isinstance(plan, str) else plan
+        settings = dict(mask=mask, window=window, scale=scale, softcap=softcap, plan=plan)
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        out, lse = causal_attention_forward(q, k, v, sink=sink, **settings)
+        return attention_from_output(q, k, v, out, lse, functools.partial(causal_attention_backward, **settings),
+                                     sink=sink)
     if not needs_blocks(mask, window, softcap, q.shape[2]):
         if attention_kernel(q.device, q.dtype, q.shape[-1]) == "math":
             # No fused block kernel (float32 on CUDA): PyTorch's SDPA picks its
@@ -178,17 +189,20 @@ class _SpansAttention(torch.autograd.Function):
 
 # ---- attention whose output is kept (Memo): forward once, backward from the kept output ----
 
-def causal_attention_forward(q, k, v, *, mask=None, window=None, scale=None, softcap=None, plan="auto"):
+def causal_attention_forward(q, k, v, *, mask=None, window=None, scale=None, softcap=None, plan="auto", sink=None):
     """Output (B, H, S, D) and log-sum-exp (B, H, S) of :func:`causal_attention`,
-    computed without autograd (the LSE is what an exact backward needs later)."""
+    computed without autograd (the LSE is what an exact backward needs later); with
+    ``sink``, both of attention with it."""
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     plan = attention_plan(q, mask, window, softcap) if isinstance(plan, str) else plan
     with torch.no_grad():
         if plan is None:  # one causal block over the whole sequence: the fused kernel
-            return block_forward(q, k, v, scale=scale, causal=q.shape[2] > 1)
-        if isinstance(plan, DocumentSpans):
-            return spans_forward(q, k, v, plan, scale)
-        return chunked_forward(q, k, v, plan, window, scale, softcap)
+            out, lse = block_forward(q, k, v, scale=scale, causal=q.shape[2] > 1)
+        elif isinstance(plan, DocumentSpans):
+            out, lse = spans_forward(q, k, v, plan, scale)
+        else:
+            out, lse = chunked_forward(q, k, v, plan, window, scale, softcap)
+    return (out, lse) if sink is None else add_sink(out, lse, sink)
 
 
 def causal_attention_backward(grad_out, q, k, v, out, lse, *, mask=None, window=None, scale=None, softcap=None,
@@ -205,8 +219,8 @@ def causal_attention_backward(grad_out, q, k, v, out, lse, *, mask=None, window=
 
 class _KnownOutput(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, out, lse, backward):
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, out, lse, backward, sink):
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.attention_backward = backward
         return out  # a view of the kept output: no copy
 
@@ -214,14 +228,17 @@ class _KnownOutput(torch.autograd.Function):
     def backward(ctx, grad_out):
         if ctx.attention_backward is None:
             raise RuntimeError("this attention output was a stand-in for recomputation and has no backward")
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         dq, dk, dv = ctx.attention_backward(grad_out, q, k, v, out, lse)
-        return dq, dk, dv, None, None, None
+        dsink = sink_gradient(grad_out, out, lse, sink) if ctx.needs_input_grad[6] else None
+        return dq, dk, dv, None, None, None, dsink
 
 
-def attention_from_output(q, k, v, out, lse, backward: Callable | None):
+def attention_from_output(q, k, v, out, lse, backward: Callable | None, sink: torch.Tensor | None = None):
     """``out``, as the attention of q, k, v whose output and LSE it is: autograd sees an
     attention node (saving q, k, v, out and LSE) whose backward is
     ``backward(grad_out, q, k, v, out, lse) -> (dq, dk, dv)``. With ``backward=None`` it
-    is a stand-in that only replays the forward (a recomputation that never runs backward)."""
-    return _KnownOutput.apply(q, k, v, out, lse, backward)
+    is a stand-in that only replays the forward (a recomputation that never runs backward).
+    ``sink``: the (H,) sink logits ``out`` and ``lse`` include (:mod:`.attention_sinks`),
+    whose gradient the node also gives."""
+    return _KnownOutput.apply(q, k, v, out, lse, backward, sink)

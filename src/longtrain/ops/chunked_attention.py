@@ -23,6 +23,7 @@ Neither needs a gradient through an LSE output. Grouped K/V heads are used as th
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterator, Protocol
 
@@ -30,6 +31,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from .attention_blocks import block_backward, block_forward, lse_dtype, merge_
+from .attention_sinks import add_sink
 from .masking import BlockPlanner, SequenceMask
 
 __all__ = [
@@ -298,13 +300,29 @@ def attend_chunk(
     window: int | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of query chunk ``index`` (B, H, C, D) of ``planner.bounds`` over
     its own keys/values (B, H_kv, C, D) and the earlier chunks in ``history``.
 
     The planner holds the sequence's packed documents and padding; masked keys are
-    never attended. See the module docstring for the gradient contract.
+    never attended. See the module docstring for the gradient contract. ``sink``: (H,)
+    logits in every row's normaliser, added once the chunk's blocks are merged
+    (:mod:`.attention_sinks`).
     """
     _check_heads(q, k)
     scale = scale if scale is not None else q.shape[-1] ** -0.5
-    return _AttendChunk.apply(q, k, v, history, planner, index, window, scale, softcap)
+    if sink is None:
+        return _AttendChunk.apply(q, k, v, history, planner, index, window, scale, softcap)
+    from .causal_attention import attention_from_output  # (that module imports this one)
+
+    with torch.no_grad():
+        out, lse = add_sink(*attend_chunk_forward(q, k, v, history, planner, index, window, scale, softcap), sink)
+    backward = functools.partial(chunk_backward, history, planner, index, window, scale, softcap)
+    return attention_from_output(q, k, v, out, lse, backward, sink=sink)
+
+
+def chunk_backward(history, planner, index, window, scale, softcap, grad_out, q, k, v, out, lse):
+    """:func:`attend_chunk_backward` with the chunk's settings first, as a kept output's
+    node calls it (``functools.partial`` of the settings)."""
+    return attend_chunk_backward(grad_out, q, k, v, out, lse, history, planner, index, window, scale, softcap)

@@ -40,7 +40,8 @@ from ...memory.units import format_bytes, pinned_host_budget
 from ...models.adapters import describe_model
 from ...models.attention import AttentionCall, KeysParked
 from ...models.kept_attention import KeptOutputStore
-from ...ops.chunked_attention import attend_chunk, attend_chunk_backward, attend_chunk_forward, chunk_bounds
+from ...ops.attention_sinks import add_sink
+from ...ops.chunked_attention import attend_chunk, attend_chunk_forward, chunk_backward, chunk_bounds
 from ...ops.chunked_loss import GradientCarry
 from ...ops.masking import BlockPlanner
 from ...ops.replay import RegionStates
@@ -63,8 +64,9 @@ class ChunkAttention(AttentionCall):
             a, b = run.bounds[index]
             self.rows = run.shard.rows[:, a:b]
 
-    def attend(self, module, q, k, v, *, scale, window, softcap):
-        return self.run.attend(self.index, self.mode, module, q, k, v, scale=scale, window=window, softcap=softcap)
+    def attend(self, module, q, k, v, *, scale, window, softcap, sink=None):
+        return self.run.attend(self.index, self.mode, module, q, k, v, scale=scale, window=window, softcap=softcap,
+                               sink=sink)
 
 
 class _LayerHistory:
@@ -227,7 +229,7 @@ class ChunkedRun:
         return self.head_loss(hidden, self.shard.targets[:, a:b], self.shard.num_label_tokens, carry)
 
     # ---- called by the attention backend ---------------------------------------------------
-    def attend(self, index, mode, module, q, k, v, *, scale, window, softcap):
+    def attend(self, index, mode, module, q, k, v, *, scale, window, softcap, sink=None):
         layer = module.layer_idx
         if mode != "recompute":
             self.store.put(("k", layer, index), k.detach())
@@ -242,11 +244,12 @@ class ChunkedRun:
         keep = layer < self.kept_outputs  # kept and served by the mechanism checkpoint and memo share (self.outputs)
         if keep and mode == "forward":  # (a no-grad pass) keep what the recompute would redo
             out, lse = attend_chunk_forward(q, k, v, history, self.planner, index, window, scale, softcap)
-            return self.outputs.keep((layer, index), out, lse)[0]
+            return self.outputs.keep((layer, index), *((out, lse) if sink is None else add_sink(out, lse, sink)))[0]
         if keep and mode == "recompute":
-            backward = functools.partial(_attend_chunk_backward, history, self.planner, index, window, scale, softcap)
-            return self.outputs.serve((layer, index), q, k, v, backward, pop=True)
-        return attend_chunk(q, k, v, history, planner=self.planner, index=index, window=window, scale=scale, softcap=softcap)
+            backward = functools.partial(chunk_backward, history, self.planner, index, window, scale, softcap)
+            return self.outputs.serve((layer, index), q, k, v, backward, pop=True, sink=sink)
+        return attend_chunk(q, k, v, history, planner=self.planner, index=index, window=window, scale=scale,
+                            softcap=softcap, sink=sink)
 
     def relay_factor(self, j: int) -> float | None:
         """Factor for K/V gradients sent to earlier chunk ``j``; None: not sent."""
@@ -257,10 +260,6 @@ class ChunkedRun:
     def discard_kv(self, layer: int, i: int) -> None:
         for kind in ("k", "v", "dk", "dv"):
             self.store.discard((kind, layer, i))
-
-
-def _attend_chunk_backward(history, planner, index, window, scale, softcap, grad_out, q, k, v, out, lse):
-    return attend_chunk_backward(grad_out, q, k, v, out, lse, history, planner, index, window, scale, softcap)
 
 
 def host_bytes_needed(context: EngineContext, shard: Shard, settings: ChunkSettings, dtype: torch.dtype,

@@ -197,6 +197,11 @@ class DecoderAdapter:
         each tile a copy: its input is kept for the backward)."""
         return False
 
+    def mlp_returns_pair(self) -> bool:
+        """Whether the MLP returns ``(output, router scores)`` and its layer reads the first
+        (gpt-oss): a tiled MLP then returns ``(output, None)``."""
+        return False
+
     def attention_dropout(self) -> float:
         """The dropout probability the model applies to attention weights in training
         (longtrain's attention kernels apply none; other dropouts are replayed)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..description import FeedForward
 from .base import DecoderAdapter, register_adapter
 
-__all__ = ["MixtralAdapter", "QwenMoEAdapter"]
+__all__ = ["GptOssAdapter", "MixtralAdapter", "QwenMoEAdapter"]
 
 
 @register_adapter
@@ -38,6 +38,22 @@ class MixtralAdapter(DecoderAdapter):
 
     def mlp_writes_input(self) -> bool:
         return bool(getattr(self.config, "router_jitter_noise", 0))  # multiplies its input by noise in place
+
+    @classmethod
+    def layer_feed_forward(cls, config, index: int) -> FeedForward:
+        return FeedForward(config.intermediate_size, experts=config.num_local_experts, active=config.num_experts_per_tok)
+
+
+@register_adapter
+class GptOssAdapter(DecoderAdapter):
+    """gpt-oss: every layer a mixture of ``num_local_experts`` experts (with biases and a
+    clamped SwiGLU), attention with a learned sink per head (:mod:`longtrain.ops.attention_sinks`),
+    sliding and full layers alternating. Its MLP returns ``(output, router scores)``."""
+
+    families = ("gpt_oss",)
+
+    def mlp_returns_pair(self) -> bool:
+        return True
 
     @classmethod
     def layer_feed_forward(cls, config, index: int) -> FeedForward:

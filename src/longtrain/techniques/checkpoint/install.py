@@ -154,9 +154,9 @@ class _CheckpointedAttention(AttentionCall):
         self.previous: _CheckpointedAttention | None = None  # the layer below, whose replay comes next
         self._calls = 0
 
-    def attend(self, module, q, k, v, *, scale, window, softcap):
+    def attend(self, module, q, k, v, *, scale, window, softcap, sink=None):
         self._calls += 1
-        settings = dict(scale=scale, window=window, softcap=softcap)
+        settings = dict(scale=scale, window=window, softcap=softcap, sink=sink)
         if self._calls == 1:
             if not self.kept.has_room(self.slot, q):  # not kept (past the host budget): this layer recomputes attention
                 return self.inner.attend(module, q, k, v, **settings)
@@ -173,9 +173,10 @@ class _CheckpointedAttention(AttentionCall):
         # The entries go when the next step's first layer runs. The layer below's replay
         # comes after this layer's backward: its copies start now.
         below = self.previous
-        return self.kept.outputs.serve(self.key, q, k, v, self.backward, prefetch=None if below is None else below.key)
+        return self.kept.outputs.serve(self.key, q, k, v, self.backward, prefetch=None if below is None else below.key,
+                                       sink=sink)
 
-    def attend_keeping_output(self, module, q, k, v, *, scale, window, softcap):
+    def attend_keeping_output(self, module, q, k, v, *, scale, window, softcap, sink=None):
         raise NotImplementedError
 
 

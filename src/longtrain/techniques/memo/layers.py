@@ -88,11 +88,11 @@ class _ShapeOnlyAttention(AttentionCall):
     def __init__(self, mask):
         self.mask = mask
 
-    def attend(self, module, q, k, v, *, scale, window, softcap):
+    def attend(self, module, q, k, v, *, scale, window, softcap, sink=None):
         batch, heads, tokens, dim = q.shape
         out = q.new_empty((batch, tokens, heads, dim)).transpose(1, 2)
         lse = q.new_empty((batch, heads, tokens), dtype=torch.float32)
-        return attention_from_output(q, k, v, out, lse, None)
+        return attention_from_output(q, k, v, out, lse, None, sink=sink)
 
 
 class MemoLayers:
