@@ -9,7 +9,9 @@ process k mod N). Rank 0 writes ``{kind}-{name}.pt``: the trained parameters and
 KIND: ``full`` or ``lora`` fine-tuning, or ``unlabelled``: full fine-tuning with micro-batch
 3 — under two processes the second one's last of the first step — without a label token.
 ``@STEPS``: stop after that many steps, saving a checkpoint at each; ``RESUME`` in the
-environment (a checkpoint folder): go on from it to the second step.
+environment (a checkpoint folder): go on from it to the second step. ``FSDP=1`` in the
+environment: the Trainer shards the model with FSDP2 (``fsdp`` and ``fsdp_config`` in the
+training arguments, each decoder layer a unit) — on the CPU too (:func:`fsdp_on_cpu`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,29 @@ def in_order(cls):
     return InOrder
 
 
+def fsdp_on_cpu(cls):
+    """``cls`` with FSDP on the CPU as the Trainer runs it on GPUs: Accelerate turns a
+    Trainer's FSDP plugin on only for GPU-like devices (``AcceleratorState``), so the plugin
+    the training arguments describe is set here, as Accelerate sets it there."""
+
+    class OnCpu(cls):
+        def create_accelerator_and_postprocess(self):
+            super().create_accelerator_and_postprocess()
+            from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+            if self.args.fsdp_plugin_args is not None:
+                state = self.accelerator.state
+                state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+                state.distributed_type = DistributedType.FSDP
+                self.is_fsdp_enabled = True
+
+    return OnCpu
+
+
+FSDP_ARGS = dict(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                                         "reshard_after_forward": True})
+
+
 class WithTokenMetrics(LongtrainTrainer):
     """A LongtrainTrainer that logs TRL's token metrics (as wrap(SFTTrainer) does): its step
     gathers them over the processes, labels or none."""
@@ -63,11 +88,13 @@ def train(out: Path, accumulation: int, kind: str, name: str, strategy: str, sto
         batches[3]["labels"] = torch.full_like(batches[3]["labels"], -100)
     data = Batches(batches)
     saving = dict(save_strategy="steps", save_steps=1) if stop else {}
+    sharded = os.environ.get("FSDP") == "1"
     args = training_args(out / f"{kind}-{name}", gradient_accumulation_steps=accumulation, max_steps=2, optim="adamw_torch",
-                         learning_rate=1e-2, weight_decay=0.1, lr_scheduler_type="linear", **saving)
+                         learning_rate=1e-2, weight_decay=0.1, lr_scheduler_type="linear", **saving,
+                         **(FSDP_ARGS if sharded else {}))
     extra = {} if strategy == "stock" else {"strategy": None if strategy == "backprop" else strategy}
     cls = Trainer if strategy == "stock" else WithTokenMetrics if name == "metrics" else LongtrainTrainer
-    trainer = in_order(cls)(
+    trainer = (fsdp_on_cpu if sharded else (lambda c: c))(in_order(cls))(
         model=model, args=args, train_dataset=data, data_collator=data.collate, **extra)
     if stop:  # interrupted after these steps (the schedule still planned for two)
         from transformers import TrainerCallback
@@ -78,8 +105,10 @@ def train(out: Path, accumulation: int, kind: str, name: str, strategy: str, sto
 
         trainer.add_callback(Stop())
     trainer.train(resume_from_checkpoint=os.environ.get("RESUME"))
+    # (FSDP2's shards gathered whole: a collective every process joins)
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+              for n, p in trainer.model.named_parameters() if p.requires_grad}
     if trainer.is_world_process_zero():
-        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         metrics = {k: list(v) for k, v in getattr(trainer, "_metrics", {}).get("train", {}).items()}
         torch.save({"params": params, "losses": losses, "metrics": metrics}, out / f"{kind}-{name}.pt")

@@ -1,6 +1,7 @@
 """LongtrainTrainer under several processes (torchrun, accelerate launch; gloo on CPU):
-plain data parallel, each process training the whole model on its own micro-batches, equals
-one process of the stock Trainer on the same global batch. Float64 tiny-llama, two AdamW
+plain data parallel, each process training the whole model on its own micro-batches, and
+FSDP2 (the Trainer's ``fsdp``/``fsdp_config``), equal one process of the stock Trainer on the
+same global batch. Float64 tiny-llama, two AdamW
 steps, packed and padded micro-batches with completion-only labels, a chunk that does not
 divide them (tests/hf_ddp_worker.py). Not bit for bit: the reference runs in another process
 with its own thread count, and the processes sum their gradients in another order."""
@@ -75,6 +76,28 @@ def test_data_parallel_over_two_processes_equals_one_process(one_process, two_pr
     assert len(metrics["entropy"]) == len(metrics["mean_token_accuracy"]) == 4  # a value per micro-batch
     assert all(e > 0 for e in metrics["entropy"]) and all(0 <= a <= 1 for a in metrics["mean_token_accuracy"])
     assert metrics["num_tokens"][0] > 0
+
+
+def test_fsdp2_over_two_processes_equals_one_process(one_process, tmp_path):
+    """The Trainer's FSDP2 (each decoder layer a unit, the embeddings and the final norm with
+    the head carved out by Accelerate) under `torchrun --nproc-per-node 2`: the whole-sequence
+    strategies, full and LoRA (whose final norm stays in the root: gathered by the step), and
+    a process whose last micro-batch has no label token (it runs its step all the same, so that
+    the units' gathers and reductions meet), with TRL's token metrics gathered."""
+    runs = {("full", "checkpoint"): "checkpoint,mst", ("full", "memo"): "memo", ("lora", "checkpoint"): "checkpoint,mst",
+            ("unlabelled", "checkpoint"): "checkpoint,mst", ("unlabelled", "metrics"): "checkpoint,mst"}
+    for (kind, _), result in launch(torchrun(2), tmp_path, 2, runs, FSDP="1").items():
+        assert_same_training(result, one_process[kind])
+
+
+def test_fsdp2_refuses_the_chunked_engines_in_one_line():
+    from longtrain import LongtrainError, Strategy
+    from longtrain.hf import _check_fsdp2_strategy
+
+    _check_fsdp2_strategy(Strategy.parse("checkpoint,mst"))
+    for engine in ("fpdt:chunk=32", "seco:chunk=32", "spaco:chunk=32"):
+        with pytest.raises(LongtrainError, match="runs a backward pass per chunk.*FSDP2"):
+            _check_fsdp2_strategy(Strategy.parse("mst", engine=engine))
 
 
 def test_four_processes_started_by_accelerate_launch_equal_one_process(one_process, tmp_path):

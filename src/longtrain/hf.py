@@ -81,6 +81,8 @@ class _LongtrainTraining:
         strategy = _auto_strategy(self) if planned == "auto" else planned
         self.strategy = _take_over_checkpointing(self, strategy, planned == "auto")
         apply(self.model, self.strategy)
+        if _fsdp2(self.accelerator):
+            _check_fsdp2_strategy(self.strategy)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One micro-batch: forward and backward by :func:`longtrain.step` with the applied
@@ -96,8 +98,12 @@ class _LongtrainTraining:
         batch = _longtrain_batch(inputs)
         count = self._loss_normaliser(batch["labels"], num_items_in_batch)
         processes, scale = self._processes_and_loss_scale(num_items_in_batch)
+        sharded = _fsdp2(self.accelerator)
+        if sharded:
+            _settle_sharding(target, summed=scale > 1)
         stats, aux = (TokenStats() if _logs_token_metrics(self) else None), None
-        if count == 0 and not _adds_balancing_loss(target):
+        # (FSDP2's units gather and reduce in every process's forward and backward: none skips its step)
+        if count == 0 and not _adds_balancing_loss(target) and not sharded:
             # No label token in this micro-batch: its loss and gradients are 0, as TRL reports
             # them (stock Transformers divides 0 by 0 where the whole step has none).
             loss = torch.zeros((), device=self.args.device)
@@ -111,7 +117,7 @@ class _LongtrainTraining:
             aux = router_aux_loss(target)
         if stats is not None:  # TRL's metrics, counted by the step's LM head only where they are logged
             self._log_token_metrics(stats, inputs, aux)
-        if processes > 1 and self.accelerator.sync_gradients:  # every process reaches this, labels or none
+        if processes > 1 and not sharded and self.accelerator.sync_gradients:  # every process, labels or none
             sum_gradients(target.parameters(), scale / processes)
         self._maybe_empty_cache()
         return loss * scale
@@ -151,8 +157,10 @@ class _LongtrainTraining:
         averages the gradients over the processes, and where the label tokens are counted
         over all of them (``average_tokens_across_devices``) its loss is multiplied by their
         number first; longtrain's step, which backward past DDP, sums the gradients and
-        multiplies them by ``scale / processes`` (1 or 1/N): the same update, the same logged loss."""
-        processes = self.accelerator.num_processes if _data_parallel(self.accelerator) else 1
+        multiplies them by ``scale / processes`` (1 or 1/N): the same update, the same logged loss.
+        Under FSDP2 its reduce-scatter averages, as stock's; it sums where ``scale`` is N."""
+        parallel = _data_parallel(self.accelerator) or _fsdp2(self.accelerator)
+        processes = self.accelerator.num_processes if parallel else 1
         counted_over_all = (self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs
                             and num_items_in_batch is not None)
         return processes, processes if counted_over_all and processes > 1 else 1
@@ -390,8 +398,9 @@ def _check_arguments(args) -> None:
     refusals = [
         (args.deepspeed, "DeepSpeed runs its own forward, backward and sharding, which longtrain's step replaces; drop "
                          f"deepspeed= ({_SP_HINT})"),
-        (args.fsdp, "Accelerate's FSDP wraps the model's forward, which longtrain's step does not call; drop fsdp= "
-                    f"({_SP_HINT})"),
+        (args.fsdp and int((args.fsdp_config or {}).get("version", 2)) != 2,
+         "FSDP1 wraps the model's forward, which longtrain's step does not call; set fsdp_config={'version': 2} "
+         f"(FSDP2 shards each unit longtrain calls), or drop fsdp= ({_SP_HINT})"),
         (getattr(args, "parallelism_config", None) is not None,
          "context, sequence or tensor parallelism through ParallelismConfig is not supported; drop parallelism_config "
          f"({_SP_HINT})"),
@@ -426,11 +435,12 @@ def _check_trainer(trainer) -> None:
     refusals = [
         (kind == DistributedType.DEEPSPEED,
          f"the Accelerate config enables DeepSpeed, which longtrain's step replaces; disable it ({_SP_HINT})"),
-        (kind == DistributedType.FSDP,
-         f"the Accelerate config enables FSDP, which longtrain's step bypasses; disable it ({_SP_HINT})"),
-        (accelerator.num_processes > 1 and not _data_parallel(accelerator),
+        ((kind == DistributedType.FSDP or _fsdp(accelerator)) and not _fsdp2(accelerator),
+         "the Accelerate config enables FSDP1, which wraps the model's forward that longtrain's step does not call; "
+         f"set fsdp_version: 2 (FSDP2 shards each unit longtrain calls), or disable FSDP ({_SP_HINT})"),
+        (accelerator.num_processes > 1 and not (_data_parallel(accelerator) or _fsdp2(accelerator)),
          f"{accelerator.num_processes} processes under {kind} are not supported; run them as plain data parallel "
-         f"(torchrun or accelerate launch without DeepSpeed or FSDP), or {_SP_HINT}"),
+         f"(torchrun or accelerate launch without DeepSpeed) or FSDP2, or {_SP_HINT}"),
         (getattr(accelerator, "parallelism_config", None) is not None,
          f"the Accelerate config enables context, sequence or tensor parallelism, which is not supported ({_SP_HINT})"),
         (accelerator.scaler is not None, _FP16),
@@ -464,6 +474,69 @@ def _data_parallel(accelerator) -> bool:
     kinds = {getattr(DistributedType, name, None) for name in ("MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU",
                                                                "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_HPU")}
     return accelerator.num_processes > 1 and accelerator.distributed_type in kinds
+
+
+def _fsdp(accelerator) -> int | None:
+    """The FSDP version Accelerate shards the model with (its FSDP plugin, as the Trainer
+    reads it), or None."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    return None if plugin is None else getattr(plugin, "fsdp_version", 1)
+
+
+def _fsdp2(accelerator) -> bool:
+    """Whether Accelerate shards the model with FSDP2 (``fsdp_version: 2``)."""
+    return _fsdp(accelerator) == 2
+
+
+def _check_fsdp2_strategy(strategy: Strategy) -> None:
+    """Under FSDP2 a unit gathers its parameters around each call and reduces its gradients
+    after each backward pass through it; the chunked engines call a layer once per chunk and
+    run a backward pass per chunk, as many as the micro-batch's length makes, which differ
+    between processes: refused in one line."""
+    if registry.engine(strategy.engine).costs.chunk(strategy.engine_options) is not None:
+        raise LongtrainError(f"the {strategy.engine} engine runs a backward pass per chunk, as many as each process's "
+                             "micro-batch has, which FSDP2's per-call gathers and reductions cannot match between "
+                             "processes; use a whole-sequence strategy under FSDP2 ('checkpoint,mst', 'memo'), or "
+                             f"plain data parallel, or {_SP_HINT}")
+
+
+def _settle_sharding(model, summed: bool) -> None:
+    """Before each step under FSDP2: once, the model made its units' root (its forward never
+    runs, :func:`~longtrain.parallel.fsdp.settle_root`) and, where the stock step multiplies
+    its loss by the processes (``summed``), each unit's reduce-scatter summing instead of
+    averaging — the same update; then the units whose forward the step does not call (the
+    root, where it holds parameters, and the LM head's, which the fused loss reads)
+    gathered, to be reduced and resharded at the end of the backward pass, as FSDP2 ends
+    every unit's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from .parallel.fsdp import settle_root, sum_gradients_of
+
+    if not getattr(model, "_longtrain_settled", False):
+        settle_root(model)
+        if summed:
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    sum_gradients_of(module)
+        model._longtrain_settled = True
+    head = applied_context(model).adapter.head().module
+    for unit in (model, _unit_of(model, head)):
+        if unit is not None:
+            unit.unshard()
+
+
+def _unit_of(model, module):
+    """The FSDP2 unit (an FSDPModule of ``model``) whose parameters include ``module``'s, or None."""
+    from torch.distributed.fsdp import FSDPModule
+
+    wanted = {id(p) for p in module.parameters()}
+    for unit in model.modules():
+        if unit is not model and isinstance(unit, FSDPModule):
+            state = unit._get_fsdp_state()
+            held = {id(param.sharded_param) for group in state._fsdp_param_groups for param in group.fsdp_params}
+            if wanted & held:
+                return unit
+    return None
 
 
 def _refuse_first(refusals) -> None:

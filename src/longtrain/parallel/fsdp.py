@@ -22,7 +22,8 @@ from torch import nn
 
 from ..errors import LongtrainError
 
-__all__ = ["check_all_sharded", "forget_meshes", "gathered", "shard_parameters", "world_mesh"]
+__all__ = ["check_all_sharded", "forget_meshes", "gathered", "settle_root", "shard_parameters", "sum_gradients_of",
+           "world_mesh"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,20 +68,20 @@ def shard_parameters(units: list, parts: list[nn.Module], device_type: str,
     mesh = world_mesh(device_type)
     for unit in units:
         sharded = fully_shard(unit, mesh=mesh, mp_policy=mp)
-        _sum_gradients(sharded[0] if isinstance(sharded, list) else sharded)
+        sum_gradients_of(sharded[0] if isinstance(sharded, list) else sharded)
     root = _Root(*parts)
     # A module may sit in two places (the head: in the model and in the loss head's unit);
     # what a unit already holds is not the root's.
     held = {p for p in root.parameters() if isinstance(p, DTensor)}
-    _sum_gradients(fully_shard(root, mesh=mesh, mp_policy=mp, ignored_params=held))
+    sum_gradients_of(fully_shard(root, mesh=mesh, mp_policy=mp, ignored_params=held))
     with torch.no_grad():
         root()  # FSDP2 settles its root and the units under it on this first forward
     return root
 
 
-def _sum_gradients(module) -> None:
-    """Reduce gradients by summing (no division by the world size), with a plain SUM where
-    the backend has no pre-multiplied sum (gloo)."""
+def sum_gradients_of(module) -> None:
+    """Reduce ``module``'s (an FSDP2 unit's) gradients by summing (no division by the world
+    size), with a plain SUM where the backend has no pre-multiplied sum (gloo)."""
     module.set_gradient_divide_factor(1.0)
     force_sum = getattr(module, "set_force_sum_reduction_for_comms", None)
     if force_sum is not None:
@@ -111,3 +112,14 @@ def gathered(module: nn.Module):
         yield
     finally:
         module.reshard()
+
+
+def settle_root(model: nn.Module) -> None:
+    """Make ``model`` — sharded by someone else (Accelerate's FSDP2 plugin: each layer, the
+    embeddings and the head its own unit, the model the root) — the root of its units, as its
+    first forward would; longtrain's engines then call the units one by one and never the
+    model's forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model._get_fsdp_state()._lazy_init()  # no-op after the first call
