@@ -194,9 +194,11 @@ def main(out: str, cases: str) -> None:
     from longtrain.parallel.distributed import init_from_env
 
     init_from_env()  # gloo, with the collective timeout of LONGTRAIN_COLLECTIVE_TIMEOUT
-    if cases.startswith("measure:"):
-        _, length, engine = cases.split(":")
-        result = measure(int(length), engine)
+    if cases.startswith("measure:"):  # measure:LENGTH:ENGINE;...: each rank's peaks by "LENGTH:ENGINE"
+        result = {}
+        for spec in cases.split(";"):
+            _, length, engine = spec.split(":")
+            result[f"{length}:{engine}"] = measure(int(length), engine)
         if dist.get_rank() == 0:
             with open(out, "w") as f:
                 json.dump(result, f)

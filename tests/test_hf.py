@@ -293,7 +293,8 @@ def test_hugging_face_checkpointing_is_taken_over(strategy, on_model, applied, t
 
 ARGUMENT_REFUSALS = {
     "deepspeed": (lambda mp, a: setattr(a, "deepspeed", {"train_micro_batch_size_per_gpu": 1}), "longtrain train --sp P"),
-    "fsdp": (lambda mp, a: setattr(a, "fsdp", ["full_shard"]), "longtrain train --sp P"),
+    "fsdp1": (lambda mp, a: (setattr(a, "fsdp", ["full_shard"]), setattr(a, "fsdp_config", {"version": 1})),
+              "fsdp_config={'version': 2}"),
     "parallelism_config": (lambda mp, a: setattr(a, "parallelism_config", object()), "longtrain train --sp P"),
     "DataParallel": (lambda mp, a: setattr(a, "_n_gpu", 2), "CUDA_VISIBLE_DEVICES=0"),
     "fp16": (lambda mp, a: setattr(a, "fp16", True), "bf16=True"),

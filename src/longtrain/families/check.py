@@ -57,8 +57,11 @@ def _with_document_masks(model, batch) -> tuple:
                       output_router_logits=config.output_router_logits)
     aux = None
     if config.output_router_logits:
+        from ..models.adapters import describe_model
+
+        experts = next(f for f in describe_model(config).feed_forward if f.is_moe)
         balance = sys.modules[type(model).__module__].load_balancing_loss_func
-        aux = balance(out.router_logits, config.num_local_experts, config.num_experts_per_tok, None)
+        aux = balance(out.router_logits, experts.experts, experts.active, None)
     return model.lm_head(out.last_hidden_state), aux
 
 

@@ -23,12 +23,13 @@ document that are not padding, inside the window; a row with nothing to see give
 from __future__ import annotations
 
 import functools
-from typing import Callable, Union
+from typing import Union
 
 import torch
 
 from .attention_blocks import attention_kernel, block_backward, block_forward, lse_dtype
-from .attention_sinks import add_sink, sink_gradient
+from .attention_node import attention_from_output
+from .attention_sinks import add_sink
 from .chunked_attention import chunk_bounds, chunked_attention, chunked_backward, chunked_forward
 from .masking import BlockPlanner, DocumentSpans, SequenceMask, document_spans
 from .sdpa import sdpa_gqa
@@ -216,29 +217,3 @@ def causal_attention_backward(grad_out, q, k, v, out, lse, *, mask=None, window=
         return spans_backward(grad_out.contiguous(), q, k, v, out, lse, plan, scale)
     return chunked_backward(grad_out, q, k, v, out, lse, plan, window, scale, softcap)
 
-
-class _KnownOutput(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, out, lse, backward, sink):
-        ctx.save_for_backward(q, k, v, out, lse, sink)
-        ctx.attention_backward = backward
-        return out  # a view of the kept output: no copy
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        if ctx.attention_backward is None:
-            raise RuntimeError("this attention output was a stand-in for recomputation and has no backward")
-        q, k, v, out, lse, sink = ctx.saved_tensors
-        dq, dk, dv = ctx.attention_backward(grad_out, q, k, v, out, lse)
-        dsink = sink_gradient(grad_out, out, lse, sink) if ctx.needs_input_grad[6] else None
-        return dq, dk, dv, None, None, None, dsink
-
-
-def attention_from_output(q, k, v, out, lse, backward: Callable | None, sink: torch.Tensor | None = None):
-    """``out``, as the attention of q, k, v whose output and LSE it is: autograd sees an
-    attention node (saving q, k, v, out and LSE) whose backward is
-    ``backward(grad_out, q, k, v, out, lse) -> (dq, dk, dv)``. With ``backward=None`` it
-    is a stand-in that only replays the forward (a recomputation that never runs backward).
-    ``sink``: the (H,) sink logits ``out`` and ``lse`` include (:mod:`.attention_sinks`),
-    whose gradient the node also gives."""
-    return _KnownOutput.apply(q, k, v, out, lse, backward, sink)

@@ -31,6 +31,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from .attention_blocks import block_backward, block_forward, lse_dtype, merge_
+from .attention_node import attention_from_output
 from .attention_sinks import add_sink
 from .masking import BlockPlanner, SequenceMask
 
@@ -314,8 +315,6 @@ def attend_chunk(
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     if sink is None:
         return _AttendChunk.apply(q, k, v, history, planner, index, window, scale, softcap)
-    from .causal_attention import attention_from_output  # (that module imports this one)
-
     with torch.no_grad():
         out, lse = add_sink(*attend_chunk_forward(q, k, v, history, planner, index, window, scale, softcap), sink)
     backward = functools.partial(chunk_backward, history, planner, index, window, scale, softcap)
