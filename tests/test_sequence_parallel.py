@@ -252,3 +252,25 @@ def test_simulate_command_line_takes_sp(capsys):
     assert report["strategy"]["sequence_parallel"]["degree"] == 2
     assert main(["simulate", "--model", "tiny-llama", "--seq-len", "1K", "--sp", "0"]) == 2
     assert "--sp must be a positive integer" in capsys.readouterr().err
+
+
+def test_a_simulation_shards_over_the_data_parallel_groups_too():
+    """`processes` (simulate --gpus): groups of `degree` processes share a sequence and FSDP2
+    shards over all of them: one rank holds 1/processes of the optimizer state, whatever the
+    degree; its activations are its group's share of the sequence (degree 1: the whole one,
+    FSDP2 data parallel as in the Trainer) — at the peak, within the units' gathered
+    parameters that the sharding changes (a few percent here)."""
+    def peak(sp: dict | None):
+        return lt.simulate("tiny-llama", 2048, strategy=lt.Strategy.parse("checkpoint,mst", sequence_parallel=sp),
+                           dtype="float32", optimizer="adamw").peak
+
+    one, two, two_of_four, one_of_four = (peak(None), peak({"degree": 2}), peak({"degree": 2, "processes": 4}),
+                                          peak({"degree": 1, "processes": 4}))
+    state = one.device_bytes("optimizer_state")
+    assert two.device_bytes("optimizer_state") < 0.6 * state
+    assert two_of_four.device_bytes("optimizer_state") == one_of_four.device_bytes("optimizer_state") < 0.3 * state
+    assert one_of_four.device_bytes("activations") == pytest.approx(one.device_bytes("activations"), rel=0.05)
+    assert two_of_four.device_bytes("activations") == pytest.approx(two.device_bytes("activations"), rel=0.05)
+    assert two.device_bytes("activations") < 0.7 * one.device_bytes("activations")
+    with pytest.raises(lt.LongtrainError, match=r"processes \(6\) must be a multiple of its degree \(4\)"):
+        lt.Strategy(sequence_parallel={"degree": 4, "processes": 6})

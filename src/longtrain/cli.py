@@ -186,6 +186,9 @@ def _add_simulate(sub) -> None:
                    "memory, gradients streamed there during backward (as train --optimizer-offload)")
     p.add_argument("--sp", type=int, default=1, help="Ulysses sequence parallelism over P ranks: simulate one rank's share "
                    "(its tokens, its heads, 1/P of parameters, gradients and optimizer state)")
+    p.add_argument("--gpus", type=int, default=None, help="processes in all (default: --sp): groups of --sp processes "
+                   "share a sequence, the groups are data parallel, and FSDP2 shards parameters, gradients and "
+                   "optimizer state over every process (--sp 1 --gpus N: FSDP2 data parallel, as the Trainer's)")
     p.add_argument("--layer-groups", type=int, default=1, help="the adjoint engine's layers split over R processes "
                    "(torchrun): simulate the busiest one (its layers, with the embedding and the head)")
     p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype (default %(default)s)")
@@ -215,6 +218,8 @@ def _run_simulate(args) -> int:
         raise LongtrainError(f"--batch-size must be positive, got {args.batch_size}")
     if args.sp <= 0:
         raise LongtrainError(f"--sp must be a positive integer, got {args.sp}")
+    if args.gpus is not None and (args.gpus <= 0 or args.gpus % args.sp):
+        raise LongtrainError(f"--gpus must be a positive multiple of --sp ({args.sp}), got {args.gpus}")
     if args.layer_groups <= 0:
         raise LongtrainError(f"--layer-groups must be a positive integer, got {args.layer_groups}")
     if args.grad_accum <= 0:
@@ -230,7 +235,9 @@ def _run_simulate(args) -> int:
     from .plan.simulate import simulate
     from .strategy import Strategy
 
-    strategy = Strategy.parse(args.strategy, engine=args.engine, sequence_parallel=args.sp if args.sp > 1 else None)
+    sharded = args.sp > 1 or (args.gpus or 1) > 1
+    strategy = Strategy.parse(args.strategy, engine=args.engine,
+                              sequence_parallel={"degree": args.sp, "processes": args.gpus} if sharded else None)
     with SimulationProgress(args.progress) as progress:
         report = simulate(args.model, args.seq_len, batch_size=args.batch_size, strategy=strategy,
                           optimizer="adamw-offload" if args.optimizer_offload else args.optimizer, dtype=args.dtype,

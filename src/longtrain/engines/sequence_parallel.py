@@ -54,9 +54,17 @@ class UlyssesOptions:
 
     degree: int = 2  # ranks sharing one sequence (the world size or a divisor of it; the rest is data parallel)
     compute_dtype: str | None = None  # FSDP2 mixed precision: parameters stay in their dtype, layers compute in this one
+    # Processes FSDP2 shards over: the degree times the data-parallel groups (what a simulation
+    # stands in for; a run shards over its world and refuses another count). None: the degree.
+    processes: int | None = None
 
     def __post_init__(self):
         validate.positive_int("sequence_parallel", "degree", self.degree)
+        if self.processes is not None:
+            validate.positive_int("sequence_parallel", "processes", self.processes)
+            if self.processes % self.degree:
+                raise LongtrainError(f"sequence_parallel processes ({self.processes}) must be a multiple of its degree "
+                                     f"({self.degree}): groups of {self.degree} processes, each sharing one sequence")
         if self.compute_dtype is not None and self.compute_dtype not in _DTYPES:
             raise LongtrainError(f"sequence_parallel compute_dtype must be one of {', '.join(_DTYPES)}, got {self.compute_dtype!r}")
 
@@ -105,6 +113,9 @@ class SequenceParallel:
                 f"torchrun --nproc-per-node {options.degree} (the trainer initializes torch.distributed)"
             )
         world, rank = dist.get_world_size(), dist.get_rank()
+        if options.processes is not None and options.processes != world:
+            raise LongtrainError(f"the strategy's sequence parallelism shards over {options.processes} processes, and "
+                                 f"this run has {world}; launch {options.processes} processes, or drop processes")
         if world % options.degree:
             raise LongtrainError(
                 f"--sp {options.degree} must divide the number of processes ({world}); the processes beyond one "
