@@ -145,8 +145,8 @@ def main(argv=None) -> int:
         summary["parts"]["cuda_tier"] = cuda_tier(200, args.smoke, scratch)
 
     peers = [sys.executable, "benchmarks/gpu_peers.py", "--budget-s", "180"] + (
-        # The plumbing at toy sizes; the expert peers have a smoke test of their own.
-        ["--smoke", "--out", str(scratch), "--cases", _smoke_peer_cases()] if args.smoke
+        # The plumbing at toy sizes, one length; the expert peers have a smoke test of their own.
+        ["--smoke", "--out", str(scratch), "--cases", _smoke_peer_cases(), "--lengths", "128"] if args.smoke
         else ["--lengths", args.lengths, "--cases", args.cases, "--append"])  # --append: other lengths stay
     adjoint = [sys.executable, "benchmarks/adjoint.py", "--only", "gpu"]
     for name, cmd, timeout in (("peers", peers, 260), ("adjoint", adjoint, 80)):

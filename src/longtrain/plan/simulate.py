@@ -124,8 +124,7 @@ def run_training_steps(
         if strategy.sequence_parallel is not None:
             if not fake:
                 raise LongtrainError("sequence parallelism is measured under torchrun, or simulated (fake=True)")
-            sp = strategy.sequence_parallel  # FSDP2 over every process: the groups of ``degree`` and their data parallel
-            stack.enter_context(simulated_world(sp.processes or sp.degree))
+            stack.enter_context(simulated_world(strategy.sequence_parallel.processes or strategy.sequence_parallel.degree))
         if fake:
             stack.enter_context(FakeTensorMode())
         stack.enter_context(default_dtype(dtype))
@@ -323,10 +322,8 @@ class SimulationReport:
             f"strategy {strategy_name}, optimizer {optimizer}, {self.dtype}"
         )
         sp = (self.strategy or {}).get("sequence_parallel") or {}
-        if sp.get("processes"):
-            groups = sp["processes"] // sp["degree"]
-            head += (f"; one of {sp['processes']} processes ({groups} data-parallel groups of {sp['degree']}), FSDP2 "
-                     "sharding over all of them")
+        if sp.get("processes"):  # data-parallel groups of ``degree``
+            head += f"; one of {sp['processes']} processes in groups of {sp['degree']}, FSDP2 sharding over all"
         if self.layer_groups:
             head += (f"; the busiest of {self.layer_groups} layer groups (its layers with the embedding and the head; "
                      "the parameters are its share)")
