@@ -523,6 +523,27 @@ def test_plan_over_several_gpus_shards_states_and_splits_the_sequence():
     assert "on 2 GPUs at the h100 rates" in two.verdict()
 
 
+def test_plan_over_data_parallel_groups_shards_over_every_gpu_and_splits_the_sequence_in_its_group():
+    """`--gpus 4 --sp 2`: two data-parallel groups of two. A row's sequence is split over its
+    group (the activations of `--gpus 2`), its states over all four GPUs (less than `--gpus 2`
+    holds); it runs under torchrun with 4 processes and `--sp 2`, and its tokens/s counts both
+    groups' batches."""
+    request = dict(device_memory=GIB, host_memory=GIB, optimizer_offload=False, exhaustive=True)
+    two = plan(PlanRequest("tiny-llama", 2048, gpus=2, **request))
+    groups = plan(PlanRequest("tiny-llama", 2048, gpus=4, sp=2, **request))
+    row_two = next(r for r in two.rows if r.name == "checkpoint,mst+sp2")
+    row = next(r for r in groups.rows if r.name == "checkpoint,mst+sp2")
+    assert row.strategy["sequence_parallel"] == {**row_two.strategy["sequence_parallel"], "processes": 4}
+    assert row.device_bytes < row_two.device_bytes
+    assert row.step_seconds == pytest.approx(row_two.step_seconds) and row.tokens_per_s == pytest.approx(2 * row_two.tokens_per_s)
+    command = groups.command(row)
+    assert command.startswith("torchrun --nproc-per-node 4 -m longtrain.cli train") and "--sp 2" in command
+    assert "4 GPU(s) of 1.00 GiB in groups of 2 sharing each sequence" in groups.table()
+    for sp in (1, 3):
+        with pytest.raises(lt.LongtrainError, match=r"sp \(--sp\) must divide gpus \(4\)"):
+            PlanRequest("tiny-llama", 2048, gpus=4, sp=sp, **request)
+
+
 def test_fpdt_is_predicted_without_the_mlp_output_only_where_the_adapter_allows():
     """FPDT's recomputed layer skips its MLP output unless a later op saves it (Gemma-2):
     the same shapes predict one MLP forward per layer more as Gemma-2 than as Llama."""

@@ -286,8 +286,10 @@ def _add_plan(sub) -> None:
     p.add_argument("--host-memory", type=_bytes, required=True, help="host memory the run may use: 120GiB")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"], help="the optimizer whose state the plan counts")
     p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype (default %(default)s)")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs the sequence is split over (Ulysses sequence parallelism, "
-                   "FSDP2-sharded states; default %(default)s)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs in all, parameters, gradients and optimizer state sharded "
+                   "over them (FSDP2); each sequence split over them (Ulysses) unless --sp says fewer (default %(default)s)")
+    p.add_argument("--sp", type=int, default=None, help="GPUs that share each sequence (Ulysses; default: --gpus): "
+                   "the --gpus / --sp groups are data parallel")
     p.add_argument("--lora", action="store_true", help="plan LoRA training (adapters on every linear layer but the head, as train --lora)")
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank with --lora (default %(default)s)")
     p.add_argument("--longest", action="store_true", help="also find the longest context each simulated strategy "
@@ -318,7 +320,7 @@ def _run_plan(args) -> int:
 
     request = PlanRequest(args.model, args.seq_len, device_memory=args.device_memory, host_memory=args.host_memory,
                           optimizer=args.optimizer, dtype=args.dtype, rates=load(args.rates), rates_name=args.rates,
-                          gpus=args.gpus, lora_rank=args.lora_rank if args.lora else None,
+                          gpus=args.gpus, sp=args.sp, lora_rank=args.lora_rank if args.lora else None,
                           optimizer_offload=args.optimizer_offload, engine=args.engine, longest=args.longest,
                           exhaustive=args.exhaustive)
     result = plan(request, workers=args.jobs, progress=progress)

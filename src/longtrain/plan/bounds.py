@@ -183,7 +183,9 @@ def refuse_lengths_that_cannot_fit(config, seq_len: int, strategy: Strategy, dty
     the config (:func:`least_bytes`), not simulated — exceed the
     machine named, naming the longest length that could fit beside the weights."""
     item = torch.tensor([], dtype=dtype).element_size()
-    gpus = strategy.sequence_parallel.degree if strategy.sequence_parallel is not None else 1
+    sp = strategy.sequence_parallel
+    gpus = sp.degree if sp is not None else 1  # the sequence's share
+    processes = (sp.processes or sp.degree) if sp is not None else 1  # the weights' share (FSDP2)
 
     def over(tokens: int, weights: int = 0) -> list[str]:
         device, host = least_bytes(config, tokens, strategy, item, batch, gpus)
@@ -194,7 +196,7 @@ def refuse_lengths_that_cannot_fit(config, seq_len: int, strategy: Strategy, dty
 
     if not over(seq_len):
         return
-    weights = _state_bytes(config, "none", dtype)[0] * item // gpus  # frozen under LoRA, there all the same
+    weights = _state_bytes(config, "none", dtype)[0] * item // processes  # frozen under LoRA, there all the same
     longest = longest_where(lambda tokens: not over(tokens, weights), seq_len)
     raise LongtrainError(
         f"{seq_len:,} tokens cannot fit: under strategy {strategy.spec}, the token ids and what the step parks "

@@ -130,7 +130,7 @@ def plan(request: PlanRequest, *, workers: int = 1, progress: Callable[[str], No
         if jobs and all(job.bound is not None for job in jobs):
             raise LongtrainError(_beyond_reach(setting.config, request.seq_len,
                                                [(job.shown, job.strategy, job.budget) for job in jobs],
-                                               [job.bound for job in jobs], setting.item, request.batch, request.gpus,
+                                               [job.bound for job in jobs], setting.item, request.batch, request.degree,
                                                request.device_memory, request.host_memory))
         result = _empty_plan(setting)
         result.rows = _InOrder(setting, jobs, simulations, workers, progress or (lambda _: None)).rows()
@@ -165,7 +165,7 @@ def _setting(request: PlanRequest) -> _Setting:
     params, budgets = budgets_for(config, device_memory=request.device_memory, host_memory=request.host_memory,
                                   optimizer=request.optimizer, dtype=dtype, lora_rank=request.lora_rank,
                                   gpus=request.gpus, optimizer_offload=request.optimizer_offload)
-    if request.gpus > 1 and not kind.has_attention:
+    if request.degree > 1 and not kind.has_attention:
         raise LongtrainError(f"--gpus {request.gpus} splits the sequence over attention heads (Ulysses), and "
                              f"{config.model_type} has no attention; plan one GPU, or split its layers over GPUs with "
                              f"the adjoint engine (torchrun; `longtrain simulate --engine adjoint --layer-groups "
@@ -178,7 +178,7 @@ def _empty_plan(setting: _Setting) -> Plan:
     r = setting.request
     name = r.model if isinstance(r.model, str) else getattr(setting.config, "name_or_path", "") or setting.config.model_type
     return Plan(model=name, seq_len=r.seq_len, device_memory=r.device_memory, host_memory=r.host_memory,
-                optimizer=r.optimizer, dtype=str(parse_dtype(r.dtype)).removeprefix("torch."), rows=[], gpus=r.gpus,
+                optimizer=r.optimizer, dtype=str(parse_dtype(r.dtype)).removeprefix("torch."), rows=[], gpus=r.gpus, sp=r.sp,
                 lora_rank=r.lora_rank, rates_name=r.rates_name, untimed=setting.kind.untimed_work, batch=r.batch)
 
 
@@ -242,7 +242,8 @@ def _placed(setting: _Setting, strategy: Strategy, beyond: bool) -> list[_Job]:
     if r.gpus > 1:
         if not all(registry.technique(name).sequence_parallel for name in strategy.techniques):
             return []
-        strategy = _rebuilt(strategy, sequence_parallel={"degree": r.gpus})
+        groups = {} if r.degree == r.gpus else {"processes": r.gpus}  # data-parallel groups of r.degree
+        strategy = _rebuilt(strategy, sequence_parallel={"degree": r.degree, **groups})
     jobs = []
     for budget in setting.budgets:
         offloaded = budget.optimizer == "adamw-offload"
@@ -252,7 +253,7 @@ def _placed(setting: _Setting, strategy: Strategy, beyond: bool) -> list[_Job]:
                                      setting.item, r.batch, room)
         if fitted is None:
             continue
-        bound = _bound(setting.config, r.seq_len, fitted, budget, setting.item, r.batch, r.gpus)
+        bound = _bound(setting.config, r.seq_len, fitted, budget, setting.item, r.batch, r.degree)
         seconds = float("inf") if bound else step_time(setting.config, r.seq_len, fitted, r.rates, batch=r.batch,
                                                        optimizer_offload=offloaded, trainable=setting.params).seconds
         jobs.append(_Job(fitted, budget, bound, seconds, beyond))
@@ -415,7 +416,9 @@ def _evaluate(strategy: Strategy, config, seq_len, budget: Budget, rates, batch,
         binds.append(f"host memory: needs {format_bytes(host)}, {format_bytes(host - budget.host_memory)} over")
     predicted = step_time(config, seq_len, strategy, rates, notes=notes, batch=batch, optimizer_offload=offloaded,
                           trainable=params)
+    sp = strategy.sequence_parallel  # data-parallel groups each train their own batch in that time
+    groups = (sp.processes or sp.degree) // sp.degree if sp is not None else 1
     return PlanRow(name=name, strategy=strategy.to_dict(), device_bytes=device, reserved_bytes=reserved, host_bytes=host,
                    fits=not binds, binds="; ".join(binds) or None, step_seconds=predicted.seconds,
-                   tokens_per_s=batch * seq_len / predicted.seconds, mfu=predicted.mfu(rates.peak), notes=notes,
+                   tokens_per_s=groups * batch * seq_len / predicted.seconds, mfu=predicted.mfu(rates.peak), notes=notes,
                    optimizer_offload=offloaded)

@@ -54,9 +54,19 @@ class PlanRow:
 
     @property
     def gpus(self) -> int:
-        """Processes the sequence is split over (``+spN``: ``--sp N`` under torchrun)."""
+        """Processes in all (torchrun's ``--nproc-per-node``): the sequence-parallel groups'."""
+        sp = self._sequence_parallel()
+        return (sp.get("processes") or sp.get("degree") or 1) if sp else 1
+
+    @property
+    def degree(self) -> int:
+        """Processes each sequence is split over (``+spN``: ``--sp N`` under torchrun)."""
+        sp = self._sequence_parallel()
+        return (sp.get("degree") or 1) if sp else 1
+
+    def _sequence_parallel(self) -> dict | None:
         sp = self.strategy.get("sequence_parallel") if isinstance(self.strategy, dict) else None
-        return sp["degree"] if isinstance(sp, dict) and sp.get("degree") else 1
+        return sp if isinstance(sp, dict) else None
 
     def flags(self) -> list[str]:
         """The ``longtrain train`` options that run this row: ``--strategy NAME``, with
@@ -65,8 +75,8 @@ class PlanRow:
         flags = ["--strategy", self.name]
         if self.optimizer_offload:
             flags.append("--optimizer-offload")
-        if self.gpus > 1:
-            flags += ["--sp", str(self.gpus)]
+        if self.degree > 1:
+            flags += ["--sp", str(self.degree)]
         return flags
 
     @property
@@ -96,6 +106,7 @@ class Plan:
     gpus: int = 1
     lora_rank: int | None = None
     rates_name: str = "h100"
+    sp: int | None = None  # GPUs that share each sequence, where fewer than gpus (data-parallel groups)
     untimed: str | None = None  # work of the model the time model does not count (its adapter's untimed_work)
     batch: int = 1
 
@@ -164,8 +175,9 @@ class Plan:
                 row += (f"{r.longest:,} ({r.longest_binds})" if r.longest else "–",)
             rows.append(row)
         what = f"LoRA rank {self.lora_rank}" if self.lora_rank else f"full fine-tuning, {self.optimizer}"
+        groups = f" in groups of {self.sp} sharing each sequence" if self.sp and self.sp != self.gpus else ""
         title = (f"{self.model}: {self.seq_len:,} tokens, {self.dtype}, {what}; {self.gpus} GPU(s) of "
-                 f"{format_bytes(self.device_memory)}, host {format_bytes(self.host_memory)}")
+                 f"{format_bytes(self.device_memory)}{groups}, host {format_bytes(self.host_memory)}")
         limits = [f"  {r.label}: {r.binds}" for r in self.rows if r.binds]
         skipped = [r for r in self.rows if not r.simulated and not r.binds]
         lines = [title, format_table(rows), ""]

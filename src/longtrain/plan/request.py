@@ -43,7 +43,8 @@ class PlanRequest:
     rates: MachineRates = H100  # the time model's rates
     rates_name: str = "h100"  # what the verdict calls them
     batch: int = 1  # samples per step
-    gpus: int = 1  # GPUs the sequence is split over (Ulysses sequence parallelism) when more than one
+    gpus: int = 1  # GPUs in all: parameters, gradients and optimizer state sharded over them (FSDP2) when more than one
+    sp: int | None = None  # GPUs that share each sequence (Ulysses; default: every GPU); the groups are data parallel
     lora_rank: int | None = None  # train LoRA adapters of this rank instead of every weight
     optimizer_offload: bool | None = None  # AdamW's state in host memory (True), on the device (False), both weighed (None)
     engine: str | None = None  # weigh only this engine's variants
@@ -54,6 +55,19 @@ class PlanRequest:
         for check in (self._model, self._seq_len, self._memories, self._optimizer, self._dtype, self._rates,
                       self._counts, self._lora_rank, self._optimizer_offload, self._engine, self._switches):
             check()
+        self._sequence_parallel()
+
+    @property
+    def degree(self) -> int:
+        """GPUs that share each sequence (Ulysses sequence parallelism)."""
+        return self.sp if self.sp is not None else self.gpus
+
+    def _sequence_parallel(self) -> None:
+        if self.sp is None:
+            return
+        if not _integer(self.sp) or self.sp < 1 or self.gpus % self.sp or (self.sp == 1 and self.gpus > 1):
+            raise LongtrainError(f"sp (--sp) must divide gpus ({self.gpus}) and, with several GPUs, be at least 2 "
+                                 f"(groups of that many share each sequence; the groups are data parallel), got {self.sp!r}")
 
     def _model(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)) and not hasattr(self.model, "model_type"):
