@@ -425,17 +425,15 @@ def test_a_plan_simulated_in_worker_processes_is_the_plan_simulated_here():
     """`longtrain plan` simulates candidates in a process per core (an 8B candidate takes a
     minute of one); the rows must not depend on where they were simulated, nor on how many
     processes simulate: a candidate a second worker started ahead of the winner is skipped
-    as the one-worker plan skips it (the command line takes a worker per core)."""
-    def rows(workers, exhaustive=True):
+    as the one-worker plan skips it (the command line takes a worker per core); the rows
+    simulated in the workers carry the figures simulated here."""
+    def rows(workers):
         steps.clear_caches()
-        result = plan(PlanRequest("tiny-llama", 2048, device_memory=2**30, host_memory=2**30,
-                                  exhaustive=exhaustive), workers=workers)
+        result = plan(PlanRequest("tiny-llama", 2048, device_memory=2**30, host_memory=2**30), workers=workers)
         return [(r.name, r.device_bytes, r.host_bytes, r.fits, r.step_seconds, r.simulated, r.notes) for r in result.rows]
 
-    here = rows(1)
-    assert len(here) >= 4 and rows(2) == here
-    alone = rows(1, exhaustive=False)
-    assert sum(simulated for *_, simulated, _ in alone) < len(alone) and rows(2, exhaustive=False) == alone
+    alone = rows(1)
+    assert 1 <= sum(simulated for *_, simulated, _ in alone) < len(alone) and rows(2) == alone
 
 
 @pytest.mark.parametrize("engine", ["fpdt:chunk=128:segment=2", "fpdt:chunk=128:offload=true:keep_output=1"])
