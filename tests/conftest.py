@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 import longtrain as lt
+from longtrain.models.attention import stock_attention
 from longtrain.models.loading import build_from_config, default_dtype
 from longtrain.models.presets import preset_config
 
@@ -54,8 +54,7 @@ def stock_and_ours(preset, dtype=torch.float64, seed: int = 0):
     preset name or a config."""
     config = preset_config(preset) if isinstance(preset, str) else copy.deepcopy(preset)
     config.use_cache = False  # with a cache, stock transformers ignores packed position ids
-    sdpa = getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_supports_sdpa", True)  # gpt-oss's sinks: eager only
-    attention = "eager" if getattr(config, "attn_logit_softcapping", None) or not sdpa else "sdpa"
+    attention = stock_attention(config)
     with default_dtype(dtype):
         torch.manual_seed(seed)
         stock = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attention)

@@ -510,33 +510,19 @@ def _settle_sharding(model, summed: bool) -> None:
     every unit's."""
     from torch.distributed.fsdp import FSDPModule
 
-    from .parallel.fsdp import settle_root, sum_gradients_of
+    from .parallel.fsdp import settle_root, sum_gradients_of, unit_holding
 
-    if not getattr(model, "_longtrain_settled", False):
+    bypassed = getattr(model, "_longtrain_bypassed_units", None)
+    if bypassed is None:
         settle_root(model)
         if summed:
             for module in model.modules():
                 if isinstance(module, FSDPModule):
                     sum_gradients_of(module)
-        model._longtrain_settled = True
-    head = applied_context(model).adapter.head().module
-    for unit in (model, _unit_of(model, head)):
-        if unit is not None:
-            unit.unshard()
-
-
-def _unit_of(model, module):
-    """The FSDP2 unit (an FSDPModule of ``model``) whose parameters include ``module``'s, or None."""
-    from torch.distributed.fsdp import FSDPModule
-
-    wanted = {id(p) for p in module.parameters()}
-    for unit in model.modules():
-        if unit is not model and isinstance(unit, FSDPModule):
-            state = unit._get_fsdp_state()
-            held = {id(param.sharded_param) for group in state._fsdp_param_groups for param in group.fsdp_params}
-            if wanted & held:
-                return unit
-    return None
+        head = unit_holding(model, applied_context(model).adapter.head().module)
+        bypassed = model._longtrain_bypassed_units = [model] + ([head] if head is not None else [])
+    for unit in bypassed:
+        unit.unshard()
 
 
 def _refuse_first(refusals) -> None:

@@ -80,14 +80,12 @@ def _build_pair(config):
     """The stock model (SDPA, or eager where logits are soft-capped or the model has no
     SDPA path, as gpt-oss's sinks) and longtrain's build, with identical float64 weights."""
     from transformers import AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    from ..models.attention import stock_attention
     from ..models.loading import build_from_config, default_dtype
 
-    sdpa = getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_supports_sdpa", True)
-    eager = getattr(config, "attn_logit_softcapping", None) or not sdpa
     # Experts one by one: the grouped-matmul kernels take no float64.
-    stock_kwargs = {"attn_implementation": "eager" if eager else "sdpa", "experts_implementation": "eager"}
+    stock_kwargs = {"attn_implementation": stock_attention(config), "experts_implementation": "eager"}
     ours = build_from_config(copy.deepcopy(config), torch.float64)
     ours.config._experts_implementation = "eager"
     with default_dtype(torch.float64):

@@ -148,9 +148,18 @@ def _mask_for_stock_forward(*args, **kwargs):
     # (soft-capped Gemma-2), boolean as for sdpa otherwise.
     from transformers.masking_utils import eager_mask, sdpa_mask
 
-    config = kwargs.get("config")
-    eager = getattr(config, "attn_logit_softcapping", None) or getattr(config, "model_type", None) == "gpt_oss"
+    eager = stock_attention(kwargs.get("config")) == "eager"
     return eager_mask(*args, **kwargs) if eager else sdpa_mask(*args, **kwargs)
+
+
+def stock_attention(config) -> str:
+    """The attention Hugging Face trains ``config``'s model with: ``"eager"`` where logits are
+    soft-capped (Gemma-2) or the model has no SDPA path (gpt-oss's sinks), else ``"sdpa"``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None) if config is not None else None
+    sdpa = getattr(model_class, "_supports_sdpa", True)
+    return "eager" if getattr(config, "attn_logit_softcapping", None) or not sdpa else "sdpa"
 
 
 def _register() -> None:

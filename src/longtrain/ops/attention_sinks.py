@@ -32,8 +32,8 @@ def add_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> tuple[
     that sees no key keeps its zero output and gets the sink's logit as its LSE."""
     with torch.no_grad():
         total = torch.logaddexp(lse, _per_head(sink, lse))
-        kept = torch.exp(lse - total).unsqueeze(-1)
-        return (out * kept.to(out.dtype) if out.dtype != kept.dtype else out * kept), total
+        kept = torch.exp(lse - total).unsqueeze(-1)  # in the LSE's precision, the output rounded once
+        return (out.to(kept.dtype) * kept).to(out.dtype), total
 
 
 def sink_gradient(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:

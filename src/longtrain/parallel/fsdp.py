@@ -23,7 +23,7 @@ from torch import nn
 from ..errors import LongtrainError
 
 __all__ = ["check_all_sharded", "forget_meshes", "gathered", "settle_root", "shard_parameters", "sum_gradients_of",
-           "world_mesh"]
+           "unit_holding", "world_mesh"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,3 +123,17 @@ def settle_root(model: nn.Module) -> None:
 
     if isinstance(model, FSDPModule):
         model._get_fsdp_state()._lazy_init()  # no-op after the first call
+
+
+def unit_holding(model: nn.Module, module: nn.Module):
+    """The FSDP2 unit under ``model`` (not ``model`` itself) that holds ``module``'s
+    parameters, or None."""
+    from torch.distributed.fsdp import FSDPModule
+
+    wanted = {id(p) for p in module.parameters()}
+    for unit in model.modules():
+        if unit is not model and isinstance(unit, FSDPModule):
+            groups = unit._get_fsdp_state()._fsdp_param_groups
+            if wanted & {id(param.sharded_param) for group in groups for param in group.fsdp_params}:
+                return unit
+    return None

@@ -21,19 +21,19 @@ from .options import MsTOptions
 
 def _tiled_forward(original, module: nn.Module, chunk: int, copy_input: bool, pair: bool, x: torch.Tensor):
     params = [p for p in module.parameters() if p.requires_grad]
-    out = tiled_mlp(functools.partial(_as_one_row, original, copy_input), x, params, chunk, module=module)
+    out = tiled_mlp(functools.partial(_as_one_row, original, copy_input, pair), x, params, chunk, module=module)
     return (out, None) if pair else out
 
 
-def _as_one_row(mlp, copy_input: bool, tokens: torch.Tensor) -> torch.Tensor:
+def _as_one_row(mlp, copy_input: bool, pair: bool, tokens: torch.Tensor) -> torch.Tensor:
     """The MLP on tokens (..., H) seen as a batch of one row (1, N, H): a mixture of
     experts reads (batch, sequence, hidden) where a dense MLP takes any leading shape.
     ``copy_input``: the MLP writes its input in place (Mixtral's router jitter), which here
-    is a view of the tensor the tiled MLP keeps for its backward, so it gets a copy. An
-    MLP that returns ``(output, router scores)`` (gpt-oss) gives its output."""
+    is a view of the tensor the tiled MLP keeps for its backward, so it gets a copy.
+    ``pair``: the MLP returns ``(output, router scores)`` (gpt-oss); its output is taken."""
     row = tokens.reshape(1, -1, tokens.shape[-1])
     out = mlp(row.clone() if copy_input else row)
-    if isinstance(out, tuple):
+    if pair:
         out = out[0]
     return out.reshape(*tokens.shape[:-1], out.shape[-1])
 
