@@ -2,14 +2,16 @@
 one process): two optimizer steps of a float64 tiny-llama through the Hugging Face Trainer —
 stock (``stock``) or :class:`~longtrain.hf.LongtrainTrainer` with each strategy named — on
 eight micro-batches of packed and padded rows (the order fixed: micro-batch k goes to
-process k mod N). Rank 0 writes ``{kind}-{name}.pt``: the trained parameters and the logged losses.
+process k mod N). Rank 0 writes ``{kind}-{name}.pt``: the trained parameters, the logged losses
+and (stock, and under sequence parallelism) an evaluation loss.
 
     worker.py OUT ACCUMULATION KIND/NAME[@STEPS]=STRATEGY ...   (STRATEGY "stock": the stock Trainer)
 
 KIND: ``full`` or ``lora`` fine-tuning, or ``unlabelled``: full fine-tuning with micro-batch
 3 — under two processes the second one's last of the first step — without a label token.
 ``@STEPS``: stop after that many steps, saving a checkpoint at each; ``RESUME`` in the
-environment (a checkpoint folder): go on from it to the second step. ``FSDP=1`` in the
+environment (a checkpoint folder): go on from it to the second step. ``SP=P``: sequence
+parallelism over groups of P processes (``parallelism_config``, :func:`sp_on_cpu`). ``FSDP=1`` in the
 environment: the Trainer shards the model with FSDP2 (``fsdp`` and ``fsdp_config`` in the
 training arguments, each decoder layer a unit) — on the CPU too (:func:`fsdp_on_cpu`).
 """
@@ -64,6 +66,23 @@ def fsdp_on_cpu(cls):
     return OnCpu
 
 
+def sp_on_cpu(cls):
+    """``cls`` with ``parallelism_config`` on the CPU as on GPUs: Accelerate accepts a
+    ParallelismConfig only for GPU-like devices, so the Accelerator is built without it and
+    given it after, as Accelerate keeps it there."""
+
+    class OnCpu(cls):
+        def create_accelerator_and_postprocess(self):
+            config, self.args.parallelism_config = self.args.parallelism_config, None
+            try:
+                super().create_accelerator_and_postprocess()
+            finally:
+                self.args.parallelism_config = config
+            self.accelerator.state.parallelism_config = config
+
+    return OnCpu
+
+
 FSDP_ARGS = dict(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                                          "reshard_after_forward": True})
 
@@ -89,12 +108,17 @@ def train(out: Path, accumulation: int, kind: str, name: str, strategy: str, sto
     data = Batches(batches)
     saving = dict(save_strategy="steps", save_steps=1) if stop else {}
     sharded = os.environ.get("FSDP") == "1"
+    if os.environ.get("SP"):
+        from accelerate import ParallelismConfig
+
+        saving["parallelism_config"] = ParallelismConfig(sp_size=int(os.environ["SP"]))
     args = training_args(out / f"{kind}-{name}", gradient_accumulation_steps=accumulation, max_steps=2, optim="adamw_torch",
                          learning_rate=1e-2, weight_decay=0.1, lr_scheduler_type="linear", **saving,
                          **(FSDP_ARGS if sharded else {}))
     extra = {} if strategy == "stock" else {"strategy": None if strategy == "backprop" else strategy}
     cls = Trainer if strategy == "stock" else WithTokenMetrics if name == "metrics" else LongtrainTrainer
-    trainer = (fsdp_on_cpu if sharded else (lambda c: c))(in_order(cls))(
+    on_cpu = fsdp_on_cpu if sharded else sp_on_cpu if os.environ.get("SP") else (lambda c: c)
+    trainer = on_cpu(in_order(cls))(
         model=model, args=args, train_dataset=data, data_collator=data.collate, **extra)
     if stop:  # interrupted after these steps (the schedule still planned for two)
         from transformers import TrainerCallback
@@ -105,13 +129,18 @@ def train(out: Path, accumulation: int, kind: str, name: str, strategy: str, sto
 
         trainer.add_callback(Stop())
     trainer.train(resume_from_checkpoint=os.environ.get("RESUME"))
+    # (micro-batches in equal pairs: the Trainer weighs each process's evaluation loss by the tokens
+    # of the batches evaluated alongside it, so one process and two give the same figure)
+    held_out = [0, 0, 2, 2]  # (indices the collator reads micro-batches by)
+    evaluated = trainer.evaluate(held_out)["eval_loss"] if strategy == "stock" or os.environ.get("SP") else None
     # (FSDP2's shards gathered whole: a collective every process joins)
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
               for n, p in trainer.model.named_parameters() if p.requires_grad}
     if trainer.is_world_process_zero():
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         metrics = {k: list(v) for k, v in getattr(trainer, "_metrics", {}).get("train", {}).items()}
-        torch.save({"params": params, "losses": losses, "metrics": metrics}, out / f"{kind}-{name}.pt")
+        torch.save({"params": params, "losses": losses, "metrics": metrics, "eval_loss": evaluated},
+                   out / f"{kind}-{name}.pt")
 
 
 def main() -> None:

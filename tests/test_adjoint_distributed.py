@@ -94,7 +94,7 @@ def test_torchrun_training_equals_one_process_and_resumes_bit_for_bit(tmp_path):
 
     launcher = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = ["train", "--model", "ssm-demo", "--engine", "adjoint", "--seq-len", "384", "--save-every", "4",
+    args = ["train", "--model", "ssm-demo", "--engine", "adjoint", "--seq-len", "128", "--save-every", "4",
             "--eval-samples", "1", "--no-progress", "--lr", "1e-2", "--warmup-steps", "2"]
 
     def run(out, steps, ranks=1, *extra):
@@ -132,10 +132,10 @@ def test_torchrun_trains_a_tied_mamba_as_one_process(tmp_path):
     build_from_config(preset_config("tiny-mamba", num_hidden_layers=2, vocab_size=320), torch.float32).save_pretrained(
         tmp_path / "mamba")
     text = tmp_path / "text.txt"
-    text.write_text(" ".join(["state space models scan long sequences"] * 120))
+    text.write_text(" ".join(["state space models scan long sequences"] * 30))
     launcher = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = ["train", "--model", str(tmp_path / "mamba"), "--engine", "adjoint", "--seq-len", "256", "--steps", "2",
+    args = ["train", "--model", str(tmp_path / "mamba"), "--engine", "adjoint", "--seq-len", "64", "--steps", "2",
             "--grad-accum", "2", "--data", str(text), "--tokenizer", "bytes", "--no-progress", "--lr", "1e-2"]
 
     def run(out, ranks):

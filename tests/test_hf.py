@@ -291,11 +291,21 @@ def test_hugging_face_checkpointing_is_taken_over(strategy, on_model, applied, t
     assert not any(getattr(m, "gradient_checkpointing", False) for m in ours.modules())
 
 
+def _parallelism(**sizes):
+    from accelerate import ParallelismConfig
+
+    return ParallelismConfig(**sizes)
+
+
 ARGUMENT_REFUSALS = {
-    "deepspeed": (lambda mp, a: setattr(a, "deepspeed", {"train_micro_batch_size_per_gpu": 1}), "longtrain train --sp P"),
+    "deepspeed": (lambda mp, a: setattr(a, "deepspeed", {"train_micro_batch_size_per_gpu": 1}),
+                  "parallelism_config=ParallelismConfig(sp_size=P)"),
     "fsdp1": (lambda mp, a: (setattr(a, "fsdp", ["full_shard"]), setattr(a, "fsdp_config", {"version": 1})),
               "fsdp_config={'version': 2}"),
-    "parallelism_config": (lambda mp, a: setattr(a, "parallelism_config", object()), "longtrain train --sp P"),
+    "tensor_parallel": (lambda mp, a: setattr(a, "parallelism_config", _parallelism(tp_size=2)),
+                        "set ParallelismConfig(sp_size=P) alone"),
+    "sp_with_fsdp": (lambda mp, a: (setattr(a, "parallelism_config", _parallelism(sp_size=2)), setattr(a, "fsdp", ["full_shard"]),
+                                    setattr(a, "fsdp_config", {"version": 2})), "drop fsdp="),
     "DataParallel": (lambda mp, a: setattr(a, "_n_gpu", 2), "CUDA_VISIBLE_DEVICES=0"),
     "fp16": (lambda mp, a: setattr(a, "fp16", True), "bf16=True"),
     "torch_compile": (lambda mp, a: setattr(a, "torch_compile", True), "torch_compile=False"),
@@ -327,7 +337,7 @@ def test_refused_trainers_strategies_and_batches_in_one_line(tmp_path):
     split.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}
     refused("device_map=None", lambda: tiny_trainer(tmp_path, split))
     refused("drop it", lambda: tiny_trainer(tmp_path, compute_loss_func=lambda outputs, labels, **kw: outputs.loss))
-    refused("longtrain train --sp 2", lambda: tiny_trainer(tmp_path, strategy="fpdt:chunk=16+sp2"))
+    refused("parallelism_config=ParallelismConfig(sp_size=2)", lambda: tiny_trainer(tmp_path, strategy="fpdt:chunk=16+sp2"))
     refused("has no option 'chunks'", lambda: tiny_trainer(tmp_path, strategy="fpdt:chunks=16"))
     refused("trl.SFTTrainer", lambda: wrap(dict))
     refused("Weighted.compute_loss", lambda: wrap(type("Weighted", (Trainer,), {"compute_loss": lambda *a, **k: 0})))

@@ -123,7 +123,99 @@ def test_a_checkpoint_resumes_under_another_process_count(one_process, two_proce
     assert all(torch.equal(p, saved["params"][n]) for n, p in stock.named_parameters())
     resumed = launch([sys.executable], tmp_path, 4, {("full", "resumed"): "checkpoint,mst"},
                      RESUME=str(checkpoint))[("full", "resumed")]
-    whole = one_process["full"]
+    assert_resumed(resumed, one_process["full"])
+
+
+@pytest.fixture(scope="module")
+def sequence_parallel(tmp_path_factory):
+    """`torchrun --nproc-per-node 2` with ``ParallelismConfig(sp_size=2)``: one group of two
+    processes sharing each micro-batch, four accumulated a step (the one process's global
+    batch); a run stopped after its first step (a checkpoint)."""
+    out = tmp_path_factory.mktemp("sp")
+    runs = {("full", "checkpoint"): "checkpoint,mst", ("full", "seco"): "seco:chunk=32", ("lora", "fpdt"): "fpdt:chunk=32",
+            ("unlabelled", "metrics"): "fpdt:chunk=32", ("full", "first@1"): "fpdt:chunk=32"}
+    return launch(torchrun(2), out, 4, runs, SP="2"), out
+
+
+def test_sequence_parallel_inside_the_trainer_equals_one_process(one_process, sequence_parallel, tmp_path):
+    """Ulysses over the two processes of a group (FSDP2 sharding the model over both): whole-
+    sequence and chunked engines, full and LoRA, a micro-batch without a label token, TRL's
+    token metrics; the checkpoint (the model's and the optimizer's shards gathered whole)
+    loads in stock Transformers and goes on in one process to the uninterrupted run."""
+    runs, out = sequence_parallel
+    for (kind, name), result in runs.items():
+        if name != "first@1":
+            assert_same_training(result, one_process[kind])
+        if name != "first@1":  # each process evaluates its own batches whole; their losses gathered
+            assert result["eval_loss"] == pytest.approx(one_process[kind]["eval_loss"], rel=1e-6)
+    metrics = runs[("unlabelled", "metrics")]["metrics"]
+    assert len(metrics["entropy"]) == 8 and all(0 <= a <= 1 for a in metrics["mean_token_accuracy"])
+    checkpoint = out / "full-first" / "checkpoint-1"
+    stock = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64)
+    assert all(torch.equal(p, runs[("full", "first@1")]["params"][n]) for n, p in stock.named_parameters())
+    resumed = launch([sys.executable], tmp_path, 4, {("full", "resumed"): "checkpoint,mst"}, RESUME=str(checkpoint))
+    assert_resumed(resumed[("full", "resumed")], one_process["full"])
+
+
+def test_sequence_parallel_groups_train_data_parallel_and_resume_under_another_count(one_process, sequence_parallel,
+                                                                                   tmp_path):
+    """Four processes in two groups of two (2 × 2, two micro-batches a group a step): the run
+    saved by one group of two goes on here to the uninterrupted one-process run."""
+    checkpoint = sequence_parallel[1] / "full-first" / "checkpoint-1"
+    resumed = launch(torchrun(4), tmp_path, 2, {("full", "resumed"): "fpdt:chunk=32"}, SP="2", RESUME=str(checkpoint))
+    assert_resumed(resumed[("full", "resumed")], one_process["full"])
+
+
+def assert_resumed(resumed: dict, whole: dict) -> None:
     for name, expected in whole["params"].items():
         torch.testing.assert_close(resumed["params"][name], expected, rtol=1e-10, atol=1e-12, msg=name)
     assert resumed["losses"][-1] == pytest.approx(whole["losses"][-1], rel=1e-6)
+
+
+def test_sequence_parallel_is_set_as_hugging_face_sets_it():
+    """The degree comes from ``parallelism_config``'s sp_size; a strategy's ``+spN``, and the
+    parallelism longtrain does not run inside the Trainer, are refused in one line."""
+    from accelerate import ParallelismConfig
+
+    from longtrain import LongtrainError
+    from longtrain.hf import _parse_strategy
+    from longtrain.hf_sequence_parallel import degree_of
+
+    assert degree_of(None) is None and degree_of(ParallelismConfig(sp_size=1)) is None
+    assert degree_of(ParallelismConfig(sp_size=4)) == 4
+    with pytest.raises(LongtrainError, match=r"drop \+sp2 and set parallelism_config=ParallelismConfig\(sp_size=2\)"):
+        _parse_strategy("checkpoint,mst+sp2")
+    with pytest.raises(LongtrainError, match="tp_size=2 is not supported inside the Trainer"):
+        degree_of(ParallelismConfig(tp_size=2))
+
+
+def test_a_groups_micro_batches_reach_each_of_its_processes_in_rank_order_and_resume_past_a_skip(monkeypatch):
+    """GroupBatches, its all-gather stood in for (rank 1 of the group read each batch + 100):
+    every micro-batch of the group in rank order, and the Trainer's skip on resumption (by
+    micro-batches, as many as it counts) landing inside a gathered round."""
+    import torch.distributed as dist
+
+    from longtrain.hf_sequence_parallel import GroupBatches
+
+    def all_gather_object(every, mine, group=None):
+        every[:] = [mine, {k: v + 100 for k, v in mine.items()}]
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    loader = torch.utils.data.DataLoader([{"input_ids": torch.tensor([k])} for k in range(3)], batch_size=1)
+    whole = [int(b["input_ids"]) for b in GroupBatches(loader, None, 2, 0)]
+    assert whole == [0, 100, 1, 101, 2, 102] and len(GroupBatches(loader, None, 2, 0)) == 6
+    for n in range(6):
+        assert [int(b["input_ids"]) for b in GroupBatches(loader, None, 2, 0).skip(n)] == whole[n:]
+
+
+def test_the_loss_normaliser_of_a_group_is_the_stock_data_parallel_ones():
+    """Counted over every process, the Trainer's count (divided by the group's size) is the
+    step's; counted per process, it is multiplied back and the groups' means are averaged."""
+    from longtrain.hf_sequence_parallel import group_loss_normaliser
+
+    def rule(labels, num_items):  # the one-process rule: the Trainer's count, else 10 own tokens × 4 steps
+        return 40 if num_items is None else int(num_items)
+
+    assert group_loss_normaliser(rule, None, 96, True, 2, 3) == 96
+    assert group_loss_normaliser(rule, None, 24.5, False, 2, 3) == 49 * 3
+    assert group_loss_normaliser(rule, None, None, False, 2, 3) == 40 * 3

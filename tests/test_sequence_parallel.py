@@ -274,3 +274,19 @@ def test_a_simulation_shards_over_the_data_parallel_groups_too():
     assert two.device_bytes("activations") < 0.7 * one.device_bytes("activations")
     with pytest.raises(lt.LongtrainError, match=r"processes \(6\) must be a multiple of its degree \(4\)"):
         lt.Strategy(sequence_parallel={"degree": 4, "processes": 6})
+
+
+def test_each_process_of_a_group_draws_its_own_dropout_and_the_generators_stay_in_step():
+    """The ranks' streams differ (independent masks for their tokens), each is the same on
+    a second call from the same state (recomputation and reruns reproduce it), and the shared
+    generator is left advanced alike whatever the rank."""
+    from longtrain.engines.sequence_parallel import rank_random_stream
+
+    drawn, after = {}, {}
+    for rank in (0, 1, 0):
+        torch.manual_seed(7)
+        with rank_random_stream(rank, torch.device("cpu")):
+            mask = torch.nn.functional.dropout(torch.ones(64), p=0.5)
+        assert drawn.setdefault(rank, mask).equal(mask)
+        after[rank] = torch.rand(4)
+    assert not drawn[0].equal(drawn[1]) and after[0].equal(after[1])

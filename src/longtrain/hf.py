@@ -42,6 +42,7 @@ from transformers import Trainer
 from . import registry
 from .engines.batch import count_label_tokens
 from .errors import LongtrainError
+from .hf_sequence_parallel import SequenceParallelCheckpoints, degree_of, group_loss_normaliser
 from .models.adapters import describe_model
 from .models.layers import unwrap
 from .ops.token_stats import TokenStats, counting
@@ -57,13 +58,13 @@ logger = logging.getLogger(__name__)
 _BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
 _DERIVED_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "use_cache"})
 
-_SP_HINT = ("for several GPUs, `longtrain train --sp P` under torchrun splits sequences over P processes "
-            "(FSDP2 shards the rest)")
+_SP_HINT = ("to split sequences over P processes, set parallelism_config=ParallelismConfig(sp_size=P) (longtrain's "
+            "Ulysses, FSDP2 sharding the rest)")
 _FP16 = ("fp16 scales the loss with a GradScaler inside backward, which longtrain's step runs itself; load the model in "
          "bfloat16 and set bf16=True, or train in float32")
 
 
-class _LongtrainTraining:
+class _LongtrainTraining(SequenceParallelCheckpoints):
     """The part of :class:`LongtrainTrainer` that any ``transformers.Trainer`` subclass takes
     on through :func:`wrap`: the strategy, the refusals, and the training step."""
 
@@ -78,11 +79,25 @@ class _LongtrainTraining:
         _check_arguments(self.args)  # the defaults the Trainer filled in (TRL's SFTConfig())
         _check_trainer(self)
         _check_long_context_lengths(self.long_context_eval, self.model)
+        degree = degree_of(getattr(self.accelerator, "parallelism_config", None))
+        if degree and planned == "auto":
+            raise LongtrainError("strategy='auto' plans one process; under parallelism_config sp_size pick a strategy "
+                                 "with `longtrain plan --gpus N --sp P` and pass it as strategy=")
         strategy = _auto_strategy(self) if planned == "auto" else planned
-        self.strategy = _take_over_checkpointing(self, strategy, planned == "auto")
+        strategy = _take_over_checkpointing(self, strategy, planned == "auto")
+        self.strategy = strategy if not degree else Strategy(strategy.engine, strategy.engine_options, degree,
+                                                             **strategy.techniques)
         apply(self.model, self.strategy)
         if _fsdp2(self.accelerator):
             _check_fsdp2_strategy(self.strategy)
+        if degree:
+            from .hf_sequence_parallel import install
+
+            if _adds_balancing_loss(self.model):
+                raise LongtrainError("a mixture of experts' load-balancing loss is not weighed under sequence "
+                                     "parallelism inside the Trainer yet; set the config's output_router_logits=False, "
+                                     "or train it with `longtrain train --sp P`")
+            install(self, degree)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One micro-batch: forward and backward by :func:`longtrain.step` with the applied
@@ -96,10 +111,16 @@ class _LongtrainTraining:
             apply(target, self.strategy)
         inputs = self._prepare_inputs(inputs)
         batch = _longtrain_batch(inputs)
-        count = self._loss_normaliser(batch["labels"], num_items_in_batch)
         processes, scale = self._processes_and_loss_scale(num_items_in_batch)
-        sharded = _fsdp2(self.accelerator)
-        if sharded:
+        degree = self.strategy.sequence_parallel.degree if self.strategy.sequence_parallel else None
+        if degree:  # every process of a group steps on its micro-batch; FSDP2 sums the gradients over all
+            count = group_loss_normaliser(self._loss_normaliser, batch["labels"], num_items_in_batch, scale > 1,
+                                          degree, processes // degree)
+            scale = 1  # (the step returns the loss summed over every process)
+        else:
+            count = self._loss_normaliser(batch["labels"], num_items_in_batch)
+        sharded = _fsdp2(self.accelerator) or degree is not None
+        if _fsdp2(self.accelerator):
             _settle_sharding(target, summed=scale > 1)
         stats, aux = (TokenStats() if _logs_token_metrics(self) else None), None
         # (FSDP2's units gather and reduce in every process's forward and backward: none skips its step)
@@ -144,7 +165,8 @@ class _LongtrainTraining:
             tokens = gathered(inputs["attention_mask"].sum()).sum().item()
         else:
             tokens = gathered(inputs["position_ids"].size(1)).sum().item()
-        self._total_train_tokens += int(tokens) // getattr(self, "_tp_size", 1)
+        parallel = self.strategy.sequence_parallel  # (a group's processes each hold its whole micro-batch)
+        self._total_train_tokens += int(tokens) // getattr(self, "_tp_size", 1) // (parallel.degree if parallel else 1)
         metrics["num_tokens"] = [self._total_train_tokens]
         if getattr(self, "aux_loss_enabled", False):
             ran = gathered(aux is not None)
@@ -228,11 +250,13 @@ class LongtrainTrainer(_LongtrainTraining, Trainer):
     ``"fpdt:chunk=8192:offload=true,mst"``, ``"memo:alpha=0.3,mst"``), ``"auto"`` (the
     planner's fastest strategy that fits this device at the run's length), or None (plain
     autograd through longtrain's engine). Every other argument is the Trainer's. What
-    cannot run exactly (DeepSpeed, FSDP, several GPUs in one process, fp16's GradScaler, a
+    cannot run exactly (DeepSpeed, FSDP1, several GPUs in one process, fp16's GradScaler, a
     custom loss, ...) is refused here in one line. Under ``torchrun`` or ``accelerate launch``
     with several processes it trains data parallel: each process runs the step on its own
     micro-batches, and their gradients are summed before clipping and the optimizer step, as
-    DDP's are. ``trainer.strategy`` is the strategy applied.
+    DDP's are; or sharded by the Trainer's FSDP2; or, with ``parallelism_config``'s
+    ``sp_size``, sequence parallel (:mod:`longtrain.hf_sequence_parallel`).
+    ``trainer.strategy`` is the strategy applied.
     """
 
 
@@ -324,9 +348,9 @@ def _parse_strategy(strategy) -> "Strategy | str":
         return "auto"
     parsed = Strategy.parse(strategy)
     if parsed.sequence_parallel is not None:
-        raise LongtrainError(f"strategy {parsed.name!r} is sequence parallel, which runs under torchrun with "
-                             f"`longtrain train --sp {parsed.sequence_parallel.degree}`, not inside a Trainer; drop "
-                             f"+sp{parsed.sequence_parallel.degree}")
+        degree = parsed.sequence_parallel.degree
+        raise LongtrainError(f"inside a Trainer, sequence parallelism is set in the training arguments: drop +sp{degree} "
+                             f"and set parallelism_config=ParallelismConfig(sp_size={degree})")
     return parsed
 
 
@@ -401,9 +425,8 @@ def _check_arguments(args) -> None:
         (args.fsdp and int((args.fsdp_config or {}).get("version", 2)) != 2,
          "FSDP1 wraps the model's forward, which longtrain's step does not call; set fsdp_config={'version': 2} "
          f"(FSDP2 shards each unit longtrain calls), or drop fsdp= ({_SP_HINT})"),
-        (getattr(args, "parallelism_config", None) is not None,
-         "context, sequence or tensor parallelism through ParallelismConfig is not supported; drop parallelism_config "
-         f"({_SP_HINT})"),
+        (degree_of(getattr(args, "parallelism_config", None)) and args.fsdp,
+         "sequence parallelism (parallelism_config sp_size) shards the model with FSDP2 itself; drop fsdp="),
         (args.n_gpu > 1, f"{args.n_gpu} GPUs visible to one process make the Trainer use torch DataParallel, which "
                          f"longtrain's step bypasses; make one visible (CUDA_VISIBLE_DEVICES=0), or {_SP_HINT}"),
         (args.fp16, _FP16),
@@ -441,8 +464,9 @@ def _check_trainer(trainer) -> None:
         (accelerator.num_processes > 1 and not (_data_parallel(accelerator) or _fsdp2(accelerator)),
          f"{accelerator.num_processes} processes under {kind} are not supported; run them as plain data parallel "
          f"(torchrun or accelerate launch without DeepSpeed) or FSDP2, or {_SP_HINT}"),
-        (getattr(accelerator, "parallelism_config", None) is not None,
-         f"the Accelerate config enables context, sequence or tensor parallelism, which is not supported ({_SP_HINT})"),
+        (degree_of(getattr(accelerator, "parallelism_config", None)) and _fsdp(accelerator),
+         "sequence parallelism (parallelism_config sp_size) shards the model with FSDP2 itself; disable FSDP in the "
+         "Accelerate config"),
         (accelerator.scaler is not None, _FP16),
         (trainer.compute_loss_func is not None, "compute_loss_func replaces the loss, and longtrain's step computes "
                                                 "next-token cross-entropy; drop it, or train with the stock Trainer"),

@@ -562,7 +562,8 @@ def step(model, batch: Mapping, strategy: Strategy | None = None, num_label_toke
             return engine.step(context, batch, num_label_tokens)
         with collective_failures("the sequence-parallel step"):
             sp.check_same_batch(batch)
-            return engine.step(context, batch, num_label_tokens)
+            with sp.random_stream(next(context.adapter.base.parameters()).device):
+                return engine.step(context, batch, num_label_tokens)
     except BaseException:
         if context.router_balance is not None:
             context.router_balance.abandon()

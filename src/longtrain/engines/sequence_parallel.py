@@ -24,6 +24,7 @@ Parameters, gradients and optimizer state are sharded over all ranks with FSDP2
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -166,6 +167,11 @@ class SequenceParallel:
         dist.all_reduce(total, group=self.comm.group)
         return total
 
+    def random_stream(self, device: torch.device):
+        """This process's own random numbers for the step (see :func:`rank_random_stream`);
+        none taken on the simulator's stand-in."""
+        return contextlib.nullcontext() if self.simulated else rank_random_stream(dist.get_rank(), device)
+
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """This rank's share summed over all ranks: the loss of the whole step, everywhere."""
         if self.simulated:
@@ -173,6 +179,25 @@ class SequenceParallel:
         total = loss.detach().clone()
         dist.all_reduce(total)
         return total
+
+
+@contextlib.contextmanager
+def rank_random_stream(rank: int, device: torch.device):
+    """Run the block on a random stream of this process's own, so that the processes
+    sharing a sequence draw independent dropout masks for their tokens and heads, as one
+    process drawing for the whole sequence would (with one stream, every process would
+    draw the same masks). The stream is seeded from the shared generators plus the rank;
+    they advance alike on every process and are put back after the block, so the
+    processes stay in step; recomputation inside the block replays its draws as usual."""
+    seed = int(torch.randint(2**62, (1,)))  # the same on every process: their generators are in step
+    accelerator = device if device.type != "cpu" else None
+    with torch.random.fork_rng(devices=[accelerator] if accelerator else [],
+                               device_type=accelerator.type if accelerator else "cuda"):
+        torch.default_generator.manual_seed(seed + rank)
+        if accelerator is not None:
+            with torch.get_device_module(accelerator.type).device(accelerator):
+                torch.get_device_module(accelerator.type).manual_seed(seed + rank)
+        yield
 
 
 def distribute(context) -> None:
