@@ -81,23 +81,17 @@ def test_data_parallel_over_two_processes_equals_one_process(one_process, two_pr
 def test_fsdp2_over_two_processes_equals_one_process(one_process, tmp_path):
     """The Trainer's FSDP2 (each decoder layer a unit, the embeddings and the final norm with
     the head carved out by Accelerate) under `torchrun --nproc-per-node 2`: the whole-sequence
-    strategies, full and LoRA (whose final norm stays in the root: gathered by the step), and
-    a process whose last micro-batch has no label token (it runs its step all the same, so that
-    the units' gathers and reductions meet), with TRL's token metrics gathered."""
-    runs = {("full", "checkpoint"): "checkpoint,mst", ("full", "memo"): "memo", ("lora", "checkpoint"): "checkpoint,mst",
-            ("unlabelled", "checkpoint"): "checkpoint,mst", ("unlabelled", "metrics"): "checkpoint,mst"}
+    strategies, full and LoRA (whose final norm stays in the root: gathered by the step); the
+    chunked engines, whose micro-batches are padded to the longest process's so that each
+    calls its units as often (micro-batch 6, of 32 tokens, is one 32-token chunk; the other
+    process's, of 48, two); and a process whose last micro-batch has no label token (it runs
+    its step all the same, so that the units' gathers and reductions meet), with TRL's token
+    metrics gathered."""
+    runs = {("full", "checkpoint"): "checkpoint,mst", ("full", "memo"): "memo", ("full", "fpdt"): "fpdt:chunk=32",
+            ("full", "seco"): "seco:chunk=32", ("lora", "checkpoint"): "checkpoint,mst",
+            ("unlabelled", "checkpoint"): "checkpoint,mst", ("unlabelled", "metrics"): "fpdt:chunk=32"}
     for (kind, _), result in launch(torchrun(2), tmp_path, 2, runs, FSDP="1").items():
         assert_same_training(result, one_process[kind])
-
-
-def test_fsdp2_refuses_the_chunked_engines_in_one_line():
-    from longtrain import LongtrainError, Strategy
-    from longtrain.hf import _check_fsdp2_strategy
-
-    _check_fsdp2_strategy(Strategy.parse("checkpoint,mst"))
-    for engine in ("fpdt:chunk=32", "seco:chunk=32", "spaco:chunk=32"):
-        with pytest.raises(LongtrainError, match="runs a backward pass per chunk.*FSDP2"):
-            _check_fsdp2_strategy(Strategy.parse("mst", engine=engine))
 
 
 def test_four_processes_started_by_accelerate_launch_equal_one_process(one_process, tmp_path):

@@ -47,6 +47,7 @@ from .models.adapters import describe_model
 from .models.layers import unwrap
 from .ops.token_stats import TokenStats, counting
 from .parallel.distributed import sum_gradients
+from .parallel.fsdp import padded_to_longest
 from .strategy import Strategy, applied_context, applied_strategy, apply, router_aux_loss, step
 
 __all__ = ["LongtrainTrainer", "wrap"]
@@ -88,8 +89,6 @@ class _LongtrainTraining(SequenceParallelCheckpoints):
         self.strategy = strategy if not degree else Strategy(strategy.engine, strategy.engine_options, degree,
                                                              **strategy.techniques)
         apply(self.model, self.strategy)
-        if _fsdp2(self.accelerator):
-            _check_fsdp2_strategy(self.strategy)
         if degree:
             from .hf_sequence_parallel import install
 
@@ -122,6 +121,8 @@ class _LongtrainTraining(SequenceParallelCheckpoints):
         sharded = _fsdp2(self.accelerator) or degree is not None
         if _fsdp2(self.accelerator):
             _settle_sharding(target, summed=scale > 1)
+            if registry.engine(self.strategy.engine).costs.chunk(self.strategy.engine_options) is not None:
+                batch = padded_to_longest(batch)  # as many chunks, so as many unit calls, in every process
         stats, aux = (TokenStats() if _logs_token_metrics(self) else None), None
         # (FSDP2's units gather and reduce in every process's forward and backward: none skips its step)
         if count == 0 and not _adds_balancing_loss(target) and not sharded:
@@ -510,18 +511,6 @@ def _fsdp(accelerator) -> int | None:
 def _fsdp2(accelerator) -> bool:
     """Whether Accelerate shards the model with FSDP2 (``fsdp_version: 2``)."""
     return _fsdp(accelerator) == 2
-
-
-def _check_fsdp2_strategy(strategy: Strategy) -> None:
-    """Under FSDP2 a unit gathers its parameters around each call and reduces its gradients
-    after each backward pass through it; the chunked engines call a layer once per chunk and
-    run a backward pass per chunk, as many as the micro-batch's length makes, which differ
-    between processes: refused in one line."""
-    if registry.engine(strategy.engine).costs.chunk(strategy.engine_options) is not None:
-        raise LongtrainError(f"the {strategy.engine} engine runs a backward pass per chunk, as many as each process's "
-                             "micro-batch has, which FSDP2's per-call gathers and reductions cannot match between "
-                             "processes; use a whole-sequence strategy under FSDP2 ('checkpoint,mst', 'memo'), or "
-                             f"plain data parallel, or {_SP_HINT}")
 
 
 def _settle_sharding(model, summed: bool) -> None:

@@ -22,8 +22,8 @@ from torch import nn
 
 from ..errors import LongtrainError
 
-__all__ = ["check_all_sharded", "forget_meshes", "gathered", "settle_root", "shard_parameters", "sum_gradients_of",
-           "unit_holding", "world_mesh"]
+__all__ = ["check_all_sharded", "forget_meshes", "gathered", "padded_to_longest", "settle_root", "shard_parameters",
+           "sum_gradients_of", "unit_holding", "world_mesh"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,3 +137,25 @@ def unit_holding(model: nn.Module, module: nn.Module):
             if wanted & {id(param.sharded_param) for group in groups for param in group.fsdp_params}:
                 return unit
     return None
+
+
+def padded_to_longest(batch: dict) -> dict:
+    """``batch`` (Hugging Face's keys) padded at its end to the longest micro-batch of any
+    process, with tokens that carry no loss (labels -100, attention mask 0, positions going
+    on): under FSDP2 every unit gathers and reduces per call, and the chunked engines call
+    each unit once per chunk, so every process must have as many chunks. No real token sees
+    a later position, so the padding changes no loss and no gradient."""
+    ids = batch["input_ids"]
+    longest = torch.tensor([ids.shape[1]], dtype=torch.int64, device=ids.device)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+    pad = int(longest) - ids.shape[1]
+    if pad == 0:
+        return batch
+    fill = {"input_ids": 0, "labels": -100, "attention_mask": 0}
+    padded = {key: torch.nn.functional.pad(value, (0, pad), value=fill[key]) for key, value in batch.items()
+              if key in fill}
+    if "position_ids" in batch:
+        positions = batch["position_ids"]
+        padded["position_ids"] = torch.cat(
+            [positions, positions[:, -1:] + torch.arange(1, pad + 1, device=positions.device)], dim=1)
+    return padded
