@@ -334,6 +334,30 @@ def test_a_plan_row_is_built_by_keyword_and_prints_the_train_options_that_run_it
                        optimizer="sgd", dtype="bfloat16", rows=[spread], gpus=2, lora_rank=16)
     assert two.command() == ("torchrun --nproc-per-node 2 -m longtrain.cli train --model llama3-8b --seq-len 300000 "
                              "--strategy checkpoint,mst+sp2 --sp 2 --lora --lora-rank 16 --optimizer sgd")
+    over_4bit = planner.Plan(model="llama3-8b", seq_len=512 * K, device_memory=80 * GIB, host_memory=128 * GIB,
+                             optimizer="adamw", dtype="bfloat16", rows=[offloaded], lora_rank=16, four_bit=True)
+    assert over_4bit.command().endswith("--lora --lora-rank 16 --4bit")
+
+
+def test_a_4bit_base_is_planned_at_its_4bit_bytes():
+    """`plan --lora --4bit`: the weights the plan counts beside every candidate are the 4-bit
+    base's (bitsandbytes NF4 on every linear layer but the head: about half a byte a value,
+    the embeddings and head in bf16); --4bit without --lora is refused."""
+    from longtrain.plan.bounds import budgets_for
+    from longtrain.plan.fake_model import four_bit_weight_bytes, with_4bit_base
+
+    config = preset_config("llama3-8b")
+    dtype = torch.bfloat16
+    weights = four_bit_weight_bytes(with_4bit_base(preset_config("llama3-8b")), dtype)
+    embedding = config.vocab_size * config.hidden_size * 2  # bytes of the embedding, and of the untied head
+    assert 0.5 < (weights - 2 * embedding) / (7.5e9 * 0.5) < 1.1 and four_bit_weight_bytes(config, dtype) is None
+    _, (bf16,) = budgets_for(config, device_memory=80 * GIB, host_memory=128 * GIB, optimizer="adamw", dtype=dtype,
+                             lora_rank=16)
+    _, (nf4,) = budgets_for(with_4bit_base(preset_config("llama3-8b")), device_memory=80 * GIB, host_memory=128 * GIB,
+                            optimizer="adamw", dtype=dtype, lora_rank=16)
+    assert nf4.persistent == weights and bf16.persistent > 2.5 * nf4.persistent
+    with pytest.raises(lt.LongtrainError, match=r"four_bit \(--4bit\) holds the base in 4 bits.*add --lora"):
+        PlanRequest("llama3-8b", 4096, device_memory=80 * GIB, host_memory=128 * GIB, four_bit=True)
 
 
 def test_a_refusal_quotes_the_whole_models_layers_and_host_budget():

@@ -100,3 +100,39 @@ def test_a_qlora_trainer_step_equals_the_stock_trainers(load, tmp_path):
     stock, ours = changes
     for name, expected in stock.items():
         torch.testing.assert_close(ours[name], expected, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_the_simulated_4bit_base_is_what_bitsandbytes_holds_and_computes(tmp_path):
+    """`simulate --lora --4bit` against the exact CPU tracker of the same tiny Llama loaded in
+    NF4 by bitsandbytes with LoRA adapters (checkpoint,mst): activations, temporaries (each
+    layer's weight dequantized whole for its call), gradients, optimizer state and the
+    packed weights equal to the byte. The simulator also counts the block scales bitsandbytes
+    keeps beside each packed weight (a float32 per 64 values), which the tracker cannot see:
+    they are no parameter, allocated as the model loads."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from longtrain.models.loading import add_lora, build_from_config
+    from longtrain.plan.fake_model import build_fake_model, with_4bit_base
+    from longtrain.plan.simulate import run_training_steps
+
+    config = preset_config("tiny-llama", intermediate_size=192)
+    build_from_config(config, torch.float32).save_pretrained(tmp_path)
+    quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+
+    def real():
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantized, dtype=torch.float32)
+        return add_lora(model, rank=4).train()
+
+    settings = dict(seq_len=256, strategy="checkpoint,mst", dtype=torch.float32)
+    measured, _ = run_training_steps(real, fake=False, **settings)
+    simulated, represented = run_training_steps(lambda: build_fake_model(with_4bit_base(config), torch.float32, 4),
+                                                **settings)
+    linear_values = sum(m.in_features * m.out_features for m in build_from_config(config, torch.float32).modules()
+                        if type(m) is torch.nn.Linear and m.out_features != config.vocab_size)
+    for category in measured.by_category:
+        scales = 4 * linear_values // 64 if category == "parameters" else 0
+        assert simulated.device_bytes(category) == measured.device_bytes(category) + scales, category
+    assert simulated.peak_device_bytes == measured.peak_device_bytes + 4 * linear_values // 64
+    assert represented == sum(p.numel() for p in build_from_config(config, torch.float32).parameters()) + \
+        sum(p.numel() for n, p in add_lora(build_from_config(config, torch.float32), rank=4).named_parameters()
+            if "lora_" in n)

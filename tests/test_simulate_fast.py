@@ -159,8 +159,11 @@ def test_simulate_lora_reports_trainable_parameters(capsys):
     assert report.lora_rank == 4 and 0 < report.trainable_parameters < report.parameters // 10
     assert report.peak.device_bytes("optimizer_state") < full.peak.device_bytes("optimizer_state") / 10
     assert "LoRA rank 4" in report.table()
-    code, out, _ = _cli(capsys, "simulate", "--model", "tiny-llama", "--seq-len", "512", "--lora", "--lora-rank", "4")
-    assert code == 0 and "LoRA rank 4" in out
+    code, out, _ = _cli(capsys, "simulate", "--model", "tiny-llama", "--seq-len", "512", "--lora", "--lora-rank", "4",
+                        "--4bit")
+    assert code == 0 and "LoRA rank 4 (0.0M trainable) over a 4-bit (NF4) base" in out
+    code, _, err = _cli(capsys, "simulate", "--model", "tiny-llama", "--seq-len", "512", "--4bit")
+    assert code == 2 and "--4bit holds the base in 4 bits, which trains LoRA adapters only: add --lora" in err
 
 
 def _cli(capsys, *argv):

@@ -115,6 +115,8 @@ def _add_train(sub) -> None:
     p.add_argument("--lora-rank", type=int, default=d.lora_rank, action=_Given, help="rank of the LoRA adapters (with --lora)")
     p.add_argument("--lora-dropout", type=float, default=d.lora_dropout, action=_Given, help="dropout on the LoRA adapters' "
                    "inputs (with --lora; e.g. 0.05; every recomputation replays its masks)")
+    p.add_argument("--4bit", dest="four_bit", action="store_true", help="with --lora: load the base in 4 bits (QLoRA: "
+                   "bitsandbytes NF4, computing in --dtype; a model directory; needs bitsandbytes)")
     p.add_argument("--dtype", default=d.dtype, help="float32, bfloat16, float16 (not given: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of a preset's weights, the data order and the task")
@@ -195,6 +197,9 @@ def _add_simulate(sub) -> None:
     p.add_argument("--lora", action="store_true", help="simulate LoRA training (as train --lora: adapters on every linear "
                    "layer but the head; frozen base weights without gradients or optimizer state)")
     p.add_argument("--lora-rank", type=int, default=8, help="rank of the LoRA adapters with --lora")
+    p.add_argument("--4bit", dest="four_bit", action="store_true", help="with --lora: the base held in 4 bits by "
+                   "bitsandbytes (NF4, as train --4bit loads it): its linear weights at about half a byte each, each "
+                   "dequantized whole for its call")
     p.add_argument("--device-memory", type=_bytes, default=None, help="say whether the step fits a device of this much "
                    "memory (80GiB, 80GB; exit code 1 when it does not)")
     p.add_argument("--host-memory", type=_bytes, default=None, help="host memory the run may use (120GiB): the default "
@@ -226,6 +231,8 @@ def _run_simulate(args) -> int:
         raise LongtrainError(f"--grad-accum must be positive, got {args.grad_accum}")
     if args.lora_rank <= 0:
         raise LongtrainError(f"--lora-rank must be positive, got {args.lora_rank}")
+    if args.four_bit and not args.lora:
+        raise LongtrainError("--4bit holds the base in 4 bits, which trains LoRA adapters only: add --lora")
     if args.optimizer == "adamw-offload":  # the earlier spelling of --optimizer-offload, read as it
         print("longtrain simulate: note: --optimizer adamw-offload is now --optimizer-offload", file=sys.stderr)
     elif args.optimizer_offload and args.optimizer != "adamw":
@@ -243,7 +250,8 @@ def _run_simulate(args) -> int:
                           optimizer="adamw-offload" if args.optimizer_offload else args.optimizer, dtype=args.dtype,
                           grad_accum=args.grad_accum, lora_rank=args.lora_rank if args.lora else None,
                           fragmentation=args.fragmentation, exact=args.exact, progress=progress, device_memory=args.device_memory,
-                          host_memory=args.host_memory, layer_groups=args.layer_groups if args.layer_groups > 1 else None)
+                          host_memory=args.host_memory, layer_groups=args.layer_groups if args.layer_groups > 1 else None,
+                          four_bit=args.four_bit)
     fits = None
     if args.device_memory is not None or args.host_memory is not None:
         fits, verdict = report.verdict(args.device_memory, args.host_memory)
@@ -292,6 +300,8 @@ def _add_plan(sub) -> None:
                    "the --gpus / --sp groups are data parallel")
     p.add_argument("--lora", action="store_true", help="plan LoRA training (adapters on every linear layer but the head, as train --lora)")
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank with --lora (default %(default)s)")
+    p.add_argument("--4bit", dest="four_bit", action="store_true", help="with --lora: plan over a base held in 4 bits "
+                   "(bitsandbytes NF4, as train --4bit loads it)")
     p.add_argument("--longest", action="store_true", help="also find the longest context each simulated strategy "
                    "reaches (a search: FPDTOptions over one set of small simulations, the others a few whole-length ones)")
     p.add_argument("--optimizer-offload", action=argparse.BooleanOptionalAction, default=None,
@@ -321,6 +331,7 @@ def _run_plan(args) -> int:
     request = PlanRequest(args.model, args.seq_len, device_memory=args.device_memory, host_memory=args.host_memory,
                           optimizer=args.optimizer, dtype=args.dtype, rates=load(args.rates), rates_name=args.rates,
                           gpus=args.gpus, sp=args.sp, lora_rank=args.lora_rank if args.lora else None,
+                          four_bit=args.four_bit,
                           optimizer_offload=args.optimizer_offload, engine=args.engine, longest=args.longest,
                           exhaustive=args.exhaustive)
     result = plan(request, workers=args.jobs, progress=progress)

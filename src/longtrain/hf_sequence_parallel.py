@@ -61,16 +61,31 @@ def install(trainer, degree: int) -> None:
     kept for the loss, and the Trainer's ALST data hook given :class:`GroupBatches`."""
     from .strategy import applied_context
 
+    if trainer.args.save_on_each_node and trainer.args.save_strategy != "no":
+        raise LongtrainError("under sequence parallelism the first process writes every checkpoint (the shards "
+                             "gathered whole); set save_on_each_node=False and save to storage every node reads")
     sp = applied_context(trainer.model).sequence_parallel
     trainer.is_distributed_loading_by_transformers = True
     trainer.model.register_load_state_dict_pre_hook(_shard_whole_tensors)
-    # (the Trainer turns the count off for DeepSpeed's loss, which this step replaces)
-    trainer.model_accepts_loss_kwargs = True
+    # (the Trainer turns the count off for DeepSpeed's loss, which this step replaces: the model's own rule)
+    trainer.model_accepts_loss_kwargs = _accepts_loss_kwargs(trainer.model)
     trainer.accelerator.deepspeed_ulysses_dl_adapter = lambda loader, model: GroupBatches(
         loader, sp.comm.group, degree, sp.rank)
     logger.info("longtrain: parallelism_config sp_size=%d runs longtrain's Ulysses sequence parallelism over groups "
                 "of %d processes (%d data-parallel groups); its DeepSpeed options are not read", degree, degree,
                 trainer.accelerator.num_processes // degree)
+
+
+def _accepts_loss_kwargs(model) -> bool:
+    """Whether ``model``'s forward takes the Trainer's ``num_items_in_batch`` (the Trainer's rule)."""
+    import inspect
+
+    from .models.layers import unwrap
+
+    base = unwrap(model)
+    if hasattr(base, "accepts_loss_kwargs"):
+        return bool(base.accepts_loss_kwargs)
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(base.forward).parameters.values())
 
 
 def group_loss_normaliser(one_process_rule, labels, num_items_in_batch, counted_over_all: bool, degree: int,
@@ -100,29 +115,59 @@ class SequenceParallelCheckpoints:
     def _save(self, output_dir=None, state_dict=None):
         if self.strategy.sequence_parallel is None or state_dict is not None:
             return super()._save(output_dir, state_dict=state_dict)
-        state_dict = whole_state_dict(self.model)
-        return super()._save(output_dir, state_dict=state_dict) if self.args.should_save else None
+        state_dict = whole_state_dict(self.model, frozen=not _trains_adapters(self.model))
+        return super()._save(output_dir, state_dict=state_dict) if self.args.process_index == 0 else None
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.strategy.sequence_parallel is None:
             return super()._save_optimizer_and_scheduler(output_dir)
         from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
-        state = whole_optimizer_state(self.optimizer)
-        if self.args.should_save:
+        writer = self.args.process_index == 0
+        state = whole_optimizer_state(self.optimizer, keep=writer)
+        if writer:
             torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
         return None
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        from transformers.trainer import OPTIMIZER_NAME
+        from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
-        if self.strategy.sequence_parallel is None or checkpoint is None:
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        state = torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu", weights_only=True)
-        load_whole_optimizer_state(self.optimizer, state)
-        with _optimizer_loaded(self.optimizer):  # the scheduler, as the Trainer loads it
-            return super()._load_optimizer_and_scheduler(checkpoint)
+        saved = None if checkpoint is None else os.path.join(checkpoint, OPTIMIZER_NAME)
+        if self.strategy.sequence_parallel is None or saved is None or not os.path.isfile(saved):
+            return super()._load_optimizer_and_scheduler(checkpoint)  # (a model-only checkpoint: as the Trainer)
+        load_whole_optimizer_state(self.optimizer, torch.load(saved, map_location="cpu", weights_only=True, mmap=True))
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+        return None
+
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        """The Trainer defers the reduction of a model sharded at load time to the last
+        micro-batch by its Transformers sharding config; longtrain's units reduce-scatter
+        after every micro-batch instead (the same sum, without holding every process's
+        gradients unreduced)."""
+        if self.strategy.sequence_parallel is None:
+            with super()._defer_fsdp_gradient_reduction():
+                yield
+        else:
+            yield
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        """The Trainer's count of tokens seen, each group's micro-batch counted once (every
+        process of the group holds it whole)."""
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        if self.strategy.sequence_parallel is not None:
+            added = self.state.num_input_tokens_seen - before
+            self.state.num_input_tokens_seen = before + added // self.strategy.sequence_parallel.degree
+
+    def floating_point_ops(self, inputs) -> int:
+        """The Trainer's FLOPs of a micro-batch, this process's share of its group's."""
+        flops = super().floating_point_ops(inputs)
+        parallel = self.strategy.sequence_parallel
+        return flops if parallel is None else flops // parallel.degree
 
     def _run_epoch(self, *args, **kwargs):
         """The Trainer's epoch; on resumption its skip of the micro-batches already trained
@@ -155,36 +200,22 @@ class SequenceParallelCheckpoints:
             return count
         return count * self.strategy.sequence_parallel.degree
 
-    @contextlib.contextmanager
-    def _defer_fsdp_gradient_reduction(self):
-        """Under sequence parallelism the units reduce-scatter their gradients after every
-        micro-batch (the sum is the same; holding them unreduced would cost each process the
-        whole model's gradients)."""
-        if self.strategy.sequence_parallel is None:
-            with super()._defer_fsdp_gradient_reduction():
-                yield
-        else:
-            yield
+
+def _trains_adapters(model) -> bool:
+    """Whether ``model`` is a PEFT model (its checkpoints hold the adapters alone)."""
+    return hasattr(model, "peft_config")
 
 
-@contextlib.contextmanager
-def _optimizer_loaded(optimizer):
-    """``optimizer.load_state_dict`` a no-op (its state is loaded already)."""
-    optimizer.load_state_dict = lambda state: None
-    try:
-        yield
-    finally:
-        del optimizer.load_state_dict
-
-
-def whole_optimizer_state(optimizer) -> dict:
+def whole_optimizer_state(optimizer, keep: bool = True) -> dict:
     """``optimizer``'s state dict in the stock format, each sharded state tensor gathered
-    whole (a collective every process joins, in the same order)."""
+    whole (a collective every process joins, in the same order) and, where ``keep``, kept
+    in host memory (elsewhere dropped as soon as gathered)."""
     state = optimizer.state_dict()
     for values in state["state"].values():
         for key, value in values.items():
             if hasattr(value, "full_tensor"):
-                values[key] = value.full_tensor().cpu()
+                whole = value.full_tensor()
+                values[key] = whole.cpu() if keep else None
     return state
 
 
@@ -193,8 +224,9 @@ def load_whole_optimizer_state(optimizer, state: dict) -> None:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for index, values in state["state"].items():
         for key, value in values.items():
-            if isinstance(value, torch.Tensor) and value.dim() and hasattr(params[index], "device_mesh"):
-                values[key] = _shard_like(value, params[index])
+            param = params[index]
+            if isinstance(value, torch.Tensor) and hasattr(param, "device_mesh") and value.shape == param.shape:
+                values[key] = _shard_like(value, param)
     optimizer.load_state_dict(state)
 
 
@@ -215,12 +247,14 @@ def _shard_whole_tensors(module, state_dict, prefix, *args) -> None:
             state_dict[key] = _shard_like(value, target)
 
 
-def whole_state_dict(model) -> dict:
-    """``model``'s state dict with every FSDP2 shard gathered, on the host: whole on rank 0,
-    empty elsewhere (a collective every process joins)."""
+def whole_state_dict(model, frozen: bool = True) -> dict:
+    """``model``'s state dict (without its frozen parameters unless ``frozen``) with every
+    FSDP2 shard gathered, on the host: whole on rank 0, empty elsewhere (a collective every
+    process joins)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=not frozen)
+    return get_model_state_dict(model, options=options)
 
 
 class GroupBatches:

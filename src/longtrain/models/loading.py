@@ -127,6 +127,17 @@ def build_from_config(config: PretrainedConfig, dtype: torch.dtype = torch.float
 _WEIGHTS_FIX = "copy or download the model's weight files again, or point --model at another model directory"
 
 
+def _four_bit(dtype: torch.dtype):
+    """bitsandbytes' NF4 loading settings, computing in ``dtype``."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise LongtrainError("--4bit quantizes with bitsandbytes: pip install bitsandbytes (or the qlora extra)")
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+
+
 def check_safetensors(file: Path) -> None:
     """Refuse a ``.safetensors`` file that is cut short or garbled, naming it: its 8-byte
     header length, JSON header and the tensors' byte ranges must fit the file exactly
@@ -148,8 +159,15 @@ def check_safetensors(file: Path) -> None:
         raise LongtrainError(f"{file} is {what}: {size:,} bytes where its header describes {expected:,}; {_WEIGHTS_FIX}")
 
 
-def load_pretrained(path: str, dtype: torch.dtype) -> nn.Module:
+def load_pretrained(path: str, dtype: torch.dtype, four_bit: bool = False, device: torch.device | None = None
+                    ) -> nn.Module:
+    """The model in ``path`` in ``dtype``; with ``four_bit`` its linear layers but the head
+    quantized to 4 bits as they load onto ``device`` (bitsandbytes NF4, computing in ``dtype``)."""
     attn = _attention_kwargs(load_config(path), dtype)
+    if four_bit:
+        attn["quantization_config"] = _four_bit(dtype)
+        if device is not None:
+            attn["device_map"] = {"": str(device)}
     for file in sorted(Path(path).glob("*.safetensors")):  # a damaged file named in one line, not a loader's traceback
         check_safetensors(file)
     try:

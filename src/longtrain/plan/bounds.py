@@ -17,6 +17,7 @@ from ..errors import LongtrainError
 from ..memory.units import format_bytes
 from ..models.loading import build_from_config
 from ..strategy import Strategy
+from .fake_model import four_bit_weight_bytes
 
 __all__ = [
     "Budget",
@@ -60,7 +61,7 @@ def budgets_for(config, *, device_memory: int, host_memory: int, optimizer: str,
     if lora_rank:  # adapters are a fraction of a percent of the weights: their gradients and state are simulated
         state = 0
     # Under sequence parallelism FSDP2 shards parameters, gradients and optimizer state over the GPUs.
-    weights = params * item // gpus
+    weights = (four_bit_weight_bytes(config, dtype) or params * item) // gpus
     state //= gpus
     budgets = []
     grads = 0 if lora_rank else weights
@@ -196,7 +197,8 @@ def refuse_lengths_that_cannot_fit(config, seq_len: int, strategy: Strategy, dty
 
     if not over(seq_len):
         return
-    weights = _state_bytes(config, "none", dtype)[0] * item // processes  # frozen under LoRA, there all the same
+    # (frozen under LoRA, there all the same)
+    weights = (four_bit_weight_bytes(config, dtype) or _state_bytes(config, "none", dtype)[0] * item) // processes
     longest = longest_where(lambda tokens: not over(tokens, weights), seq_len)
     raise LongtrainError(
         f"{seq_len:,} tokens cannot fit: under strategy {strategy.spec}, the token ids and what the step parks "

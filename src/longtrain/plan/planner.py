@@ -72,6 +72,7 @@ from .candidates import (
     host_budgets_beside_optimizer,
     outputs_kept_within,
 )
+from .fake_model import with_4bit_base
 from .longest import longest_context
 from .report import Plan, PlanRow
 from .request import PlanRequest
@@ -159,6 +160,8 @@ def _setting(request: PlanRequest) -> _Setting:
     """The model's config and the places for the optimizer's state; what no strategy can
     help (the model states alone, sequence parallelism without attention) refused at once."""
     config = load_config(request.model)
+    if request.four_bit:
+        with_4bit_base(config)
     kind = adapter_class(config.model_type)
     kind.allow_positions(config, 2 * request.seq_len)
     dtype = parse_dtype(request.dtype)
@@ -179,7 +182,8 @@ def _empty_plan(setting: _Setting) -> Plan:
     name = r.model if isinstance(r.model, str) else getattr(setting.config, "name_or_path", "") or setting.config.model_type
     return Plan(model=name, seq_len=r.seq_len, device_memory=r.device_memory, host_memory=r.host_memory,
                 optimizer=r.optimizer, dtype=str(parse_dtype(r.dtype)).removeprefix("torch."), rows=[], gpus=r.gpus, sp=r.sp,
-                lora_rank=r.lora_rank, rates_name=r.rates_name, untimed=setting.kind.untimed_work, batch=r.batch)
+                lora_rank=r.lora_rank, rates_name=r.rates_name, untimed=setting.kind.untimed_work, batch=r.batch,
+                four_bit=bool(setting.kind.base_bits(setting.config)))
 
 
 @dataclass

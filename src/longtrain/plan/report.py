@@ -109,6 +109,7 @@ class Plan:
     sp: int | None = None  # GPUs that share each sequence, where fewer than gpus (data-parallel groups)
     untimed: str | None = None  # work of the model the time model does not count (its adapter's untimed_work)
     batch: int = 1
+    four_bit: bool = False  # the base held in 4 bits (bitsandbytes NF4) under the LoRA adapters
 
     @property
     def best(self) -> PlanRow | None:
@@ -126,7 +127,7 @@ class Plan:
             ["torchrun", "--nproc-per-node", str(row.gpus), "-m", "longtrain.cli", "train"]
         args = launch + ["--model", self.model, "--seq-len", format_tokens(self.seq_len)] + row.flags()
         if self.lora_rank:
-            args += ["--lora", "--lora-rank", str(self.lora_rank)]
+            args += ["--lora", "--lora-rank", str(self.lora_rank)] + (["--4bit"] if self.four_bit else [])
         if self.optimizer == "sgd":  # (the state `none` counts has no training counterpart)
             args += ["--optimizer", "sgd"]
         if self.dtype != "bfloat16":
@@ -175,6 +176,7 @@ class Plan:
                 row += (f"{r.longest:,} ({r.longest_binds})" if r.longest else "–",)
             rows.append(row)
         what = f"LoRA rank {self.lora_rank}" if self.lora_rank else f"full fine-tuning, {self.optimizer}"
+        what += " over a 4-bit (NF4) base" if self.four_bit else ""
         groups = f" in groups of {self.sp} sharing each sequence" if self.sp and self.sp != self.gpus else ""
         title = (f"{self.model}: {self.seq_len:,} tokens, {self.dtype}, {what}; {self.gpus} GPU(s) of "
                  f"{format_bytes(self.device_memory)}{groups}, host {format_bytes(self.host_memory)}")

@@ -46,6 +46,7 @@ class PlanRequest:
     gpus: int = 1  # GPUs in all: parameters, gradients and optimizer state sharded over them (FSDP2) when more than one
     sp: int | None = None  # GPUs that share each sequence (Ulysses; default: every GPU); the groups are data parallel
     lora_rank: int | None = None  # train LoRA adapters of this rank instead of every weight
+    four_bit: bool = False  # the base held in 4 bits by bitsandbytes (NF4), under the LoRA adapters
     optimizer_offload: bool | None = None  # AdamW's state in host memory (True), on the device (False), both weighed (None)
     engine: str | None = None  # weigh only this engine's variants
     longest: bool = False  # also search the longest context each simulated strategy reaches
@@ -110,6 +111,10 @@ class PlanRequest:
         if self.lora_rank is not None and (not _integer(self.lora_rank) or self.lora_rank < 1):
             raise LongtrainError(f"lora_rank (--lora-rank) must be a positive count or None (every weight trained), "
                                  f"got {self.lora_rank!r}")
+        if self.four_bit not in (True, False):
+            raise LongtrainError(f"four_bit (--4bit) must be True or False, got {self.four_bit!r}")
+        if self.four_bit and self.lora_rank is None:
+            raise LongtrainError("four_bit (--4bit) holds the base in 4 bits, which trains LoRA adapters only: add --lora")
 
     def _optimizer_offload(self) -> None:
         if self.optimizer_offload not in (None, True, False):

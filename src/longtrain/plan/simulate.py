@@ -40,7 +40,7 @@ from ..memory.placement import fragmentation_report
 from ..memory.tracker import CATEGORIES, MemoryReport, MemoryTracker, in_backward
 from ..memory.units import format_bytes, parse_bytes
 from ..models.adapters import adapter_class, describe_model
-from ..models.loading import add_lora, build_from_config, default_dtype, load_config, parse_dtype
+from ..models.loading import default_dtype, load_config, parse_dtype
 from ..optimizers import make_optimizer
 from ..parallel.distributed import simulated_world
 from ..parallel.layer_groups import busiest_group
@@ -56,6 +56,7 @@ from .extrapolate import (
     _stable_phases,
     chunk_of,
 )
+from .fake_model import build_fake_model, represented_parameters, with_4bit_base
 from .report import format_table
 
 __all__ = [
@@ -134,7 +135,7 @@ def run_training_steps(
         if fake or host_memory is not None:  # the machine simulated, not the one simulating
             applied_context(model).host_memory = host_memory
         model.train()
-        n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        n_params = represented_parameters(model)
         vocab = describe_model(model.config).vocab
         opt = make_optimizer(optimizer, model.parameters(), lr=1e-4, model=model)
         generator = None if fake else torch.Generator(device or "cpu").manual_seed(seed)
@@ -279,6 +280,7 @@ class SimulationReport:
     active_parameters: int | None = None  # matmul parameters a token multiplies by
     matmul_parameters: int | None = None  # all matmul parameters (every expert)
     layer_groups: int | None = None  # the adjoint engine's layers over this many processes: the busiest one's share
+    base_bits: int | None = None  # 4: the base's linear weights held in 4 bits by bitsandbytes (NF4)
 
     @property
     def device_peak_bytes(self) -> int:
@@ -316,7 +318,7 @@ class SimulationReport:
         strategy_name = Strategy.from_dict(self.strategy).spec
         optimizer = "adamw in host memory (--optimizer-offload)" if self.optimizer == "adamw-offload" else self.optimizer
         lora = (f", LoRA rank {self.lora_rank} ({self.trainable_parameters / 1e6:.1f}M trainable)"
-                if self.lora_rank else "")
+                if self.lora_rank else "") + (" over a 4-bit (NF4) base" if self.base_bits else "")
         head = (
             f"{self.model}: {self.parameters / 1e9:.2f}B parameters{lora}, seq_len {self.seq_len}, batch {self.batch_size}, "
             f"strategy {strategy_name}, optimizer {optimizer}, {self.dtype}"
@@ -367,6 +369,7 @@ def simulate(
     host_memory: int | str | None = None,
     layer_groups: int | None = None,
     planning: bool = False,
+    four_bit: bool = False,
 ) -> SimulationReport:
     """Simulated steady-state peak of one training step at full scale (no allocation).
 
@@ -396,13 +399,17 @@ def simulate(
     ``layer_groups``: the adjoint engine's layers over that many processes; the busiest
     rank (:func:`~longtrain.parallel.layer_groups.busiest_group`) as one process.
     ``planning``: the planner's figures, from the fit simulations without the checks
-    beyond them (:func:`~longtrain.plan.extrapolate._fit`).
+    beyond them (:func:`~longtrain.plan.extrapolate._fit`). ``four_bit``: the base held in 4
+    bits by bitsandbytes, NF4 (:mod:`~longtrain.plan.fake_model`; with ``lora_rank``), as a
+    config whose ``quantization_config`` loads in 4 bits is simulated anyway.
     """
     if lora_rank is not None and (isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank <= 0):
         raise LongtrainError(f"lora_rank must be a positive integer, got {lora_rank!r}")
     device_memory, host_memory = (None if size is None else _machine_bytes(name, size)
                                   for name, size in (("device_memory", device_memory), ("host_memory", host_memory)))
     config = load_config(model)
+    if four_bit:
+        config = with_4bit_base(config)
     adapter_class(config.model_type).allow_positions(config, seq_len)
     config.use_cache = False
     torch_dtype = parse_dtype(dtype)
@@ -440,7 +447,8 @@ def simulate(
         model=name, seq_len=seq_len, batch_size=batch_size, strategy=strategy.to_dict(), optimizer=optimizer,
         dtype=str(torch_dtype).replace("torch.", ""), parameters=result.parameters, peak=result.report, fragmentation=frag,
         notes=result.notes, lora_rank=lora_rank, trainable_parameters=result.trainable if lora_rank else None,
-        method=result.method, layer_groups=layer_groups, **_flop_facts(config, seq_len),
+        method=result.method, layer_groups=layer_groups, base_bits=adapter_class(config.model_type).base_bits(config),
+        **_flop_facts(config, seq_len),
     )
 
 
@@ -548,53 +556,3 @@ def _simulate_once(config, seq_len: int, strategy: Strategy, *, batch_size, opti
         return _Simulated(report, n_params, trainable, notes)
     return _Simulated(report, n_params, trainable, notes, phases=_stable_phases(phases, *places),
                       tracker=phases["tracker"])
-
-
-def build_fake_model(config: PretrainedConfig, dtype: torch.dtype, lora_rank: int | None = None) -> nn.Module:
-    """The model of ``config`` for a simulation, with LoRA adapters of ``lora_rank`` when
-    given; call it under ``FakeTensorMode``.
-
-    Without LoRA the model is built in the fake mode directly. peft cannot add adapters
-    there: it moves each new adapter to its base layer's device and dtype with
-    ``Module.to``, and PyTorch swaps every fake parameter for its converted copy with
-    ``torch.utils.swap_tensors`` — even when the copy is the tensor itself — which refuses
-    tensors that the fake mode holds weak references to. So with LoRA the model and its
-    adapters are built on the meta device (peft leaves meta adapters where they are; they
-    are created in the default dtype, which :func:`run_training_steps` sets to the
-    model's, as peft's move would), and every parameter and buffer is then replaced by a
-    fake tensor of its shape, dtype and ``requires_grad`` — shared ones (tied embeddings)
-    stay shared.
-
-    A mixture of experts is simulated in bfloat16 only: its experts run as one grouped
-    matmul, whose kernel takes bfloat16 alone on a GPU and in the fake mode (the
-    one-by-one loop it has besides reads the routing's values, which fake tensors lack).
-    """
-    if dtype != torch.bfloat16 and describe_model(config).is_moe:
-        raise LongtrainError(f"the simulator runs a mixture of experts ({config.model_type}) in bfloat16 only (its "
-                             f"grouped-matmul kernel takes no {str(dtype).replace('torch.', '')}); simulate with "
-                             "--dtype bfloat16")
-    if not lora_rank:
-        return build_from_config(config, dtype)
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily(), torch.device("meta"):
-        model = add_lora(build_from_config(config, dtype), rank=lora_rank)
-    return _meta_to_fake(model)
-
-
-def _meta_to_fake(model: nn.Module, device: str = "cpu") -> nn.Module:
-    """Replace the meta parameters and buffers of ``model`` by (fake) tensors on ``device``."""
-    done: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, tensor in list(table.items()):
-                if tensor is None:
-                    continue
-                new = done.get(id(tensor))
-                if new is None:
-                    new = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-                    if isinstance(tensor, nn.Parameter):
-                        new = nn.Parameter(new, requires_grad=tensor.requires_grad)
-                    done[id(tensor)] = new
-                table[name] = new
-    return model

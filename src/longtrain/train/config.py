@@ -50,6 +50,7 @@ class TrainConfig:
     lora: bool = False
     lora_rank: int = 8
     lora_dropout: float = 0.0  # dropout on the adapters' inputs (replayed exactly by every recomputation)
+    four_bit: bool = False  # the base loaded in 4 bits by bitsandbytes (NF4), under the LoRA adapters
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"
     seed: int = 0
@@ -79,7 +80,7 @@ class TrainConfig:
 
     # Settings a resumed run must share with the checkpoint it resumes (refused if changed).
     IDENTITY = ("model", "from_scratch", "data", "seq_len", "batch_size", "grad_accum", "seed", "lora", "lora_rank", "optimizer", "task_loss",
-                "packing", "loss_on", "sp", "tokenizer")
+                "packing", "loss_on", "sp", "tokenizer", "four_bit")
     # Settings a resumed run may change: applied from the checkpoint's step on, each change logged.
     # (The rest — where to write, how often to save or evaluate, the strategy, which change
     # how a step is computed but not what it computes — apply as given.)
@@ -298,6 +299,8 @@ def check_config(config: TrainConfig, given: frozenset[str] | set[str] = frozens
     _check_paths(config)
     _check_names(config)
     model_config_json(config.model)
+    if config.four_bit and not config.lora:
+        raise LongtrainError("--4bit loads the base in 4 bits, which trains LoRA adapters only: add --lora")
     if not config.lora:
         defaults = TrainConfig()
         for name in _LORA_OPTIONS:

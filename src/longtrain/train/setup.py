@@ -58,8 +58,9 @@ def trained_weights(config: TrainConfig) -> str | None:
     return None if config.from_scratch else packaged_checkpoint(config.model)
 
 
-def build_model(config: TrainConfig, dtype: torch.dtype):
-    """The model and tokenizer a config names, with LoRA when asked (strategy not applied)."""
+def build_model(config: TrainConfig, dtype: torch.dtype, device: torch.device | None = None):
+    """The model and tokenizer a config names, with LoRA when asked (strategy not applied);
+    a 4-bit base is quantized as it loads onto ``device``."""
     pretrained = trained_weights(config)
     model_config = load_config(pretrained or config.model)
     adapter = adapter_class(model_config.model_type)
@@ -79,10 +80,13 @@ def build_model(config: TrainConfig, dtype: torch.dtype):
             "use the model's own tokenizer (--tokenizer auto) or a preset"
         )
     torch.manual_seed(config.seed)
+    if config.four_bit and not pretrained:
+        raise LongtrainError("--4bit quantizes a model's weights as they load: point --model at a model directory "
+                             "(this preset has no weights to load)")
     if pretrained:
         check_weights_fit(pretrained, model_config)
         try:
-            model = load_pretrained(pretrained, dtype)
+            model = load_pretrained(pretrained, dtype, four_bit=config.four_bit, device=device)
         except RuntimeError as exc:  # what check_weights_fit cannot see (.bin weights): transformers' size report
             if "mismatched" not in str(exc) and "size mismatch" not in str(exc):
                 raise

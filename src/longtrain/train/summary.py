@@ -39,8 +39,9 @@ def write_summary(out: Path, config: TrainConfig, *, strategy: Strategy, model, 
     losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     window = max(1, min(10, len(losses) // 4))
     steady = step_times[1:] or step_times
-    # LoRA is not simulated yet: the stock figure is full fine-tuning, an upper bound.
-    stock = simulate(base_config, c.seq_len, batch_size=c.batch_size, strategy="none", optimizer=c.optimizer, dtype=dtype)
+    # The same run without techniques (LoRA's adapters over the base as loaded, 4 bits or not).
+    stock = simulate(base_config, c.seq_len, batch_size=c.batch_size, strategy="none", optimizer=c.optimizer, dtype=dtype,
+                     lora_rank=c.lora_rank if c.lora else None)
     summary = {
         "model": c.model, "seq_len": c.seq_len, "strategy": strategy.spec, "steps": steps,
         "steps_trained": len(step_times),  # by this command (fewer than "steps" when it resumed)
@@ -61,7 +62,7 @@ def write_summary(out: Path, config: TrainConfig, *, strategy: Strategy, model, 
         # Host memory longtrain parked chunks in (chunked attention's pinned pool).
         "host_pool_bytes": pinned_host_bytes(model),
         "simulated_stock_peak_bytes": stock.device_peak_bytes,
-        "simulated_stock_setup": "full fine-tuning" if c.lora else "same setup",
+        "simulated_stock_setup": "same setup",
         "seconds": seconds,
         "device": str(device),
         "processes": processes,

@@ -87,6 +87,10 @@ class Trainer:
         check_config(config)  # types, ranges and combinations of every field (train/config.py)
         self.config = config
         self.device = resolve_device(config.device)
+        if config.four_bit and self.device.type != "cuda":
+            raise LongtrainError("--4bit trains on a GPU: bitsandbytes' CPU backend repacks a 4-bit layer for inference "
+                                 "when an evaluation calls it, after which the layer passes no gradient back; train on "
+                                 "--device cuda, or without --4bit")
         compute = self.compute_dtype = parse_dtype(config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
         # The parameters' dtype: the compute dtype, or with --master-weights (FSDP2 mixed precision) their own.
         self.dtype = parse_dtype(config.master_weights) if config.master_weights else compute
@@ -101,12 +105,15 @@ class Trainer:
             check_tensorboard()
         self.ranks = Ranks.from_env(self.device, config.sp)
         check_distributed_engine(self.ranks, self.strategy.engine)
+        if config.four_bit and self.ranks.distributed:
+            raise LongtrainError(f"--4bit trains on one GPU; {self.ranks.world_size} processes were launched: run one "
+                                 "(several GPUs: the Trainer's data parallel with a 4-bit base)")
         if config.optimizer_offload and self.ranks.distributed:  # its clipping norm is this process's alone
             raise LongtrainError(f"--optimizer-offload keeps AdamW's state in one process's host memory; {self.ranks.world_size} "
                                  "processes were launched: run one process, or drop --optimizer-offload (layer groups "
                                  "already split the optimizer state over the processes)")
 
-        self.model, self.tokenizer = build_model(config, self.dtype)
+        self.model, self.tokenizer = build_model(config, self.dtype, self.device)
         self.model.to(self.device).train()
         apply(self.model, self.strategy)  # under --sp this shards the parameters over the ranks (FSDP2)
         layer_groups = registry.engine(self.strategy.engine).layer_groups

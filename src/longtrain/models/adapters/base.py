@@ -141,6 +141,22 @@ class DecoderAdapter:
         return small
 
     @classmethod
+    def base_bits(cls, config) -> int | None:
+        """4 where the config says bitsandbytes holds its linear weights in 4 bits (its
+        ``quantization_config``: a 4-bit checkpoint's config.json, or ``--4bit``), else None."""
+        settings = getattr(config, "quantization_config", None)
+        settings = settings.to_dict() if hasattr(settings, "to_dict") else settings
+        return 4 if isinstance(settings, dict) and settings.get("load_in_4bit") else None
+
+    @classmethod
+    def double_quantized(cls, config) -> bool:
+        """Whether a 4-bit base's block scales are themselves quantized (bitsandbytes'
+        ``bnb_4bit_use_double_quant``)."""
+        settings = getattr(config, "quantization_config", None)
+        settings = settings.to_dict() if hasattr(settings, "to_dict") else settings or {}
+        return bool(settings.get("bnb_4bit_use_double_quant", False))
+
+    @classmethod
     def allow_positions(cls, config, length: int) -> None:
         """Let ``config``'s rotary tables reach ``length`` positions (simulations and plans
         of lengths beyond the pretrained context)."""
