@@ -94,18 +94,6 @@ def test_fsdp2_over_two_processes_equals_one_process(one_process, tmp_path):
         assert_same_training(result, one_process[kind])
 
 
-def test_four_processes_started_by_accelerate_launch_equal_one_process(one_process, tmp_path):
-    """Full fine-tuning over four processes, one micro-batch each per step, started by
-    `accelerate launch --multi_gpu --num_processes 4` (which starts them through torchrun's
-    launcher): on a machine without GPUs the training arguments' use_cpu makes it data
-    parallel over gloo (its `--cpu` would start one process)."""
-    launcher = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or "accelerate"
-    command = [launcher, "launch", "--multi_gpu", "--num_processes", "4", "--num_machines", "1", "--mixed_precision", "no",
-               "--dynamo_backend", "no", "--main_process_port", "0"]
-    result = launch(command, tmp_path, 1, {("full", "fpdt"): "fpdt:chunk=32"})
-    assert_same_training(result[("full", "fpdt")], one_process["full"])
-
-
 def test_a_checkpoint_resumes_under_another_process_count(one_process, two_processes, tmp_path):
     """A run saved after its first step under two processes goes on in one (the same global
     batch: four micro-batches a step) to the parameters and second loss of an uninterrupted
@@ -151,12 +139,17 @@ def test_sequence_parallel_inside_the_trainer_equals_one_process(one_process, se
     assert_resumed(resumed[("full", "resumed")], one_process["full"])
 
 
-def test_sequence_parallel_groups_train_data_parallel_and_resume_under_another_count(one_process, sequence_parallel,
-                                                                                   tmp_path):
-    """Four processes in two groups of two (2 × 2, two micro-batches a group a step): the run
-    saved by one group of two goes on here to the uninterrupted one-process run."""
+def test_accelerate_launch_runs_sequence_parallel_groups_and_resumes_under_another_count(one_process, sequence_parallel,
+                                                                                      tmp_path):
+    """Four processes started by `accelerate launch --multi_gpu --num_processes 4` (torchrun's
+    launcher underneath; on a machine without GPUs the training arguments' use_cpu makes it
+    gloo) in two groups of two (2 × 2, two micro-batches a group a step): the run saved by one
+    group of two goes on here to the uninterrupted one-process run."""
+    launcher = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or "accelerate"
+    command = [launcher, "launch", "--multi_gpu", "--num_processes", "4", "--num_machines", "1", "--mixed_precision", "no",
+               "--dynamo_backend", "no", "--main_process_port", "0"]
     checkpoint = sequence_parallel[1] / "full-first" / "checkpoint-1"
-    resumed = launch(torchrun(4), tmp_path, 2, {("full", "resumed"): "fpdt:chunk=32"}, SP="2", RESUME=str(checkpoint))
+    resumed = launch(command, tmp_path, 2, {("full", "resumed"): "fpdt:chunk=32"}, SP="2", RESUME=str(checkpoint))
     assert_resumed(resumed[("full", "resumed")], one_process["full"])
 
 
