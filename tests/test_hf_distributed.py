@@ -179,13 +179,17 @@ def test_sequence_parallel_is_set_as_hugging_face_sets_it():
 def test_a_groups_micro_batches_reach_each_of_its_processes_in_rank_order_and_resume_past_a_skip(monkeypatch):
     """GroupBatches, its all-gather stood in for (rank 1 of the group read each batch + 100):
     every micro-batch of the group in rank order, and the Trainer's skip on resumption (by
-    micro-batches, as many as it counts) landing inside a gathered round."""
+    micro-batches, as many as it counts) landing inside a gathered round; processes of a
+    group reading different numbers of micro-batches are refused in one line."""
     import torch.distributed as dist
 
+    from longtrain import LongtrainError
     from longtrain.hf_sequence_parallel import GroupBatches
 
     def all_gather_object(every, mine, group=None):
-        every[:] = [mine, {k: v + 100 for k, v in mine.items()}]
+        every[:] = [mine, mine + lag if isinstance(mine, int) else {k: v + 100 for k, v in mine.items()}]
+
+    lag = 0
 
     monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
     loader = torch.utils.data.DataLoader([{"input_ids": torch.tensor([k])} for k in range(3)], batch_size=1)
@@ -193,6 +197,9 @@ def test_a_groups_micro_batches_reach_each_of_its_processes_in_rank_order_and_re
     assert whole == [0, 100, 1, 101, 2, 102] and len(GroupBatches(loader, None, 2, 0)) == 6
     for n in range(6):
         assert [int(b["input_ids"]) for b in GroupBatches(loader, None, 2, 0).skip(n)] == whole[n:]
+    lag = 1  # the other process reads one micro-batch more: one line, before any gather of batches
+    with pytest.raises(LongtrainError, match=r"read \[3, 4\] micro-batches per epoch"):
+        next(iter(GroupBatches(loader, None, 2, 0)))
 
 
 def test_the_loss_normaliser_of_a_group_is_the_stock_data_parallel_ones():

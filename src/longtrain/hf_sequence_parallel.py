@@ -279,6 +279,7 @@ class GroupBatches:
         return getattr(self.loader, name)
 
     def __iter__(self):
+        self._check_equal_lengths()
         skip = self.skipped
         for batch in self.loader:
             on_host = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
@@ -287,6 +288,22 @@ class GroupBatches:
             every, skip = every[skip:], 0
             for other in every:
                 yield {k: (v.to(_device_of(batch)) if isinstance(v, torch.Tensor) else v) for k, v in other.items()}
+
+
+    def _check_equal_lengths(self) -> None:
+        """Every process of the group must read as many micro-batches (Accelerate's
+        ``even_batches``, its default, makes them so); otherwise one line, not a group
+        waiting in a gather a finished process never joins."""
+        try:
+            mine = len(self.loader)
+        except TypeError:  # an iterable dataset: its length is not known ahead
+            return
+        every = [None] * self.degree
+        dist.all_gather_object(every, mine, group=self.group)
+        if len(set(every)) > 1:
+            raise LongtrainError(f"the processes of a sequence-parallel group read {every} micro-batches per epoch; "
+                                 "every process of a group must read as many (keep the data loader's even_batches "
+                                 "on, Accelerate's default)")
 
 
 def _device_of(batch) -> torch.device:
