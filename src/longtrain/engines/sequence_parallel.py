@@ -34,7 +34,7 @@ from .. import validate
 from ..errors import LongtrainError
 from ..models.adapters import describe_model
 from ..models.attention import AttentionCall
-from ..parallel.distributed import sum_over_data_parallel
+from ..parallel.distributed import sequence_groups, sum_over_data_parallel
 from ..parallel.ulysses import (
     Collectives,
     HeadLayout,
@@ -122,11 +122,7 @@ class SequenceParallel:
                 f"--sp {options.degree} must divide the number of processes ({world}); the processes beyond one "
                 "sequence-parallel group are data parallel"
             )
-        mine = None
-        for first in range(0, world, options.degree):  # every rank creates every group, in the same order
-            group = dist.new_group(list(range(first, first + options.degree)))
-            if first <= rank < first + options.degree:
-                mine = group
+        mine = sequence_groups(options.degree)[rank // options.degree]
         return cls(options, config, Collectives(mine, options.degree, rank % options.degree))
 
     def layout(self, length: int, chunk: int | None) -> ShardLayout:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 
 import torch
@@ -25,6 +26,7 @@ __all__ = [
     "is_peer_failure",
     "joined",
     "rank_device",
+    "sequence_groups",
     "simulated_world",
     "sum_gradients",
     "sum_over_data_parallel",
@@ -60,6 +62,18 @@ def init_from_env(device: torch.device | None = None, timeout_s: float | None = 
         timeout = timeout_s if timeout_s is not None else float(os.environ.get("LONGTRAIN_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT_S))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
+
+
+def sequence_groups(degree: int) -> list:
+    """The process groups of ``degree`` consecutive ranks (created once per world: every
+    rank creates every group, in the same order; a model applied again in the same run
+    reuses them, and a group is never torn down while a model that used it is alive)."""
+    return _sequence_groups(degree, dist.get_world_size(), id(dist.group.WORLD))
+
+
+@functools.lru_cache(maxsize=None)
+def _sequence_groups(degree: int, world: int, world_id: int) -> list:
+    return [dist.new_group(list(range(first, first + degree))) for first in range(0, world, degree)]
 
 
 def rank_device(device: torch.device) -> torch.device:
