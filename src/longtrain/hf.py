@@ -42,7 +42,7 @@ from transformers import Trainer
 from . import registry
 from .engines.batch import count_label_tokens
 from .errors import LongtrainError
-from .hf_sequence_parallel import SequenceParallelCheckpoints, degree_of, group_loss_normaliser
+from .hf_sequence_parallel import SequenceParallelCheckpoints, degree_of, group_loss_normaliser, install
 from .models.adapters import describe_model
 from .models.layers import unwrap
 from .ops.token_stats import TokenStats, counting
@@ -90,8 +90,6 @@ class _LongtrainTraining(SequenceParallelCheckpoints):
                                                              **strategy.techniques)
         apply(self.model, self.strategy)
         if degree:
-            from .hf_sequence_parallel import install
-
             if _adds_balancing_loss(self.model):
                 raise LongtrainError("a mixture of experts' load-balancing loss is not weighed under sequence "
                                      "parallelism inside the Trainer yet; set the config's output_router_logits=False, "
@@ -118,8 +116,9 @@ class _LongtrainTraining(SequenceParallelCheckpoints):
             scale = 1  # (the step returns the loss summed over every process)
         else:
             count = self._loss_normaliser(batch["labels"], num_items_in_batch)
-        sharded = _fsdp2(self.accelerator) or degree is not None
-        if _fsdp2(self.accelerator):
+        fsdp2 = _fsdp2(self.accelerator)
+        sharded = fsdp2 or degree is not None
+        if fsdp2:
             _settle_sharding(target, summed=scale > 1)
             if registry.engine(self.strategy.engine).costs.chunk(self.strategy.engine_options) is not None:
                 batch = padded_to_longest(batch)  # as many chunks, so as many unit calls, in every process

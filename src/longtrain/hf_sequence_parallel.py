@@ -286,9 +286,9 @@ class GroupBatches:
             every = [None] * self.degree
             dist.all_gather_object(every, on_host, group=self.group)
             every, skip = every[skip:], 0
+            device = _device_of(batch)
             for other in every:
-                yield {k: (v.to(_device_of(batch)) if isinstance(v, torch.Tensor) else v) for k, v in other.items()}
-
+                yield {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in other.items()}
 
     def _check_equal_lengths(self) -> None:
         """Every process of the group must read as many micro-batches (Accelerate's

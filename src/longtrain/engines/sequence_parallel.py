@@ -180,19 +180,21 @@ class SequenceParallel:
 @contextlib.contextmanager
 def rank_random_stream(rank: int, device: torch.device):
     """Run the block on a random stream of this process's own, so that the processes
-    sharing a sequence draw independent dropout masks for their tokens and heads, as one
-    process drawing for the whole sequence would (with one stream, every process would
-    draw the same masks). The stream is seeded from the shared generators plus the rank;
-    they advance alike on every process and are put back after the block, so the
-    processes stay in step; recomputation inside the block replays its draws as usual."""
+    sharing a sequence draw dropout masks for their tokens and heads that are independent
+    along the sequence, as one process's are (not the masks one process would draw; with
+    one stream, every process would draw the same ones). The stream is seeded from the
+    shared generators plus the rank; they advance alike on every process and are put back
+    after the block, so the processes stay in step; recomputation inside the block replays
+    its draws as usual."""
     seed = int(torch.randint(2**62, (1,)))  # the same on every process: their generators are in step
     accelerator = device if device.type != "cpu" else None
     with torch.random.fork_rng(devices=[accelerator] if accelerator else [],
                                device_type=accelerator.type if accelerator else "cuda"):
         torch.default_generator.manual_seed(seed + rank)
         if accelerator is not None:
-            with torch.get_device_module(accelerator.type).device(accelerator):
-                torch.get_device_module(accelerator.type).manual_seed(seed + rank)
+            module = torch.get_device_module(accelerator.type)
+            with module.device(accelerator):
+                module.manual_seed(seed + rank)
         yield
 
 

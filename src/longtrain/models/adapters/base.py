@@ -144,17 +144,13 @@ class DecoderAdapter:
     def base_bits(cls, config) -> int | None:
         """4 where the config says bitsandbytes holds its linear weights in 4 bits (its
         ``quantization_config``: a 4-bit checkpoint's config.json, or ``--4bit``), else None."""
-        settings = getattr(config, "quantization_config", None)
-        settings = settings.to_dict() if hasattr(settings, "to_dict") else settings
-        return 4 if isinstance(settings, dict) and settings.get("load_in_4bit") else None
+        return 4 if _quantization(config).get("load_in_4bit") else None
 
     @classmethod
     def double_quantized(cls, config) -> bool:
         """Whether a 4-bit base's block scales are themselves quantized (bitsandbytes'
         ``bnb_4bit_use_double_quant``)."""
-        settings = getattr(config, "quantization_config", None)
-        settings = settings.to_dict() if hasattr(settings, "to_dict") else settings or {}
-        return bool(settings.get("bnb_4bit_use_double_quant", False))
+        return bool(_quantization(config).get("bnb_4bit_use_double_quant", False))
 
     @classmethod
     def allow_positions(cls, config, length: int) -> None:
@@ -302,6 +298,13 @@ class AttentionFreeAdapter(DecoderAdapter):
 
     def run_attention(self, layer, hidden, position_embeddings, attention) -> None:
         raise LongtrainError(f"{self.title} layers have no attention; chunked attention engines do not apply")
+
+
+def _quantization(config) -> dict:
+    """The config's ``quantization_config`` as a mapping (a dict, or transformers' object), or {}."""
+    settings = getattr(config, "quantization_config", None)
+    settings = settings.to_dict() if hasattr(settings, "to_dict") else settings
+    return settings if isinstance(settings, dict) else {}
 
 
 def _partial_rotary_factor(config) -> float:
