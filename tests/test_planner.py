@@ -343,10 +343,9 @@ def test_a_4bit_base_is_planned_at_its_4bit_bytes():
     """`plan --lora --4bit`: the weights the plan counts beside every candidate are the 4-bit
     base's (bitsandbytes NF4 on every linear layer but the head: about half a byte a value,
     the embeddings and head in bf16); --4bit without --lora is refused."""
+    from longtrain.models.loading import build_from_config
     from longtrain.plan.bounds import budgets_for
     from longtrain.plan.fake_model import four_bit_weight_bytes, with_4bit_base
-
-    from longtrain.models.loading import build_from_config
 
     config = preset_config("llama3-8b")
     dtype = torch.bfloat16
