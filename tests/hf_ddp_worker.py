@@ -20,10 +20,6 @@ from __future__ import annotations
 
 import os
 import sys
-
-# bitsandbytes (installed for the 4-bit tests) is not used here; unimportable, peft and the
-# Trainer skip it and each process starts seconds sooner.
-sys.modules.setdefault("bitsandbytes", None)
 from pathlib import Path
 
 import torch

@@ -11,10 +11,6 @@ from __future__ import annotations
 import json
 import sys
 
-# bitsandbytes (installed for the 4-bit tests) is not used here; unimportable, peft and the
-# Trainer skip it and each process starts seconds sooner.
-sys.modules.setdefault("bitsandbytes", None)
-
 import torch
 import torch.distributed as dist
 from conftest import computes_in_float64, packed_batch, padded_batch, randomize_lora, stock_and_ours, stock_loss
