@@ -701,6 +701,18 @@ def test_auto_plans_for_the_memory_the_allocator_allows(monkeypatch):
 
     from longtrain.plan import auto
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=140 * 2**30))
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 80 / 140, raising=False)
+    from torch.cuda._utils import _get_device_index
+
+    def properties(device):
+        _get_device_index(device, optional=True)  # as torch.cuda.get_device_properties reads it
+        return SimpleNamespace(total_memory=140 * 2**30)
+
+    def fraction(device):
+        _get_device_index(device)  # as torch.cuda's query reads it: no bare "cuda"
+        return 80 / 140
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction, raising=False)
+    assert auto._usable_device_memory(torch.device("cuda")) == 80 * 2**30
     assert auto._usable_device_memory(torch.device("cuda", 0)) == 80 * 2**30

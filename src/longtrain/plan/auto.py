@@ -60,9 +60,11 @@ def _usable_device_memory(device: torch.device) -> int:
     """What this process may allocate on ``device``: its memory, times the allocator's
     per-process fraction where one is set (``torch.cuda.set_per_process_memory_fraction``:
     a smaller card's memory on a larger one)."""
-    total = torch.cuda.get_device_properties(device).total_memory
+    # torch.cuda's queries take an index; a bare "cuda" means the current device.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
     try:
-        fraction = torch.cuda.get_per_process_memory_fraction(device)
+        fraction = torch.cuda.get_per_process_memory_fraction(index)
     except (AttributeError, AssertionError, RuntimeError):  # an older torch, or no CUDA runtime to ask
         fraction = 1.0
     return int(total * fraction)
