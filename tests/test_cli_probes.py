@@ -1063,3 +1063,20 @@ def test_simulating_a_mixture_of_experts_in_float32_is_refused_in_one_line():
     code, _, err = cli("simulate", "--model", "tiny-qwen3-moe", "--seq-len", "64", "--dtype", "float32")
     lines = [line for line in err.splitlines() if line.startswith("longtrain: error")]
     assert code == 2 and len(lines) == 1 and "--dtype bfloat16" in lines[0] and "Traceback" not in err
+
+
+def test_a_family_outside_the_llama_layout_is_refused_not_called_unbuilt():
+    """Gemma-3's multimodal wrapper builds, but its layers are not where the Llama-layout
+    adapter looks: that is a refusal naming the layout, not "transformers cannot build it"."""
+    from longtrain.families.check import check_family
+
+    result = check_family("gemma3", strategies=("backprop",), batches=("packed",))
+    assert result.status == "refused" and "Llama layout" in result.reason and "Gemma3ForConditionalGeneration" in result.reason
+
+
+def test_a_file_given_as_the_model_directory_is_named_a_file(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"not a directory")
+    code, _, err = cli("train", "--model", weights, "--out", tmp_path / "run")
+    assert code == 2 and err.count("\n") == 1 and "is a file, not a model directory" in err
+    assert not (tmp_path / "run").exists()

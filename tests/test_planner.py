@@ -699,9 +699,9 @@ def test_auto_plans_for_the_memory_the_allocator_allows(monkeypatch):
     e.g. an 80 GB card's share of an H200) plans for the cap, not the whole device."""
     from types import SimpleNamespace
 
-    from longtrain.plan import auto
-
     from torch.cuda._utils import _get_device_index
+
+    from longtrain.plan import auto
 
     def properties(device):
         _get_device_index(device, optional=True)  # as torch.cuda.get_device_properties reads it

@@ -128,9 +128,6 @@ STRATEGIES = tuple(["backprop", "checkpoint", "mst", "checkpoint,mst", "memo", "
 
 # Dropout probabilities of the second pass (every dropout but attention's, LoRA's, a router's
 # jitter), and how far the gradient may be from the derivative of the reported loss.
-
-# Dropout probabilities of the second pass (every dropout but attention's, LoRA's, a router's
-# jitter), and how far the gradient may be from the derivative of the reported loss.
 DROPOUT = 0.1
 
 FD_TOLERANCE = 1e-6

@@ -121,21 +121,29 @@ def check_family(family: str, strategies: tuple[str, ...] = STRATEGIES, dropout:
         return _finish(result, "refused", _one_line(error), started)
     except Exception as error:  # noqa: BLE001 - a family transformers cannot build tiny is reported, not raised
         return _finish(result, "not built", _one_line(error), started)
-    with _registered_as_llama(family, registered), float64_throughout():
-        result.cells = _stock_errors(stock, ours, strategies, batches or tuple(BATCHES))
-        if dropout:
-            chosen = strategies if dropout_strategies is None else \
-                tuple(s for s in strategies if s == "backprop" or s in dropout_strategies)
-            result.dropout = dropout_errors(_with_dropouts(config), ours.state_dict(), chosen)
-            floor = result.dropout.get("backprop")
-            if isinstance(floor, float):
-                result.dropout_tolerance = max(FD_TOLERANCE, 10 * floor)
+    try:
+        with _registered_as_llama(family, registered), float64_throughout():
+            result.cells = _stock_errors(stock, ours, strategies, batches or tuple(BATCHES))
+            if dropout:
+                chosen = strategies if dropout_strategies is None else \
+                    tuple(s for s in strategies if s == "backprop" or s in dropout_strategies)
+                result.dropout = dropout_errors(_with_dropouts(config), ours.state_dict(), chosen)
+                floor = result.dropout.get("backprop")
+                if isinstance(floor, float):
+                    result.dropout_tolerance = max(FD_TOLERANCE, 10 * floor)
+    except MemoryError:
+        raise
+    except Exception as error:  # noqa: BLE001 - built, but not in the layout the Llama adapter reads
+        if registered:
+            raise
+        return _finish(result, "refused", _outside_llama_layout(ours, _one_line(error)), started)
     exact = [v for v in result.cells.values() if isinstance(v, float)]
     failures = [v for v in result.cells.values() if isinstance(v, str) or v > TOLERANCE]
     failures += [v for v in result.dropout.values() if isinstance(v, str) and not _is_refusal(v) or
                  isinstance(v, float) and v > result.dropout_tolerance]
     if failures and not exact:
-        return _finish(result, "refused", str(failures[0]), started)
+        return _finish(result, "refused", str(failures[0]) if registered else _outside_llama_layout(ours, str(failures[0])),
+                       started)
     if any(isinstance(v, float) and v > TOLERANCE or isinstance(v, str) and not _is_refusal(v) for v in failures):
         return _finish(result, "inexact", None, started)
     return _finish(result, "exact", None, started)
@@ -186,6 +194,12 @@ def _check_mlp_output_reading(model) -> None:
     if learned and learned != {not told}:
         raise RuntimeError(f"the adapter's mlp_output_saved says {told}, the layers' graphs say "
                            f"{sorted(not safe for safe in learned)}")
+
+
+def _outside_llama_layout(model, failure: str) -> str:
+    """Why a family without an adapter is refused when the Llama-layout one cannot run it."""
+    return f"no adapter, and not in the Llama layout longtrain reads without one ({type(model).__name__}): {failure}"
+
 
 @contextlib.contextmanager
 def _registered_as_llama(family: str, registered: bool):

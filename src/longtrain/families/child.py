@@ -18,9 +18,6 @@ MEMORY_LIMIT = 4 * 2**30  # bytes one family's check may use (its child process'
 
 # What an allocation refused under the limit raises (Python's MemoryError, the CPU allocator's
 # "can't allocate memory", errno 12's text, C++'s bad_alloc), as a check's one-line verdicts spell it.
-
-# What an allocation refused under the limit raises (Python's MemoryError, the CPU allocator's
-# "can't allocate memory", errno 12's text, C++'s bad_alloc), as a check's one-line verdicts spell it.
 _OUT_OF_MEMORY = ("MemoryError", "can't allocate memory", "Cannot allocate memory", "bad_alloc")
 
 def check_in_process(family: str, timeout: float = 120.0, memory_limit: int | None = MEMORY_LIMIT) -> FamilyResult:
