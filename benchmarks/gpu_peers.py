@@ -236,6 +236,10 @@ CASES = [
     # Layer checkpointing keeps attention's output (host memory) instead of rerunning it.
     Case("lt:checkpoint+mst", "longtrain", lambda n: lt.Strategy(checkpoint=True, mst=True)),
     Case("lt:checkpoint+mst+liger", "longtrain", lambda n: lt.Strategy(checkpoint=True, mst=True, liger=True)),
+    # ... with the kept attention outputs on the device (checkpoint:offload=false), as the
+    # expert peer hf+liger+sac keeps them: no host copies, their bytes on the device instead.
+    Case("lt:checkpoint+ondevice+mst+liger", "longtrain",
+         lambda n: lt.Strategy(checkpoint={"offload": False}, mst=True, liger=True)),
     # ... with the checkpointed inputs in host memory too (what hf+liger+offload does with
     # save_on_cpu): whole-sequence layers at 256K on 80 GB. Three quarters of the host, as
     # the FPDT offload cases: the inputs first, kept attention outputs in what remains.
