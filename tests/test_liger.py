@@ -117,6 +117,7 @@ def test_strategy_auto_adds_liger_on_a_gpu_where_it_is_installed(monkeypatch):
                                                                          verdict=lambda: "checkpoint,mst"))
     monkeypatch.setattr(calibrate, "local_rates", lambda device: H100)
     monkeypatch.setattr(trainer.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 << 30))
+    monkeypatch.setattr(trainer.torch.cuda, "current_device", lambda: 0)  # what a bare "cuda" device means
     config = TrainConfig(model="tiny-llama", strategy="auto")
     for installed in (True, False):
         monkeypatch.setattr(liger_costs, "liger_available", lambda model_type: installed and model_type == "llama")
