@@ -840,6 +840,13 @@ def _records_the_failure(family):
     return FamilyResult(family, "inexact", "DecoderAdapter", cells={"backprop": 0.0, "checkpoint": cell})
 
 
+def _records_the_failure_in_the_dropout_pass(family):
+    """As check_family does when the dropout pass's step is refused its allocation."""
+    result = _records_the_failure(family)
+    result.dropout, result.cells = {"checkpoint": result.cells["checkpoint"].split(": ", 1)[1]}, {"backprop": 0.0}
+    return result
+
+
 def _gib_above_this_process() -> int:
     """A limit in whole GiB at least 1 GiB above this process's address space (which a forked
     child inherits: the limit counts it), so the child has room for its own small work."""
@@ -849,7 +856,7 @@ def _gib_above_this_process() -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the address space from /proc (Linux)")
-@pytest.mark.parametrize("check", [_allocates_past_any_limit, _records_the_failure])
+@pytest.mark.parametrize("check", [_allocates_past_any_limit, _records_the_failure, _records_the_failure_in_the_dropout_pass])
 def test_a_family_past_the_memory_limit_is_reported_as_exceeding_it_in_one_line(check, tmp_path, monkeypatch):
     from longtrain import families
 

@@ -107,7 +107,8 @@ def _check_into(family: str, out: int, memory_limit: int | None) -> None:
     try:
         verdict = asdict(check_family(family))
         message = {"verdict": verdict,
-                   "exceeded": any(_out_of_memory(v) for v in [verdict["reason"], *verdict["cells"].values()])}
+                   "exceeded": any(_out_of_memory(v) for v in [verdict["reason"], *verdict["cells"].values(),
+                                                                   *verdict["dropout"].values()])}
     except MemoryError:
         message = {"exceeded": True}
     except Exception as error:  # noqa: BLE001 - reported as the family's verdict, in one line
