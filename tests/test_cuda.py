@@ -545,11 +545,11 @@ def test_bfloat16_strategies_on_each_kernel(kernel, strategy, forced_kernel):
         assert _global_error(got, ref_grads) <= bound
 
 
-# ---- the families added with the model description: Gemma-3, mixtures of experts, Mamba ----
+# ---- the families added with the model description: Gemma-3, mixtures of experts (gpt-oss's sinks too), Mamba ----
 
 FAMILY_STRATEGIES = ["backprop", "checkpoint+mst", "checkpoint(inputs parked)+mst", "fpdt+offload(prefetch 2)+mst",
                      "fpdt+offload,output-kept", "seco+offload+checkpoint+mst", "spaco(every chunk)", "memo(α=1)"]
-FAMILY_PRESETS = ["tiny-gemma3", "tiny-qwen3-moe", "tiny-mixtral"]
+FAMILY_PRESETS = ["tiny-gemma3", "tiny-qwen3-moe", "tiny-mixtral", "tiny-gpt-oss"]
 
 
 def family_cuda_config(preset: str):
