@@ -257,10 +257,11 @@ def model_config_json(spec: str, does: str = "trains") -> dict | None:
     from ..models.presets import preset_fields, resolve_preset
 
     if not os.path.isdir(spec):
-        if os.path.isfile(spec) and resolve_preset(spec) is None:
+        preset = resolve_preset(spec)
+        if preset is None and os.path.isfile(spec):
             raise LongtrainError(f"--model {spec} is a file, not a model directory; point it at the directory that holds "
                                  "config.json and the weights, or name a preset (longtrain presets)")
-        if resolve_preset(spec) is None and (os.sep in spec or spec.startswith(".")):
+        if preset is None and (os.sep in spec or spec.startswith(".")):
             raise LongtrainError(f"model directory {spec} does not exist; check the path, or name a preset (longtrain presets)")
         preset_fields(spec)  # refuses an unknown preset in one line
         return None
