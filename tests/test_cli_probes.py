@@ -1088,3 +1088,32 @@ def test_a_file_given_as_the_model_directory_is_named_a_file(tmp_path):
     code, _, err = cli("train", "--model", weights, "--out", tmp_path / "run")
     assert code == 2 and err.count("\n") == 1 and "is a file, not a model directory" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_plan_answers_the_ops_it_has_seen_from_records_not_from_the_fake_tensor_dispatcher(monkeypatch):
+    """Plans under half a minute on two cores rest on the simulator's per-op cost: an op
+    seen before with the same input metadata is built from its record
+    (longtrain.memory.fake_replay), so simulating a candidate again sends almost nothing to
+    FakeTensorMode's dispatcher. Counted, not timed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from longtrain.memory import fake_replay
+    from longtrain.plan.simulate import simulate
+
+    monkeypatch.setattr(fake_replay, "_ENABLED", [True])
+    answered = []
+    dispatch = FakeTensorMode.dispatch
+
+    def counted(self, func, types, args=(), kwargs=None):
+        answered.append(func)
+        return dispatch(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(FakeTensorMode, "dispatch", counted)
+    counts = []
+    for replay in (False, True, True):
+        fake_replay.replaying(replay)
+        answered.clear()
+        simulate("tiny-llama", 101, strategy="fpdt:chunk=32:offload:keep_output,mst", exact=True, optimizer="none")
+        counts.append(len(answered))
+    # Building the model (outside the step), factories and out= ops: still dispatched.
+    assert 0 < counts[2] < counts[0] / 10

@@ -325,6 +325,16 @@ def _run_plan(args) -> int:
     for flag, value in (("--lora-rank", args.lora_rank), ("--jobs", args.jobs)):
         if value < 1:
             raise LongtrainError(f"{flag} must be a positive count, got {value}")
+    from .plan import workers
+
+    workers.start_early(args.jobs)  # their imports overlap this process's
+    try:
+        return _plan_with(args, progress)
+    finally:
+        workers.discard()
+
+
+def _plan_with(args, progress) -> int:
     from .plan.calibrate import load
     from .plan.planner import PlanRequest, plan
 

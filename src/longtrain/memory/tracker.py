@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..thread_flag import ThreadFlag
+from . import fake_replay
 
 __all__ = [
     "CATEGORIES",
@@ -256,12 +257,12 @@ class MemoryTracker(TorchDispatchMode):
 
     def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
         """Record ``tensor``'s storage (if new); optionally set its category."""
-        record = self._record_for(tensor, category or self._phase_category(), "")
+        record = self._record_for(tensor, category or self._phase_category())
         if record is not None and category is not None and record.category != category:
             self._change(record, category=category)
 
     def set_location(self, tensor: torch.Tensor, location: str) -> None:
-        record = self._record_for(tensor, self._phase_category(), "")
+        record = self._record_for(tensor, self._phase_category())
         if record is not None and record.location != location:
             self._change(record, location=location)
 
@@ -323,17 +324,13 @@ class MemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE_QUERY and type(args[0]) is FakeTensor:
             return args[0].fake_device  # most dispatches of a simulation: answered here, nothing allocated
-        out = func(*args, **(kwargs or {}))
+        out = fake_replay.dispatch(func, args, kwargs or {})
         if _UNTRACKED.on:
             return out
         category = self._phase_category()
-        origin = None
-        for item in tree_flatten(out)[0]:
+        for item in (out,) if type(out) is FakeTensor else tree_flatten(out)[0]:
             if isinstance(item, torch.Tensor):
-                if origin is None:
-                    module = self._module_stack[-1] if self._module_stack else ""
-                    origin = f"{func.__name__}" + (f" in {module}" if module else "")
-                self._record_for(item, category, origin)
+                self._record_for(item, category, func)
         return out
 
     # ---- internals -------------------------------------------------------------------
@@ -342,11 +339,13 @@ class MemoryTracker(TorchDispatchMode):
             return "temporaries"
         return "activations"
 
-    def _record_for(self, tensor: torch.Tensor, category: str, origin: str) -> _Record | None:
-        if hasattr(tensor, "to_local"):  # a sharded (FSDP) tensor: this rank holds its shard
-            tensor = tensor.to_local()
-        if tensor.is_meta:  # no storage (e.g. another rank's layers under layer groups)
-            return None
+    def _record_for(self, tensor: torch.Tensor, category: str, func=None) -> _Record | None:
+        """``tensor``'s storage recorded (as allocated by ``func``, if new): its record."""
+        if type(tensor) is not FakeTensor:
+            if hasattr(tensor, "to_local"):  # a sharded (FSDP) tensor: this rank holds its shard
+                tensor = tensor.to_local()
+            if tensor.is_meta:  # no storage (e.g. another rank's layers under layer groups)
+                return None
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse, nested, ... : not tracked
@@ -360,7 +359,15 @@ class MemoryTracker(TorchDispatchMode):
                     record.nbytes = nbytes
                     self._update_peaks()
                 return record
-            return self._new_record(storage, category, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""), origin)
+            return self._new_record(storage, category, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
+                                    self._origin(func))
+
+    def _origin(self, func) -> str:
+        """What allocates now: the op (``func``, or "" if not an op), in the innermost module known."""
+        if func is None:
+            return ""
+        module = self._module_stack[-1] if self._module_stack else ""
+        return f"{func.__name__}" + (f" in {module}" if module else "")
 
     def _new_record(self, storage, category: str, shape: tuple, dtype: str, origin: str) -> _Record | None:
         key, nbytes = id(storage), storage.nbytes()

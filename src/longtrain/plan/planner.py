@@ -26,7 +26,7 @@ fit is not simulated. The rest are simulated fastest-predicted first; once one f
 the slower ones are listed as such without simulating them (``exhaustive=True``
 simulates them all), ``workers`` at a time in processes of their own. Each simulation
 covers the whole length (:func:`simulate_step`: the simulator extends per-phase peaks
-itself from its fit simulations, seconds to half a minute per 8B candidate); simulations
+itself from its fit simulations, 1–15 s of one core per 8B candidate); simulations
 are cached in the process. A fitting checkpointed row's search for top layers left whole
 runs in a worker of its own, beside the others. Each row names its strategy as
 ``--strategy`` reads it — computed from the strategy's fields (:attr:`Strategy.label`), also

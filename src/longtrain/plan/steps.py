@@ -10,6 +10,7 @@ import json
 from typing import Callable
 
 from ..strategy import Strategy
+from . import workers
 from .extrapolate import chunk_axis
 from .simulate import chunk_curve, simulate
 
@@ -110,28 +111,9 @@ def simulate_elsewhere(config_json: str, seq_len: int, strategy_json: str, dtype
     return result, {key: curve and curve.peaks_only() for key, curve in _CURVES.items() if key not in before}
 
 
-def _ready() -> None:
-    """A worker's first task: unpickling it imports this module, and with it the simulator."""
-
-
-def _stop_now(executor) -> None:
-    """Cancel what has not started and end the worker processes at once, without waiting for
-    the simulations they run (the standard library ends them only from Python 3.14 on)."""
-    terminate = getattr(executor, "terminate_workers", None)
-    if terminate is not None:
-        terminate()
-        return
-    processes = list((getattr(executor, "_processes", None) or {}).values())
-    executor.shutdown(wait=False, cancel_futures=True)
-    for process in processes:
-        process.terminate()
-    for process in processes:
-        process.join()
-
-
 class _Simulations:
     """The planned candidates' simulations (:func:`simulate_step`), in ``workers`` processes
-    when more than one: an 8B candidate takes up to half a minute of one core, so a plan on two cores
+    when more than one: an 8B candidate takes up to 15 s of one core, so a plan on two cores
     answers in about half the time. Results are cached in this process as simulate_step's."""
 
     def __init__(self, workers: int):
@@ -141,25 +123,19 @@ class _Simulations:
 
     def __enter__(self):
         if self.workers > 1:  # each worker imports torch and the simulator while the plan is set up
-            for _ in range(self.workers):
-                self._pool().submit(_ready)
+            self.executor = workers.adopt(self.workers) or workers.pool(self.workers)
         return self
 
     def __exit__(self, *exc):
         if self.executor is not None:  # what still runs was started ahead and is not needed
-            _stop_now(self.executor)
+            workers.stop_now(self.executor)
 
     def started(self, args) -> bool:
         return _key(*args) in self.futures or _key(*args) in _SIMULATIONS
 
     def _pool(self):
         if self.executor is None:
-            import concurrent.futures
-            import multiprocessing
-
-            # spawn: a fresh interpreter, not a fork of one that may hold threads.
-            self.executor = concurrent.futures.ProcessPoolExecutor(
-                self.workers, mp_context=multiprocessing.get_context("spawn"))
+            self.executor = workers.pool(self.workers)
         return self.executor
 
     def start(self, args) -> bool:
