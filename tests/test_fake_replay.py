@@ -121,3 +121,34 @@ def test_quickly_built_fake_tensors_equal_constructed_ones(fresh_records):
         assert type(built) is FakeTensor and built.__dict__ == made.__dict__
         assert torch._C._dispatch_keys(built) == torch._C._dispatch_keys(made)
         assert (built.shape, built.device, built.requires_grad) == (made.shape, made.device, False)
+
+
+def test_a_mode_between_the_tracker_and_fake_tensor_mode_sees_every_op(fresh_records):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    mode, (a, b) = _fakes((64, 64), (64, 64))
+    with mode, FlopCounterMode(display=False) as flops, MemoryTracker():
+        for _ in range(3):
+            torch.mm(a, b)
+    assert flops.get_total_flops() == 3 * 2 * 64**3
+
+
+def test_inference_mode_and_mixed_fake_modes_are_answered_as_fake_tensor_mode_answers(fresh_records):
+    mode, (x, y) = _fakes((4, 6), (4, 6))
+    _, (other,) = _fakes((4, 6))  # of another fake mode
+    with mode, MemoryTracker():
+        x.view(6, 4)  # recorded outside inference mode
+        with torch.inference_mode():
+            view = x.view(6, 4)
+        view.add_(1)  # a view made in inference mode of a normal tensor stays usable
+        x * y  # recorded
+        with pytest.raises(AssertionError, match="Mixing fake modes"):
+            x * other
+
+
+def test_the_tracker_counts_no_fake_meta_tensor(fresh_records):
+    mode = FakeTensorMode()
+    with mode, MemoryTracker() as tracker:
+        kept = torch.empty(1000, device="meta")
+        kept * 2
+    assert tracker.peak_bytes == 0

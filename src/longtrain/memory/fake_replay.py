@@ -11,8 +11,10 @@ input itself (in place), or a plain value — and later calls with the same key 
 from the record directly.
 
 Only what a record reproduces exactly is replayed. An op is answered by ``FakeTensorMode``
-every time when an argument is a tensor that is not a plain ``FakeTensor`` (a real tensor,
-a constant, another subclass) or a value the key cannot hold; when it is not an ATen op,
+every time where another mode sits between the tracker and it, where the mode has symbolic
+shapes or real tensors beside the fakes, in inference mode; when an argument is a tensor that
+is not a plain ``FakeTensor`` of the active mode (a real tensor, a constant, another
+subclass) or a value the key cannot hold (a device without its index); when it is not an ATen op,
 resizes or re-points a storage, or writes an ``out=`` argument; when it changed an input's
 metadata or storage; when its outputs include no tensor, a storage the record would not
 rebuild byte for byte, two outputs sharing a new storage, or a view of a storage two inputs
@@ -23,7 +25,7 @@ compares replayed simulations with unreplayed ones to the byte.
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig
 
 __all__ = ["dispatch", "replaying"]
 
@@ -32,6 +34,7 @@ _NEVER = object()  # the key's op is answered by FakeTensorMode every time
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 _STORAGE_OPS = ("resize", "set_")  # ops whose effect depends on a storage's size, which no key holds
 _ENABLED = [True]
+_MOST_RECORDS = 500_000  # about 1 KB each
 
 
 class _Unkeyed(Exception):
@@ -44,12 +47,18 @@ def replaying(enabled: bool) -> None:
 
 
 def dispatch(func, args: tuple, kwargs: dict):
-    """``func(*args, **kwargs)``, replayed from a record where there is one (module docstring)."""
-    if not _ENABLED[0] or getattr(func, "namespace", None) != "aten":
+    """``func(*args, **kwargs)``, replayed from a record where there is one (module docstring).
+    Called from a dispatch mode; replayed only where the one mode below it is FakeTensorMode
+    (another mode there would not see a replayed op)."""
+    if not _ENABLED[0] or getattr(func, "namespace", None) != "aten" or torch._C._len_torch_dispatch_stack() != 1:
+        return func(*args, **kwargs)
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if mode is None or mode.shape_env is not None or getattr(mode, "propagate_real_tensors", False) \
+            or torch.is_inference_mode_enabled():
         return func(*args, **kwargs)
     tensors: list[FakeTensor] = []
     try:
-        key = _key(func, args, kwargs, tensors)
+        key = _key(func, args, kwargs, mode, tensors)
     except _Unkeyed:
         return func(*args, **kwargs)
     record = _RECORDS.get(key)
@@ -59,32 +68,37 @@ def dispatch(func, args: tuple, kwargs: dict):
         return _rebuilt(record, tensors)
     before = [_state(t) for t in tensors]
     out = func(*args, **kwargs)
+    if len(_RECORDS) >= _MOST_RECORDS:  # a bound on what a long-lived process keeps
+        _RECORDS.clear()
     _RECORDS[key] = _record(func, kwargs, out, tensors, before)
     return out
 
 
-def _key(func, args: tuple, kwargs: dict, tensors: list) -> tuple:
-    parts = [func, torch.get_default_dtype()]
+def _key(func, args: tuple, kwargs: dict, mode, tensors: list) -> tuple:
+    parts = [func, torch.get_default_dtype(), mode.allow_fallback_kernels, mode.allow_non_fake_inputs]
     for value in args:
-        _describe(value, parts, tensors)
+        _describe(value, parts, mode, tensors)
     for name, value in kwargs.items():
         parts.append(name)
-        _describe(value, parts, tensors)
+        _describe(value, parts, mode, tensors)
     return tuple(parts)
 
 
-def _describe(value, parts: list, tensors: list) -> None:
+def _describe(value, parts: list, mode, tensors: list) -> None:
     kind = type(value)
     if kind is FakeTensor:
-        if value.constant is not None or value.layout is not torch.strided or value.is_conj() or value.is_neg():
+        if value.fake_mode is not mode or value.constant is not None or value.layout is not torch.strided \
+                or value.is_conj() or value.is_neg():
             raise _Unkeyed
         tensors.append(value)
         parts.append((value.shape, value.stride(), value.storage_offset(), value.dtype, value.fake_device,
-                      value.requires_grad))
+                      value.requires_grad, value.is_inference()))
     elif kind is list or kind is tuple:
         parts.append((kind, len(value)))
         for item in value:
-            _describe(item, parts, tensors)
+            _describe(item, parts, mode, tensors)
+    elif kind is torch.device and value.index is None and value.type not in ("cpu", "meta"):
+        raise _Unkeyed  # the current device of its kind, which no key holds
     elif kind in _PLAIN:
         parts.append((kind, value))
     else:  # a real or meta tensor, another subclass, a symbolic size, ...
@@ -187,7 +201,7 @@ def _fake(mode, meta: torch.Tensor, device: torch.device, grad: bool) -> FakeTen
     constructor builds every one."""
     if grad:
         meta.requires_grad_(True)
-    if not _QUICK[0]:
+    if not _QUICK[0] or FakeTensorConfig.debug:  # in debug, each keeps the trace of its own creation
         return FakeTensor(mode, meta, device)
     template = _TEMPLATE[0]
     if template is not None and template[0] is mode and template[1] == device:

@@ -341,7 +341,10 @@ class MemoryTracker(TorchDispatchMode):
 
     def _record_for(self, tensor: torch.Tensor, category: str, func=None) -> _Record | None:
         """``tensor``'s storage recorded (as allocated by ``func``, if new): its record."""
-        if type(tensor) is not FakeTensor:
+        if type(tensor) is FakeTensor:
+            if tensor.fake_device.type == "meta":  # a fake meta tensor: no storage either
+                return None
+        else:
             if hasattr(tensor, "to_local"):  # a sharded (FSDP) tensor: this rank holds its shard
                 tensor = tensor.to_local()
             if tensor.is_meta:  # no storage (e.g. another rank's layers under layer groups)
