@@ -1,8 +1,10 @@
 """The longest context the planner finds for Llama-3-8B and Qwen2-7B on one H100 or H200
 with 128 GB of host memory: full fine-tuning with AdamW (its state on the device, or in
-host memory with fp32 master weights) and LoRA — writes docs/results/max_context.{json,md}.
+host memory with fp32 master weights) and LoRA; for the mixtures of experts Qwen3-30B-A3B
+and gpt-oss-20b, LoRA and QLoRA — writes docs/results/max_context.{json,md}.
 
-    python benchmarks/max_context.py            # about half an hour on 2 CPU cores (a process per model)
+    python benchmarks/max_context.py            # the dense models (a process per model)
+    python benchmarks/max_context.py --moe      # the mixtures of experts, merged into the report
     python benchmarks/max_context.py --smoke    # tiny model, seconds (CI)
 
 Each machine × model × mode row is the longest context of any candidate strategy
@@ -33,6 +35,7 @@ MODES = {
     "full, AdamW (either place)": {"optimizer_offload": None},
     "full, AdamW fp32 masters in host memory": {"optimizer_offload": True},
     "LoRA r16": {"lora_rank": 16},
+    "QLoRA r16 (4-bit NF4 base)": {"lora_rank": 16, "four_bit": True},
 }
 ANCHORS = {
     ("llama3-8b", "1×H100 80 GB + 128 GB host", "full, AdamW (either place)"):
@@ -41,15 +44,20 @@ ANCHORS = {
     ("llama3-8b", "1×H100 80 GB + 128 GB host", "LoRA r16"): "Unsloth: 342K (QLoRA, 4-bit weights) on 80 GB",
     ("qwen3-30b-a3b", "1×H100 80 GB + 128 GB host", "LoRA r16"):
         "Unsloth: 500K of gpt-oss-20b (a 21B MoE, 4-bit weights) on 80 GB",
+    ("gpt-oss-20b", "1×H100 80 GB + 128 GB host", "QLoRA r16 (4-bit NF4 base)"):
+        "Unsloth: 500K+ (QLoRA, 290K without tiled MLP) on 80 GB",
 }
-# Mixtures of experts: their weights alone take most of an 80 GB GPU in bf16, so LoRA only.
-MOE_MODES = ("LoRA r16",)
+DENSE_MODES = ("full, AdamW (either place)", "full, AdamW fp32 masters in host memory", "LoRA r16")
+# Mixtures of experts: their weights alone take most of an 80 GB GPU in bf16, so LoRA and QLoRA only.
+MOE_MODELS = ("qwen3-30b-a3b", "gpt-oss-20b")
+MOE_MODES = ("LoRA r16", "QLoRA r16 (4-bit NF4 base)")
 
 
 def rows_of(model: str, smoke: bool, machines: dict | None = None, modes: dict | None = None) -> list[dict]:
     """Every machine × mode row of one model (one process: its simulations are shared)."""
     machines = {"tiny": ("4MiB", "4MiB")} if smoke else machines or MACHINES
-    modes = {"full, AdamW on the device": {"optimizer_offload": False}} if smoke else modes or MODES
+    modes = ({"full, AdamW on the device": {"optimizer_offload": False}} if smoke
+             else modes or {m: MODES[m] for m in DENSE_MODES})
     rows = []
     for machine, (device, host) in machines.items():
         for mode, options in modes.items():
@@ -78,24 +86,29 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=None, help="directory for the report (default docs/results/)")
     parser.add_argument("--moe", action="store_true",
-                        help="only the mixture-of-experts row (qwen3-30b-a3b, LoRA, 1×H100), merged into the report")
+                        help="only the mixture-of-experts rows (qwen3-30b-a3b and gpt-oss-20b, LoRA and QLoRA, both "
+                             "machines), merged into the report")
     args = parser.parse_args(argv)
     if args.moe:
-        machine = "1×H100 80 GB + 128 GB host"
-        rows = rows_of("qwen3-30b-a3b", False, {machine: MACHINES[machine]}, {m: MODES[m] for m in MOE_MODES})
+        rows = _each_model(list(MOE_MODELS), False, {m: MODES[m] for m in MOE_MODES})
         write(_merged(rows, args.out), False, args.out,
-              command=f"python benchmarks/max_context.py; python benchmarks/max_context.py --moe ({time.strftime('%Y-%m-%d')})")
+              command="python benchmarks/max_context.py (the dense models, 2026-11-23); python benchmarks/max_context.py "
+                      f"--moe (the mixtures of experts, {time.strftime('%Y-%m-%d')}; 24 minutes on 2 cores)")
         return
     models = ["tiny-llama"] if args.smoke else ["llama3-8b", "qwen2-7b"]
-    if len(models) > 1:  # a process per model, at most one per core
-        import multiprocessing
+    write(_each_model(models, args.smoke), args.smoke, args.out)
 
-        with concurrent.futures.ProcessPoolExecutor(min(len(models), os.cpu_count() or 1),
-                                                    mp_context=multiprocessing.get_context("spawn")) as pool:
-            rows = [row for rows in pool.map(rows_of, models, [args.smoke] * len(models)) for row in rows]
-    else:
-        rows = rows_of(models[0], args.smoke)
-    write(rows, args.smoke, args.out)
+
+def _each_model(models: list[str], smoke: bool, modes: dict | None = None) -> list[dict]:
+    """:func:`rows_of` each model, a process per model (at most one per core) where there are several."""
+    if len(models) == 1:
+        return rows_of(models[0], smoke, None, modes)
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(min(len(models), os.cpu_count() or 1),
+                                                mp_context=multiprocessing.get_context("spawn")) as pool:
+        return [row for rows in pool.map(rows_of, models, [smoke] * len(models), [None] * len(models),
+                                         [modes] * len(models)) for row in rows]
 
 
 def _merged(rows: list[dict], out: str | None) -> list[dict]:
@@ -120,7 +133,8 @@ Memo + MsT), found by a search over whole-length simulations on fake tensors (pl
 exact to the chunk, the others within 1/64), the device side with the allocator's fragmentation margin
 measured on the H100; host memory 128 GB = 119.2 GiB; the H200's usable memory taken as 139 GiB).
 "Either place" weighs AdamW on the device (bf16 moments, no fp32 masters) against AdamW in host memory
-(fp32 masters and moments) and reports the longer; `others` in the JSON lists every candidate's limit. Step times from the time model at the H100 rates
+(fp32 masters and moments) and reports the longer; QLoRA is LoRA over a base held in 4 bits as bitsandbytes'
+NF4 holds it (`plan --lora --4bit`); `others` in the JSON lists every candidate's limit. Step times from the time model at the H100 rates
 (fitted at 16K-128K on 2026-11-23; not checked on a GPU at these lengths). Confirm a row with `longtrain plan --model M --seq-len N
 --device-memory D --host-memory H [--optimizer-offload | --lora]`."""
     write_report("max_context_smoke" if smoke else "max_context", "Longest context per machine (planner)", columns,

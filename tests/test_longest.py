@@ -65,3 +65,27 @@ def test_the_longest_context_fits_and_one_step_more_does_not(spec, engine, aim):
     assert fits(found) and not fits(found + step)
     if engine:
         assert found == aim  # 40 whole chunks: the budget is what they need plus 100 bytes
+
+
+def test_max_context_searches_over_a_4_bit_base_when_asked_and_needs_lora(monkeypatch):
+    """QLoRA's rows of docs/results/max_context.md: every candidate's search runs on the base
+    held in 4 bits (as `plan --lora --4bit` simulates it)."""
+    from longtrain.errors import LongtrainError
+    from longtrain.models.adapters import adapter_class
+    from longtrain.plan import longest
+
+    searched = []
+
+    def recorded(config, strategy, budget, dtype, **_):
+        searched.append(adapter_class(config.model_type).base_bits(config))
+        return 1024, "device memory"
+
+    monkeypatch.setattr(longest, "longest_context", recorded)
+    machine = dict(device_memory=2**30, host_memory=2**30)
+    with pytest.raises(LongtrainError, match="lora_rank"):
+        longest.max_context("tiny-llama", four_bit=True, **machine)
+    longest.max_context("tiny-llama", lora_rank=4, **machine)
+    plain = list(searched)
+    searched.clear()
+    longest.max_context("tiny-llama", lora_rank=4, four_bit=True, **machine)
+    assert searched and set(searched) == {4} and not any(plain)

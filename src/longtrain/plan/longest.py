@@ -37,6 +37,7 @@ from ..strategy import Strategy
 from .bounds import Budget, budgets_for, parked_bytes, parked_split, reserved_bytes
 from .candidates import CHUNKS, candidates, host_budgets_beside_optimizer
 from .extrapolate import chunk_of
+from .fake_model import with_4bit_base
 from .steps import chunk_curve_of, simulate_step
 from .time_model import H100, MachineRates, step_time
 
@@ -175,13 +176,19 @@ class ContextLimit:
 
 def max_context(model, *, device_memory: int, host_memory: int, optimizer: str = "adamw", dtype: str = "bfloat16",
                 rates: MachineRates = H100, lora_rank: int | None = None, optimizer_offload: bool | None = None,
-                chunks: tuple[int, ...] = CHUNKS[:2], progress: Callable[[str], None] | None = None) -> list[ContextLimit]:
+                chunks: tuple[int, ...] = CHUNKS[:2], progress: Callable[[str], None] | None = None,
+                four_bit: bool = False) -> list[ContextLimit]:
     """The longest context each candidate strategy of :func:`~longtrain.plan.planner.plan`
     reaches on this machine (:func:`longest_context`), longest first. FPDT runs with
     checkpoint segments only (the other variants park more) at ``chunks``-token chunks
-    (larger chunks have larger working sets: never the longer context)."""
+    (larger chunks have larger working sets: never the longer context). ``four_bit``: with
+    ``lora_rank``, the base held in 4 bits (bitsandbytes NF4, as ``plan --lora --4bit``)."""
     say = progress or (lambda _: None)
+    if four_bit and not lora_rank:
+        raise LongtrainError("a 4-bit base trains LoRA adapters only: pass lora_rank with four_bit")
     config = load_config(model)
+    if four_bit:
+        with_4bit_base(config)
     adapter_class(config.model_type).allow_positions(config, LIMIT)
     params, budgets = budgets_for(config, device_memory=device_memory, host_memory=host_memory, optimizer=optimizer,
                                   dtype=parse_dtype(dtype), lora_rank=lora_rank, optimizer_offload=optimizer_offload)
