@@ -69,17 +69,21 @@ def _fakes(*shapes):
 
 
 def _replayed(func, *args, **kwargs):
-    """``func`` dispatched twice through the replay (the second time from its record), as the tracker does."""
+    """``func`` dispatched twice through the replay (the second time from its record, where the
+    one mode active is FakeTensorMode, as inside the tracker's dispatch)."""
     first = fake_replay.dispatch(func, args, kwargs)
     return first, fake_replay.dispatch(func, args, kwargs)
 
 
 def test_views_share_their_input_storage_and_in_place_ops_return_their_input(fresh_records):
     mode, (x,) = _fakes((4, 6))
-    with mode, MemoryTracker():
-        _, view = _replayed(torch.ops.aten.view.default, x, [6, 4])
-        _, same = _replayed(torch.ops.aten.add_.Tensor, x, x)
-        _, fresh = _replayed(torch.ops.aten.mul.Tensor, x, 2.0)
+    ops = (torch.ops.aten.view.default, torch.ops.aten.add_.Tensor, torch.ops.aten.mul.Tensor)
+    with mode:  # FakeTensorMode the one mode below: as inside the tracker's dispatch
+        _, view = _replayed(ops[0], x, [6, 4])
+        _, same = _replayed(ops[1], x, x)
+        _, fresh = _replayed(ops[2], x, 2.0)
+    recorded = {key[0]: record for key, record in fake_replay._RECORDS.items()}
+    assert all(recorded[op] is not fake_replay._NEVER for op in ops)  # the second calls were built from them
     assert type(view) is FakeTensor and view.shape == (6, 4)
     assert view.untyped_storage()._cdata == x.untyped_storage()._cdata
     assert same is x

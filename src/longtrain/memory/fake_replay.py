@@ -18,8 +18,7 @@ subclass) or a value the key cannot hold (a device without its index); when it i
 resizes or re-points a storage, or writes an ``out=`` argument; when it changed an input's
 metadata or storage; when its outputs include no tensor, a storage the record would not
 rebuild byte for byte, two outputs sharing a new storage, or a view of a storage two inputs
-share. tests/test_fake_replay.py
-compares replayed simulations with unreplayed ones to the byte.
+share. tests/test_fake_replay.py compares replayed simulations with unreplayed ones to the byte.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ _NEVER = object()  # the key's op is answered by FakeTensorMode every time
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 _STORAGE_OPS = ("resize", "set_")  # ops whose effect depends on a storage's size, which no key holds
 _ENABLED = [True]
-_MOST_RECORDS = 500_000  # about 1 KB each
+_MOST_RECORDS = 500_000  # a few KB each: what a long-lived process keeps at most
 
 
 class _Unkeyed(Exception):
