@@ -5,6 +5,7 @@ and gpt-oss-20b, LoRA and QLoRA — writes docs/results/max_context.{json,md}.
 
     python benchmarks/max_context.py            # the dense models (a process per model)
     python benchmarks/max_context.py --moe      # the mixtures of experts, merged into the report
+    python benchmarks/max_context.py --moe --mode "LoRA r16" --model qwen3-30b-a3b   # some of them
     python benchmarks/max_context.py --smoke    # tiny model, seconds (CI)
 
 Each machine × model × mode row is the longest context of any candidate strategy
@@ -88,26 +89,34 @@ def main(argv=None) -> None:
     parser.add_argument("--moe", action="store_true",
                         help="only the mixture-of-experts rows (qwen3-30b-a3b and gpt-oss-20b, LoRA and QLoRA, both "
                              "machines), merged into the report")
+    parser.add_argument("--mode", action="append", choices=MOE_MODES,
+                        help="with --moe: only this training mode's rows (repeatable; default: every one)")
+    parser.add_argument("--model", action="append", choices=MOE_MODELS,
+                        help="with --moe: only this model's rows (repeatable; default: every one)")
+    parser.add_argument("--machine", action="append", choices=list(MACHINES),
+                        help="with --moe: only this machine's rows (repeatable; default: every one)")
     args = parser.parse_args(argv)
     if args.moe:
-        rows = _each_model(list(MOE_MODELS), False, {m: MODES[m] for m in MOE_MODES})
+        machines = {m: MACHINES[m] for m in args.machine} if args.machine else None
+        rows = _each_model(args.model or list(MOE_MODELS), False, {m: MODES[m] for m in args.mode or MOE_MODES},
+                           machines)
         write(_merged(rows, args.out), False, args.out,
               command="python benchmarks/max_context.py (the dense models, 2026-11-23); python benchmarks/max_context.py "
-                      f"--moe (the mixtures of experts, {time.strftime('%Y-%m-%d')}; 24 minutes on 2 cores)")
+                      f"--moe (the mixtures of experts, {time.strftime('%Y-%m-%d')}; 25–50 minutes on 2 cores)")
         return
     models = ["tiny-llama"] if args.smoke else ["llama3-8b", "qwen2-7b"]
     write(_each_model(models, args.smoke), args.smoke, args.out)
 
 
-def _each_model(models: list[str], smoke: bool, modes: dict | None = None) -> list[dict]:
+def _each_model(models: list[str], smoke: bool, modes: dict | None = None, machines: dict | None = None) -> list[dict]:
     """:func:`rows_of` each model, a process per model (at most one per core) where there are several."""
     if len(models) == 1:
-        return rows_of(models[0], smoke, None, modes)
+        return rows_of(models[0], smoke, machines, modes)
     import multiprocessing
 
     with concurrent.futures.ProcessPoolExecutor(min(len(models), os.cpu_count() or 1),
                                                 mp_context=multiprocessing.get_context("spawn")) as pool:
-        return [row for rows in pool.map(rows_of, models, [smoke] * len(models), [None] * len(models),
+        return [row for rows in pool.map(rows_of, models, [smoke] * len(models), [machines] * len(models),
                                          [modes] * len(models)) for row in rows]
 
 
@@ -129,7 +138,8 @@ def write(rows: list[dict], smoke: bool = False, out: str | None = None, command
                ("anchor", "anchors (their figures)")]
     notes = """Simulated, not measured: the longest context of any candidate strategy of `longtrain plan`
 (FPDT at 8K-token chunks with checkpoint segments, with and without offload; checkpointing + MsT;
-Memo + MsT), found by a search over whole-length simulations on fake tensors (plan/longest.py: FPDTOptions
+Memo + MsT; under LoRA, each also with `stream` — the frozen layer weights in host memory, a layer
+at a time on the device — where those weights fill a quarter of the device or more), found by a search over whole-length simulations on fake tensors (plan/longest.py: FPDTOptions
 exact to the chunk, the others within 1/64), the device side with the allocator's fragmentation margin
 measured on the H100; host memory 128 GB = 119.2 GiB; the H200's usable memory taken as 139 GiB).
 "Either place" weighs AdamW on the device (bf16 moments, no fp32 masters) against AdamW in host memory

@@ -619,3 +619,31 @@ def test_mamba_in_float32_on_cuda_equals_float64(preset, strategy):
         assert abs(loss - ref_loss) <= FP32_TOL * abs(ref_loss)
         worst = max(float((got[k].double().cpu() - ref_grads[k]).norm() / ref_grads[k].norm()) for k in ref_grads)
         assert worst <= FP32_TOL, worst
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint,mst", "fpdt:chunk=256:offload,mst"])
+def test_streamed_frozen_weights_on_cuda_are_bit_for_bit_the_step_without(strategy):
+    """Side-stream copies, the compute stream waiting on them, backward on autograd's
+    device thread: the same bytes as the unstreamed step, and only a window of layers'
+    weights on the device."""
+    from longtrain.models.loading import add_lora
+
+    config = preset_config("tiny-qwen3-moe")
+    config.num_hidden_layers = 6
+    _, model = stock_and_ours(config, dtype=torch.bfloat16)
+    model = add_lora(model, rank=4).cuda()
+    streamed = copy.deepcopy(model)
+    lt.apply(model, strategy)
+    lt.apply(streamed, strategy + ",stream")
+    batch = {k: v.cuda() for k, v in padded_batch(config.vocab_size, lengths=(700, 555)).items()}
+    losses = []
+    for m in (model, streamed):
+        torch.manual_seed(0)
+        losses.append(lt.step(m, batch))
+    torch.cuda.synchronize()
+    assert torch.equal(losses[0], losses[1])
+    plain, ours = grads(model), grads(streamed)
+    assert all(torch.equal(plain[name], ours[name]) for name in plain)
+    stream = applied_context(streamed).weight_stream
+    on_device = [p for group in stream.groups for p in group if p.device.type == "cuda"]
+    assert sum(p.nbytes for p in on_device) <= 2 * sum(t.nbytes for t in stream.host[0])

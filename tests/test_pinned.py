@@ -164,7 +164,8 @@ def _check(monkeypatch, shard, budget=None, need=10 * 2**30, default=2**30):
     monkeypatch.setattr(chunked, "pinned_host_budget", lambda: default)
     embeddings = types.SimpleNamespace(weight=torch.zeros(1, dtype=torch.bfloat16))
     context = types.SimpleNamespace(adapter=types.SimpleNamespace(
-        base=types.SimpleNamespace(get_input_embeddings=lambda: embeddings)), strategy=types.SimpleNamespace(engine="fpdt"))
+        base=types.SimpleNamespace(get_input_embeddings=lambda: embeddings)), strategy=types.SimpleNamespace(engine="fpdt"),
+        host_held=0, host_room=lambda: None)
     settings = ChunkSettings(chunk=256, offload=True, prefetch=1, host_budget=budget, offload_inputs=True,
                              recompute_kv=True, keep_output=False, segment=1)
     chunked.check_host_budget(context, shard, settings)

@@ -32,6 +32,7 @@ _LAZY = {
     "LigerOptions": "techniques.liger",
     "MemoOptions": "techniques.memo",
     "MsTOptions": "techniques.mst",
+    "StreamOptions": "techniques.stream",
 }
 
 

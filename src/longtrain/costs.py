@@ -61,6 +61,8 @@ class StepWork:
     tiled_mlp: bool = False
     chunked_head: bool = False
     chunk: int | None = None  # tokens per chunk of a chunked engine
+    chunk_major: bool = False  # the engine runs every layer for one chunk before the next chunk (SeCO, SpaCO)
+    streams_weights: bool = False  # frozen layer weights come from host memory each pass (techniques/stream)
     inner: float = 0.0  # share of layers whose input backward recomputes inside a segment
     attention_rate: float = 0.0  # FLOP/s of the engine's attention kernels
 
@@ -221,6 +223,16 @@ class TechniqueCosts(HostBudgetKnob):
     def candidates(self, host_memory: int | None) -> dict[str, Any]:
         """The technique's variants a plan weighs on the default engine: label -> options."""
         return {}
+
+    def weighed_with_each(self, config, device_memory: int, item: int, frozen: bool) -> bool:
+        """Whether a plan weighs every candidate also with this technique added, for a model
+        of ``config`` on ``device_memory`` bytes (``item``: the weights' element size;
+        ``frozen``: the layers' weights do not train)."""
+        return False
+
+    def weights_moved(self, config, options, item: int) -> tuple[int, int]:
+        """(bytes of weights it takes off the device, bytes they then hold in host memory)."""
+        return PARKED_NOTHING
 
     def with_whole_layers(self, options, count: int):
         """The options leaving the top ``count`` layers whole; None where the technique cannot."""

@@ -408,6 +408,15 @@ def pinned_host_bytes(model) -> int:
     return 0 if context is None else context.pool.allocated_bytes
 
 
+def weights_on_device(model) -> None:
+    """Every weight a technique keeps in host memory (``stream``) back on the device for
+    good, and the streaming off: before LoRA's adapters are merged into the weights (the
+    last use of a trained model), which would otherwise add a device delta to a host copy."""
+    context = applied_context(model)
+    if context is not None and context.weight_stream is not None:
+        context.weight_stream.settle()
+
+
 def apply(model, strategy: "Strategy | str | None"):
     """Install ``strategy`` on ``model`` in place and return it.
 

@@ -91,13 +91,23 @@ class EngineContext:
     # machine's (half its physical memory); a simulation's is the simulated machine's
     # (--host-memory), None where none was named: unbounded.
     host_memory: int | None = field(default_factory=pinned_host_budget)
+    # Bytes a technique holds in host memory for the whole run (streamed weights): out of
+    # host_memory before anything parks there (host_room()).
+    host_held: int = 0
     # A mixture of experts' routers, counted for the load-balancing loss where the config
     # adds it (models/router_balance.py); None: the model has no routers.
     router_balance: Any = None
+    # The frozen layer weights streamed from host memory (techniques/stream), None without.
+    weight_stream: Any = None
 
     def __post_init__(self):
         if self.lm_head_module is None:
             self.lm_head_module = LMHeadModule(self.adapter.head())
+
+    def host_room(self) -> int | None:
+        """What :attr:`host_memory` leaves beside :attr:`host_held`: the default budget of
+        whatever parks in host memory (None: unbounded)."""
+        return None if self.host_memory is None else max(0, self.host_memory - self.host_held)
 
     @property
     def model(self) -> torch.nn.Module:

@@ -35,9 +35,11 @@ __all__ = [
     "MemoryReport",
     "MemoryTracker",
     "host_allocations",
+    "host_state_of",
     "in_backward",
     "mark_gradient",
     "mark_host_resident",
+    "mark_weights",
     "mark_repeat",
     "untracked",
 ]
@@ -48,6 +50,7 @@ DEVICE, HOST = "device", "host"
 _ACTIVE: list["MemoryTracker"] = []
 _HOST_ALLOCATION = ThreadFlag()
 _UNTRACKED = ThreadFlag()
+_HOST_STATE: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()  # host_state_of
 _DEVICE_QUERY = torch.ops.prim.device.default  # tensor.device asked of a subclass (fake) tensor
 
 
@@ -81,6 +84,21 @@ def mark_host_resident(tensor: torch.Tensor) -> None:
     """
     for tracker in _ACTIVE:
         tracker.set_location(tensor, HOST)
+
+
+def host_state_of(model: torch.nn.Module) -> list:
+    """The callables that give the host tensors holding part of ``model``'s parameters
+    (weights streamed from host memory): a technique that moves them appends one, and
+    trackers of the model (or a model containing it) count what they give as host-resident
+    parameters."""
+    return _HOST_STATE.setdefault(model, [])
+
+
+def mark_weights(tensor: torch.Tensor) -> None:
+    """Declare that ``tensor`` is a device copy of weights (streamed from host memory):
+    active trackers count it under parameters. Without a tracker it does nothing."""
+    for tracker in _ACTIVE:
+        tracker.track(tensor, "parameters")
 
 
 def mark_gradient(tensor: torch.Tensor) -> None:
@@ -451,6 +469,11 @@ class MemoryTracker(TorchDispatchMode):
                     self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
             for b in self.model.buffers():
                 self.track(b, "parameters")
+            for module in self.model.modules():
+                for host_tensors in _HOST_STATE.get(module, ()):
+                    for tensor in host_tensors():
+                        self.track(tensor, "parameters")
+                        self.set_location(tensor, HOST)
             self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(self._enter_module))
             self._handles.append(torch.nn.modules.module.register_module_forward_hook(self._leave_module, always_call=True))
         if self.optimizer is not None:

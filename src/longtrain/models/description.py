@@ -106,6 +106,11 @@ class ModelDescription:
         total = sum(block.parameters(self.hidden, active_only) for block in self.feed_forward)
         return total // self.layers if total % self.layers == 0 else total / self.layers
 
+    def layer_weight_parameters(self) -> float:
+        """One layer's matmul weights, every expert's included, averaged over the layers:
+        what a layer holds (norms aside) and what streaming its frozen weights moves."""
+        return self.attention_parameters + self.mixer_parameters + self.mlp_parameters(active_only=False)
+
     def matmul_parameters(self, active_only: bool = True) -> int:
         """Parameters in matmuls (layers' projections and MLPs or experts, the head; not the
         embedding lookup): all of them, or the ones a token multiplies by."""

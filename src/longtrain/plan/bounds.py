@@ -7,6 +7,7 @@ simulation could make fit."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,6 +23,7 @@ from .fake_model import four_bit_weight_bytes
 __all__ = [
     "Budget",
     "FRAGMENTATION",
+    "budget_under",
     "budgets_for",
     "least_bytes",
     "longest_where",
@@ -90,6 +92,19 @@ def _state_bytes(config, optimizer: str, dtype: torch.dtype) -> tuple[int, int]:
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     per = {"adamw": 2, "sgd": 1, "none": 0}[optimizer]
     return params, per * params * torch.tensor([], dtype=dtype).element_size()
+
+
+def budget_under(strategy: Strategy, budget: Budget, config, item: int) -> Budget:
+    """``budget`` as ``strategy`` sees it: weights its techniques move to host memory
+    (:meth:`~longtrain.costs.TechniqueCosts.weights_moved`) leave the device's persistent
+    bytes and join the host's."""
+    off_device = on_host = 0
+    for name, options in strategy.techniques.items():
+        less, more = registry.technique(name).costs.weights_moved(config, options, item)
+        off_device, on_host = off_device + less, on_host + more
+    if not (off_device or on_host):
+        return budget
+    return dataclasses.replace(budget, persistent=budget.persistent - off_device, host_state=budget.host_state + on_host)
 
 
 def parked_split(config, seq_len: int, strategy: Strategy, item: int, batch: int = 1) -> tuple[int, int]:

@@ -11,6 +11,7 @@ from .bounds import _engine_costs
 
 __all__ = [
     "CHUNKS",
+    "added_techniques",
     "candidates",
     "host_budgets_beside_optimizer",
     "outputs_kept_within",
@@ -22,14 +23,15 @@ CHUNKS = (8192, 16384, 32768)
 # The option that holds a host budget: the plan fills it from --host-memory (less what AdamW's
 # state takes there), a run from its own host memory; a label leaves it out.
 def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_chunk: bool = False,
-               chunks: tuple[int, ...] = CHUNKS, adapter=None) -> dict[str, Strategy]:
+               chunks: tuple[int, ...] = CHUNKS, adapter=None, added: tuple[str, ...] = ()) -> dict[str, Strategy]:
     """The strategies the planner weighs at ``seq_len`` tokens, by :attr:`~longtrain.strategy.Strategy.label`:
     each technique's variants on the default engine, then each engine's (``candidates`` of
     their costs), with the techniques every candidate carries (MsT) where the engine takes
     them. ``every_chunk``:
     every chunk size, however many chunks (for :func:`max_context`). ``adapter``: the
     model's adapter class; only the variants its costs say serve such models (no chunked
-    attention for a state-space model, no adjoint engine for a transformer)."""
+    attention for a state-space model, no adjoint engine for a transformer). ``added``: techniques
+    weighed with every candidate too (:func:`added_techniques`), each variant after its base."""
     techniques = registry.techniques()
     always = [name for name, technique in sorted(techniques.items()) if technique.costs.in_every_candidate]
 
@@ -48,7 +50,19 @@ def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_ch
         for options in engine.costs.candidates(seq_len, host_memory, layers, every_chunk, chunks).values():
             if adapter is None or engine.costs.serves(adapter, options):
                 found.append(Strategy(engine=name, engine_options=options, **extra))
+    for name in added:
+        found = [variant for strategy in found for variant in
+                 ((strategy, _rebuilt(strategy, **{name: True})) if name in registry.engine(strategy.engine).accepts
+                  else (strategy,))]
     return {strategy.label: strategy for strategy in found}
+
+
+def added_techniques(config, device_memory: int, item: int, frozen: bool) -> tuple[str, ...]:
+    """The techniques a plan weighs with every candidate too, on this model and device
+    (:meth:`~longtrain.costs.TechniqueCosts.weighed_with_each`: streaming frozen weights
+    where they fill much of the device)."""
+    return tuple(name for name, technique in sorted(registry.techniques().items())
+                 if technique.costs.weighed_with_each(config, device_memory, item, frozen))
 
 
 def host_budgets_beside_optimizer(strategy: Strategy, room: int) -> Strategy:

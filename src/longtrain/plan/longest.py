@@ -34,8 +34,8 @@ from ..errors import LongtrainError
 from ..models.adapters import adapter_class, describe_model
 from ..models.loading import load_config, parse_dtype
 from ..strategy import Strategy
-from .bounds import Budget, budgets_for, parked_bytes, parked_split, reserved_bytes
-from .candidates import CHUNKS, candidates, host_budgets_beside_optimizer
+from .bounds import Budget, budget_under, budgets_for, parked_bytes, parked_split, reserved_bytes
+from .candidates import CHUNKS, added_techniques, candidates, host_budgets_beside_optimizer
 from .extrapolate import chunk_of
 from .fake_model import with_4bit_base
 from .steps import chunk_curve_of, simulate_step
@@ -193,11 +193,14 @@ def max_context(model, *, device_memory: int, host_memory: int, optimizer: str =
     params, budgets = budgets_for(config, device_memory=device_memory, host_memory=host_memory, optimizer=optimizer,
                                   dtype=parse_dtype(dtype), lora_rank=lora_rank, optimizer_offload=optimizer_offload)
     limits = []
+    item = parse_dtype(dtype).itemsize
+    added = added_techniques(config, device_memory, item, frozen=bool(lora_rank) and not four_bit)
     for label, strategy in candidates(LIMIT, host_memory, describe_model(config).layers, every_chunk=True,
-                                      chunks=chunks, adapter=adapter_class(config.model_type)).items():
+                                      chunks=chunks, adapter=adapter_class(config.model_type), added=added).items():
         if not registry.engine(strategy.engine).costs.in_longest_search(strategy.engine_options):
             continue  # parks more than another variant at the same chunk: never the longer context
         for budget in budgets:
+            budget = budget_under(strategy, budget, config, item)  # weights a technique streams from the host
             offloaded = budget.optimizer == "adamw-offload"
             if offloaded:
                 strategy = host_budgets_beside_optimizer(strategy, host_memory - budget.host_state)

@@ -57,6 +57,7 @@ from .bounds import (
     Budget,
     _beyond_reach,
     _bound,
+    budget_under,
     budgets_for,
     least_bytes,
     longest_where,
@@ -68,6 +69,7 @@ from .candidates import (
     CHUNKS,
     _leaves_layers_whole,
     _rebuilt,
+    added_techniques,
     candidates,
     host_budgets_beside_optimizer,
     outputs_kept_within,
@@ -216,8 +218,9 @@ def _candidates(setting: _Setting) -> list[tuple[Strategy, bool]]:
     order of the rows they tie in)."""
     r = setting.request
     layers = describe_model(setting.config).layers
-    usual = candidates(r.seq_len, r.host_memory, layers, adapter=setting.kind)
-    every = candidates(r.seq_len, r.host_memory, layers, every_chunk=True, adapter=setting.kind)
+    added = added_techniques(setting.config, r.device_memory, setting.item, frozen=bool(r.lora_rank) and not r.four_bit)
+    usual = candidates(r.seq_len, r.host_memory, layers, adapter=setting.kind, added=added)
+    every = candidates(r.seq_len, r.host_memory, layers, every_chunk=True, adapter=setting.kind, added=added)
     if r.engine is not None:
         serving = sorted({strategy.engine for strategy in every.values()})
         if r.engine not in serving:
@@ -250,10 +253,11 @@ def _placed(setting: _Setting, strategy: Strategy, beyond: bool) -> list[_Job]:
         strategy = _rebuilt(strategy, sequence_parallel={"degree": r.degree, **groups})
     jobs = []
     for budget in setting.budgets:
+        budget = budget_under(strategy, budget, setting.config, setting.item)  # weights a technique streams from the host
         offloaded = budget.optimizer == "adamw-offload"
         room = r.host_memory - budget.host_state
         fitted = outputs_kept_within(setting.config, r.seq_len,
-                                     host_budgets_beside_optimizer(strategy, room) if offloaded else strategy,
+                                     host_budgets_beside_optimizer(strategy, room) if budget.host_state else strategy,
                                      setting.item, r.batch, room)
         if fitted is None:
             continue

@@ -93,7 +93,7 @@ DEFAULT_WARMUP = 20  # steps of warm-up without --warmup-steps (a tenth of the d
 # loads (the registry and the dtype table import it); tests/test_cli_probes.py checks that
 # they are the registry's and models.loading's. The one place these lists live.
 ENGINES = ("adjoint", "backprop", "fpdt", "seco", "spaco")
-TECHNIQUES = ("checkpoint", "liger", "memo", "mst")
+TECHNIQUES = ("checkpoint", "liger", "memo", "mst", "stream")
 MOVED_TECHNIQUES = ("attention",)  # spellings strategy.py refuses with a line of their own
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64", "fp64")
 _DEVICE = re.compile(r"(cpu|cuda)(:[0-9]+)?")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..errors import writing
 from ..models.loading import is_model_dir
+from ..strategy import weights_on_device
 from .config import TrainConfig
 from .metrics import read_metrics, strict_json
 from .plot import plot_metrics
@@ -75,4 +76,5 @@ def _save_lora(peft_model, tokenizer, final: Path, out: Path, config: TrainConfi
     # save_embedding_layers=False: peft would otherwise look the base up on the Hub to
     # decide whether to save embeddings; nothing here trains them.
     peft_model.save_pretrained(final / "adapter", save_embedding_layers=False)
+    weights_on_device(peft_model)  # streamed base weights: merged where the adapters are
     peft_model.merge_and_unload().save_pretrained(final)

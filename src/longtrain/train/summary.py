@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import writing
+from ..errors import LongtrainError, writing
 from ..memory.allocator import allocator_setting
 from ..memory.units import format_bytes
 from ..models.adapters import describe_model
@@ -40,8 +40,13 @@ def write_summary(out: Path, config: TrainConfig, *, strategy: Strategy, model, 
     window = max(1, min(10, len(losses) // 4))
     steady = step_times[1:] or step_times
     # The same run without techniques (LoRA's adapters over the base as loaded, 4 bits or not).
-    stock = simulate(base_config, c.seq_len, batch_size=c.batch_size, strategy="none", optimizer=c.optimizer, dtype=dtype,
-                     lora_rank=c.lora_rank if c.lora else None)
+    # A run the simulator cannot stand for (a mixture of experts outside bfloat16) has none.
+    try:
+        stock = simulate(base_config, c.seq_len, batch_size=c.batch_size, strategy="none", optimizer=c.optimizer,
+                         dtype=dtype, lora_rank=c.lora_rank if c.lora else None)
+        stock_peak, stock_setup = stock.device_peak_bytes, "same setup"
+    except LongtrainError as exc:
+        stock_peak, stock_setup = None, f"not simulated: {exc}"
     summary = {
         "model": c.model, "seq_len": c.seq_len, "strategy": strategy.spec, "steps": steps,
         "steps_trained": len(step_times),  # by this command (fewer than "steps" when it resumed)
@@ -61,8 +66,8 @@ def write_summary(out: Path, config: TrainConfig, *, strategy: Strategy, model, 
         "attention_kernel": _attention_kernel(base_config, device, compute_dtype),
         # Host memory longtrain parked chunks in (chunked attention's pinned pool).
         "host_pool_bytes": pinned_host_bytes(model),
-        "simulated_stock_peak_bytes": stock.device_peak_bytes,
-        "simulated_stock_setup": "same setup",
+        "simulated_stock_peak_bytes": stock_peak,
+        "simulated_stock_setup": stock_setup,
         "seconds": seconds,
         "device": str(device),
         "processes": processes,
@@ -116,6 +121,13 @@ def _steps_phrase(summary: dict) -> str:
     return f"{trained} steps" + ("" if trained == summary["steps"] else f" (resumed: {summary['steps']} in all)")
 
 
+def _stock_row(summary: dict) -> tuple[str, str]:
+    if summary["simulated_stock_peak_bytes"] is None:
+        return ("simulated stock peak", f"n/a ({summary['simulated_stock_setup']})")
+    return ("simulated stock peak", f"{format_bytes(summary['simulated_stock_peak_bytes'])} (same model, no techniques, "
+                                    f"{summary['simulated_stock_setup']}, seq_len {summary['seq_len']:,})")
+
+
 def format_summary(summary: dict) -> str:
     rows = [
         ("loss", f"{summary['final_loss']:.4f} (mean of the last steps; first steps: {summary['first_loss']:.4f})"
@@ -123,8 +135,7 @@ def format_summary(summary: dict) -> str:
         _evaluation_row(summary["task"], summary.get("task_before")),
         _throughput_row(summary),
         ("measured peak memory", _peak_text(summary) if summary.get("steps_trained", 1) else "n/a (no step trained by this command)"),
-        ("simulated stock peak", f"{format_bytes(summary['simulated_stock_peak_bytes'])} (same model, no techniques, "
-                                 f"{summary['simulated_stock_setup']}, seq_len {summary['seq_len']:,})"),
+        _stock_row(summary),
         ("wall time", f"{summary['seconds']:.0f} s for {_steps_phrase(summary)}, strategy {summary['strategy']}"),
     ]
     if summary.get("processes", 1) > 1:

@@ -11,4 +11,4 @@ __all__ = ["BackpropOptions", "backprop_step", "forward_loss", "SPEC"]
 
 SPEC = register(EngineSpec(
     "backprop", BackpropOptions, backprop_step, "plain autograd over the whole sequence",
-    accepts=("checkpoint", "mst", "memo", "liger"), sequence_parallel=True, costs=BackpropCosts()))
+    accepts=("checkpoint", "mst", "memo", "liger", "stream"), sequence_parallel=True, costs=BackpropCosts()))

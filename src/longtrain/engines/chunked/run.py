@@ -297,14 +297,15 @@ def host_budget(context: EngineContext, shard: Shard, settings: ChunkSettings) -
     in a simulation (fake tensors) the simulated machine's host memory
     (:attr:`EngineContext.host_memory`; None, unbounded, where none was named); on CUDA half
     the physical memory, as for every pinned budget
-    (:func:`~longtrain.memory.units.pinned_host_budget`); CPU runs (nothing pinned) are unbounded."""
+    (:func:`~longtrain.memory.units.pinned_host_budget`); CPU runs (nothing pinned) are unbounded.
+    What a technique holds there for the whole run (streamed weights) comes off the default."""
     if settings.host_budget is not None:
         return settings.host_budget, False
     if is_fake(shard.input_ids):
-        return getattr(context, "host_memory", None), False
+        return context.host_room(), False
     if shard.input_ids.device.type != "cuda":
         return None, False
-    return pinned_host_budget(), True
+    return max(0, pinned_host_budget() - context.host_held), True
 
 
 def check_host_budget(context: EngineContext, shard: Shard, settings: ChunkSettings) -> None:
@@ -321,6 +322,8 @@ def check_host_budget(context: EngineContext, shard: Shard, settings: ChunkSetti
     engine = context.strategy.engine
     if need > budget:
         which = " (half the physical memory, the default)" if default else ""
+        if default and context.host_held:
+            which = f" (half the physical memory less {format_bytes(context.host_held)} of streamed weights, the default)"
         raise LongtrainError(
             f"the {engine} engine needs {format_bytes(need)} of host memory for {shard.rotary_positions.shape[1]:,} tokens "
             f"(batch {shard.input_ids.shape[0]}), the host budget is {format_bytes(budget)}{which}; "

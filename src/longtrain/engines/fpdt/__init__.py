@@ -13,6 +13,6 @@ __all__ = ["FPDTOptions", "fpdt_step", "forward_layer_major", "backward_layer_ma
 SPEC = register(EngineSpec(
     "fpdt", FPDTOptions, fpdt_step,
     "layer-major chunked attention with host offload and prefetch (FPDT on one device, exact)",
-    accepts=("mst", "liger"),
+    accepts=("mst", "liger", "stream"),
     conflicts={"checkpoint": "the fpdt engine already recomputes every layer chunk by chunk; drop 'checkpoint'"},
     check=check_chunkable, sequence_parallel=True, costs=FPDTCosts()))

@@ -12,4 +12,4 @@ __all__ = ["SeCOOptions", "seco_step", "forward_chunk_major", "backward_chunk_ma
 
 SPEC = register(EngineSpec(
     "seco", SeCOOptions, seco_step, "sequential chunk-wise optimization: exact, activations of one chunk (K/V parked)",
-    accepts=("checkpoint", "mst", "liger"), check=check_chunkable, sequence_parallel=True, costs=SeCOCosts()))
+    accepts=("checkpoint", "mst", "liger", "stream"), check=check_chunkable, sequence_parallel=True, costs=SeCOCosts()))

@@ -14,5 +14,9 @@ class SeCOCosts(ChunkedCosts):
 
     attention_rate = "chunkwise_attention"
 
+    def describe(self, work: StepWork, options) -> None:
+        super().describe(work, options)
+        work.chunk_major = True
+
     def add_work(self, work: StepWork, options) -> None:
         work.matmul += work.head_fwd

@@ -12,4 +12,4 @@ __all__ = ["SpaCOOptions", "select_chunks", "spaco_step", "SPEC"]
 
 SPEC = register(EngineSpec(
     "spaco", SpaCOOptions, spaco_step, "sparse chunk-wise optimization: backprop ~budget chunks, unbiased",
-    accepts=("checkpoint", "mst", "liger"), check=check_chunkable, sequence_parallel=True, costs=SpaCOCosts()))
+    accepts=("checkpoint", "mst", "liger", "stream"), check=check_chunkable, sequence_parallel=True, costs=SpaCOCosts()))

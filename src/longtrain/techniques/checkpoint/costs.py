@@ -9,6 +9,7 @@ import dataclasses
 from ...costs import StepWork, TechniqueCosts
 from ...models.adapters import describe_model
 from ...models.kept_attention import kept_layers_that_fit
+from ...models.shapes import kept_output_bytes
 from .options import CheckpointOptions
 
 
@@ -50,6 +51,11 @@ class CheckpointCosts(TechniqueCosts):
         wanted, budget = options.host_bytes_wanted(config, batch, tokens, item), options.host_memory
         return budget is not None and wanted > budget
 
+    def serves(self, adapter_class, options) -> bool:
+        # Where kept outputs wait matters only to a model with attention.
+        offload = options.get("offload", True) if isinstance(options, dict) else getattr(options, "offload", True)
+        return adapter_class.has_attention or offload is not False
+
     def layers_apart_at_top(self, options: CheckpointOptions) -> int:
         return options.except_last
 
@@ -59,10 +65,13 @@ class CheckpointCosts(TechniqueCosts):
 
     def parked(self, config, seq_len, options: CheckpointOptions, item, batch, engine_offloads):
         inputs = describe_model(config).layer_inputs_bytes(batch * seq_len, item)
+        # Kept outputs on the device (offload=false) are parked there too, every checkpointed layer's.
+        layers = describe_model(config).layers - min(options.except_last, describe_model(config).layers)
+        kept = layers * kept_output_bytes(config, batch, seq_len, item) if options.keep_attention and not options.offload else 0
         if options.offload_inputs:
             on_host = inputs if options.host_memory is None else min(inputs, options.host_memory)
-            return inputs - on_host, on_host
-        return (0, inputs) if engine_offloads else (inputs, 0)
+            return inputs - on_host + kept, on_host
+        return (0, inputs) if engine_offloads else (inputs + kept, 0)
 
     def with_host_budget(self, options: CheckpointOptions, room: int):
         return options if options.host_memory is None else dataclasses.replace(options, host_memory=max(1, room))
@@ -70,8 +79,11 @@ class CheckpointCosts(TechniqueCosts):
     def candidates(self, host_memory):
         budget = {"host_memory": host_memory} if host_memory else {}
         # Kept attention outputs wait in host memory within the budget; with offload_inputs the
-        # checkpointed inputs too, first (whole-sequence layers past where their inputs fit the device).
-        return {"checkpoint": budget or True, "checkpoint:offload_inputs": {"offload_inputs": True, **budget}}
+        # checkpointed inputs too, first (whole-sequence layers past where their inputs fit the device);
+        # offload=false keeps the outputs on the device (no host copies, where the device has room:
+        # the selective checkpointing experts run).
+        return {"checkpoint": budget or True, "checkpoint:offload_inputs": {"offload_inputs": True, **budget},
+                "checkpoint:offload=false": {"offload": False}}
 
     def with_whole_layers(self, options: CheckpointOptions, count):
         return dataclasses.replace(options, except_last=count)
@@ -83,3 +95,18 @@ class CheckpointCosts(TechniqueCosts):
         # Layers left whole (except_last) recompute nothing, their MLP untiled.
         work.recomputed = 1.0 - (min(options.except_last, n) / n if n else 0.0)
         work.kept_attention = 0.0 if work.chunk else kept_output_share(work.config, work.tokens * work.batch, options)
+
+    def add_work(self, work: StepWork, options: CheckpointOptions) -> None:
+        # Kept outputs in host memory go there in the forward and come back in the backward, and
+        # offload_inputs' parked inputs too; the share of those copies compute does not hide is
+        # FPDT's (offload_exposed: the same side streams, fitted on its H100 rows).
+        if work.chunk:
+            return
+        n = round(work.recomputed * work.layers)
+        tokens = work.tokens * work.batch // work.sequence_parallel
+        moved = 0.0
+        if options.keep_attention and options.offload:
+            moved += work.kept_attention * n * kept_output_bytes(work.config, 1, tokens, 2)
+        if options.offload_inputs:
+            moved += describe_model(work.config).layer_inputs_bytes(tokens, 2, n)
+        work.exposed += work.sequence_parallel * work.rates.offload_exposed * 2 * moved / work.rates.host_bandwidth

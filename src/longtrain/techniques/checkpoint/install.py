@@ -89,7 +89,8 @@ class CheckpointLayers:
         the step runs); unbounded where that is None."""
         if self.options.host_memory is not None:
             return self.options.host_memory
-        return self.context.host_memory if self.context.host_memory is not None else float("inf")
+        room = self.context.host_room()
+        return room if room is not None else float("inf")
 
     def has_room(self, slot: _LayerSlot, q: torch.Tensor) -> bool:
         """Whether this layer keeps its output: with ``keep_attention``, whether the output

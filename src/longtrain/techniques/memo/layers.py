@@ -218,7 +218,7 @@ class MemoLayers:
 
     def host_budget(self) -> float:
         """Bytes of host memory the swapped activations may take."""
-        return self.options.host_memory or self.context.host_memory or float("inf")  # the run's (EngineContext), else unbounded
+        return self.options.host_memory or self.context.host_room() or float("inf")  # the run's (EngineContext), else unbounded
 
     def _check_host_budget(self, index: int, layer_bytes: int) -> None:
         """Refuse, before the host fills, a step whose swapped activations will pass the
