@@ -1117,3 +1117,13 @@ def test_a_plan_answers_the_ops_it_has_seen_from_records_not_from_the_fake_tenso
         counts.append(len(answered))
     # Building the model (outside the step), factories and out= ops: still dispatched.
     assert 0 < counts[2] < counts[0] / 10
+
+
+@pytest.mark.parametrize("command", [["simulate", "--seq-len", "256"],
+                                     ["plan", "--seq-len", "256", "--device-memory", "1GiB", "--host-memory", "1GiB"]])
+def test_simulate_and_plan_refuse_a_lora_rank_without_lora_in_one_line(command):
+    """As train does: the rank alone would simulate or plan full fine-tuning without a word."""
+    code, out, err = cli(command[0], "--model", "tiny-llama", *command[1:], "--lora-rank", "16")
+    assert code == 2 and not out
+    assert err.strip().splitlines() == ["longtrain: error: --lora-rank has no effect without --lora; add --lora "
+                                         "(or drop --lora-rank)"]

@@ -196,7 +196,7 @@ def _add_simulate(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype (default %(default)s)")
     p.add_argument("--lora", action="store_true", help="simulate LoRA training (as train --lora: adapters on every linear "
                    "layer but the head; frozen base weights without gradients or optimizer state)")
-    p.add_argument("--lora-rank", type=int, default=8, help="rank of the LoRA adapters with --lora")
+    p.add_argument("--lora-rank", type=int, default=8, action=_Given, help="rank of the LoRA adapters with --lora")
     p.add_argument("--4bit", dest="four_bit", action="store_true", help="with --lora: the base held in 4 bits by "
                    "bitsandbytes (NF4, as train --4bit loads it): its linear weights at about half a byte each, each "
                    "dequantized whole for its call")
@@ -231,6 +231,7 @@ def _run_simulate(args) -> int:
         raise LongtrainError(f"--grad-accum must be positive, got {args.grad_accum}")
     if args.lora_rank <= 0:
         raise LongtrainError(f"--lora-rank must be positive, got {args.lora_rank}")
+    _refuse_rank_without_lora(args)
     if args.four_bit and not args.lora:
         raise LongtrainError("--4bit holds the base in 4 bits, which trains LoRA adapters only: add --lora")
     if args.optimizer == "adamw-offload":  # the earlier spelling of --optimizer-offload, read as it
@@ -299,7 +300,7 @@ def _add_plan(sub) -> None:
     p.add_argument("--sp", type=int, default=None, help="GPUs that share each sequence (Ulysses; default: --gpus): "
                    "the --gpus / --sp groups are data parallel")
     p.add_argument("--lora", action="store_true", help="plan LoRA training (adapters on every linear layer but the head, as train --lora)")
-    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank with --lora (default %(default)s)")
+    p.add_argument("--lora-rank", type=int, default=16, action=_Given, help="LoRA rank with --lora (default %(default)s)")
     p.add_argument("--4bit", dest="four_bit", action="store_true", help="with --lora: plan over a base held in 4 bits "
                    "(bitsandbytes NF4, as train --4bit loads it)")
     p.add_argument("--longest", action="store_true", help="also find the longest context each simulated strategy "
@@ -318,6 +319,12 @@ def _add_plan(sub) -> None:
     p.set_defaults(run=_run_plan)
 
 
+def _refuse_rank_without_lora(args) -> None:
+    """``--lora-rank`` without ``--lora`` would simulate or plan full fine-tuning without a word."""
+    if "lora_rank" in getattr(args, "given", ()) and not args.lora:
+        raise LongtrainError("--lora-rank has no effect without --lora; add --lora (or drop --lora-rank)")
+
+
 def _run_plan(args) -> int:
     # Options that are no part of the request, first: a mistake is refused before torch loads.
     # (PlanRequest checks the rest, each field in one line.)
@@ -325,6 +332,7 @@ def _run_plan(args) -> int:
     for flag, value in (("--lora-rank", args.lora_rank), ("--jobs", args.jobs)):
         if value < 1:
             raise LongtrainError(f"{flag} must be a positive count, got {value}")
+    _refuse_rank_without_lora(args)
     from .plan import workers
 
     workers.start_early(args.jobs)  # their imports overlap this process's
