@@ -62,7 +62,6 @@ class StepWork:
     chunked_head: bool = False
     chunk: int | None = None  # tokens per chunk of a chunked engine
     chunk_major: bool = False  # the engine runs every layer for one chunk before the next chunk (SeCO, SpaCO)
-    streams_weights: bool = False  # frozen layer weights come from host memory each pass (techniques/stream)
     inner: float = 0.0  # share of layers whose input backward recomputes inside a segment
     attention_rate: float = 0.0  # FLOP/s of the engine's attention kernels
 

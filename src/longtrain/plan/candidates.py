@@ -66,8 +66,9 @@ def added_techniques(config, device_memory: int, item: int, frozen: bool) -> tup
 
 
 def host_budgets_beside_optimizer(strategy: Strategy, room: int) -> Strategy:
-    """``strategy`` with its techniques' host budgets cut to ``room``: what AdamW's state and
-    master weights leave of the host when they live there."""
+    """``strategy`` with its techniques' host budgets cut to ``room``: what the host keeps
+    beside what lives there for the whole run (AdamW's state and master weights, streamed
+    weights)."""
     changed = {name: registry.technique(name).costs.with_host_budget(options, room)
                for name, options in strategy.techniques.items()}
     return _rebuilt(strategy, **changed)

@@ -202,12 +202,14 @@ def max_context(model, *, device_memory: int, host_memory: int, optimizer: str =
         for budget in budgets:
             budget = budget_under(strategy, budget, config, item)  # weights a technique streams from the host
             offloaded = budget.optimizer == "adamw-offload"
-            if offloaded:
-                strategy = host_budgets_beside_optimizer(strategy, host_memory - budget.host_state)
+            # As the planner does: technique host budgets within what the host keeps beside
+            # the optimizer's state or the streamed weights.
+            weighed = host_budgets_beside_optimizer(strategy, host_memory - budget.host_state) if budget.host_state \
+                else strategy
             shown = label + (" --optimizer-offload" if offloaded else "")
             say(f"longest context of {shown}")
-            tokens, binds = longest_context(config, strategy, budget, dtype, lora_rank=lora_rank, label=shown, progress=say)
-            seconds = step_time(config, tokens, strategy, rates, optimizer_offload=offloaded,
+            tokens, binds = longest_context(config, weighed, budget, dtype, lora_rank=lora_rank, label=shown, progress=say)
+            seconds = step_time(config, tokens, weighed, rates, optimizer_offload=offloaded,
                                 trainable=params).seconds if tokens else None
             limits.append(ContextLimit(label, tokens, binds, seconds, offloaded))
     return sorted(limits, key=lambda r: -r.tokens)

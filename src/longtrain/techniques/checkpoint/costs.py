@@ -52,9 +52,8 @@ class CheckpointCosts(TechniqueCosts):
         return budget is not None and wanted > budget
 
     def serves(self, adapter_class, options) -> bool:
-        # Where kept outputs wait matters only to a model with attention.
-        offload = options.get("offload", True) if isinstance(options, dict) else getattr(options, "offload", True)
-        return adapter_class.has_attention or offload is not False
+        # Where kept outputs wait matters only to a model with attention (candidates() holds options as mappings).
+        return adapter_class.has_attention or not (isinstance(options, dict) and options.get("offload") is False)
 
     def layers_apart_at_top(self, options: CheckpointOptions) -> int:
         return options.except_last

@@ -54,9 +54,6 @@ class StreamCosts(TechniqueCosts):
     def layers_apart_at_top(self, options: StreamOptions) -> int:
         return options.ahead  # the window reaches past the top layer
 
-    def describe(self, work: StepWork, options: StreamOptions) -> None:
-        work.streams_weights = True
-
     def add_work(self, work: StepWork, options: StreamOptions) -> None:
         n = work.layers
         if not n:
