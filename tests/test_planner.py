@@ -719,3 +719,18 @@ def test_auto_plans_for_the_memory_the_allocator_allows(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction, raising=False)
     assert auto._usable_device_memory(torch.device("cuda")) == 80 * 2**30
     assert auto._usable_device_memory(torch.device("cuda", 0)) == 80 * 2**30
+
+
+def test_kept_outputs_on_the_device_cost_no_host_copies_and_count_in_the_bound():
+    """``checkpoint:offload=false`` (selective checkpointing's placement) is predicted faster
+    than the same outputs through host memory, and its kept outputs are parked on the device
+    in the bound, so a length they cannot fit is refused without a simulation."""
+    from longtrain.models.shapes import kept_output_bytes
+    from longtrain.plan.bounds import parked_split
+
+    config, n = preset_config("llama3-8b"), 128 * K
+    on_host, on_device = (step_time(config, n, lt.Strategy.parse(s)) for s in ("checkpoint,mst", "checkpoint:offload=false,mst"))
+    assert on_device.seconds < on_host.seconds and "exposed_copies" in on_host.parts and "exposed_copies" not in on_device.parts
+    device_kept, _ = parked_split(config, n, lt.Strategy.parse("checkpoint:offload=false,mst"), 2)
+    device_plain, _ = parked_split(config, n, lt.Strategy.parse("checkpoint,mst"), 2)
+    assert device_kept - device_plain == 32 * kept_output_bytes(config, 1, n, 2)
