@@ -15,7 +15,12 @@ Cases, side by side in one run:
   checkpointing keeping SDPA's outputs, torchtitan's default: attention is not
   recomputed), ``hf+top`` (the top layers ``--strategy auto`` leaves whole are not
   checkpointed: the same memory), ``hf+trl-offload`` (TRL's stream-overlapped activation
-  offloading in place of ``save_on_cpu``; it needs an accelerator: refused on a CPU);
+  offloading in place of ``save_on_cpu``; it needs an accelerator: refused on a CPU),
+  ``hf+alst`` (DeepSpeed's ALST recipe, arXiv 2506.13996, on one GPU: every MLP through
+  ``TiledMLP``, the LM head + loss through ``TiledFusedLogitsLoss`` — with Liger, Liger's
+  fused linear cross-entropy, its SwiGLU off —, the checkpointed layer inputs offloaded to
+  pinned host memory by DeepSpeed's offloader of them; it needs the optional
+  ``pip install deepspeed``: refused without it);
 - ``lt:...``: longtrain's strategies (backprop with checkpoint + MsT, attention kept
   — ``lt:recompute+mst`` reruns it as stock checkpointing does — and ``+liger`` with
   Liger's fused norm/activation/rotary kernels; ``lt:checkpoint+offload+mst+liger`` with
@@ -66,6 +71,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import math
 import os
 import signal
 import statistics
@@ -99,6 +105,7 @@ ROW_TAG = "GPU_PEERS_ROW "  # how an isolated case hands its row to the parent
 SHORT_WARMUP = 2048  # tokens of the short step that then takes the one-time costs
 STARTED = time.perf_counter()  # the time budget counts from here (imports included)
 COMMAND_LIMIT_S = 590  # no case may run past this many seconds of the whole command (10-minute calls)
+ALST_LOGITS_SHARD = GIB  # hf+alst's loss shards: about this many bytes of fp32 logits each, as ALST sizes them
 
 
 @dataclass(frozen=True)
@@ -206,6 +213,95 @@ def _hf_peer(liger: bool, offload: str | None = None, keep_attention: bool = Fal
     return make
 
 
+def _deepspeed_alst():
+    """DeepSpeed's ALST pieces (its version, ``TiledMLP``, ``TiledFusedLogitsLoss``, the
+    offloader of checkpointed layer inputs). deepspeed is optional: without them the case
+    is refused, in one line that says what to install."""
+    try:
+        import deepspeed
+        from deepspeed.runtime.activation_checkpointing.offload_activations import (
+            get_checkpoint_hidden_states_offloading_ctx_manager as offloading,
+        )
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP
+    except ModuleNotFoundError as error:
+        if error.name == "deepspeed":
+            raise lt.LongtrainError("DeepSpeed is not installed (ALST's tiled MLP, loss and checkpoint offload): "
+                                    "pip install deepspeed") from None
+        raise lt.LongtrainError(f"this deepspeed lacks ALST's pieces ({error}): pip install -U deepspeed") from None
+    except Exception as error:  # noqa: BLE001 - an older deepspeed (no TiledFusedLogitsLoss), or one that does not import here
+        raise lt.LongtrainError(f"deepspeed does not serve ALST here ({type(error).__name__}: {str(error)[:80]}): "
+                                "pip install -U deepspeed") from None
+    return deepspeed.__version__, TiledMLP, TiledFusedLogitsLoss, offloading
+
+
+def _tile_mlps(model, tiled_mlp) -> None:
+    """Each decoder layer's MLP through DeepSpeed's ``TiledMLP``: its own forward on shards of
+    the sequence, ALST's count ``ceil(s / hidden_size)``, recomputed shard by shard in
+    backward, so one shard's intermediate activations are live at a time, not the sequence's."""
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        params = list(mlp.parameters())  # what ZeRO would reduce once per step; plain parameters here
+
+        def forward(x, mlp=mlp, params=params, run=type(mlp).forward):
+            return tiled_mlp.apply(run, mlp, x, max(1, math.ceil(x.shape[-2] / x.shape[-1])), params)
+
+        mlp.forward = forward
+
+
+def _shard_loss(tokens: int):
+    """One shard's share of the mean cross-entropy over ``tokens`` predicted tokens.
+    ``TiledFusedLogitsLoss`` runs the LM head and this per shard, backward included, so one
+    shard's logits exist at a time; it gives the head's weight the gradient of its own output,
+    so the mean is taken here, not after it (there the head's gradient would be ``tokens``×)."""
+    def loss(model, x, y):
+        logits = model.lm_head(x).float()
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1), ignore_index=-100,
+                                                 reduction="sum") / tokens
+
+    return loss
+
+
+def _alst_peer(liger: bool):
+    """DeepSpeed's ALST recipe on one GPU (arXiv 2506.13996, less its sequence parallelism):
+    Hugging Face with non-reentrant checkpointing, every MLP tiled (``_tile_mlps``), the
+    checkpointed layer inputs in pinned host memory (DeepSpeed's offloader of exactly those,
+    on a side stream), the LM head + loss through ``TiledFusedLogitsLoss`` in shards of about
+    1 GiB of fp32 logits (ALST's size); with ``liger``, Liger's kernels and its fused linear
+    cross-entropy as the loss, its SwiGLU off (the tiled MLP takes that forward), as
+    ArcticTraining does."""
+    def make(config, device, dtype, length):
+        version, tiled_mlp, tiled_loss, offloading = _deepspeed_alst()  # refused before anything is built
+        if liger:
+            _liger()(rope=True, swiglu=False, rms_norm=True, fused_linear_cross_entropy=True, cross_entropy=False)
+        model, _ = _hf_peer(liger=False)(config, device, dtype, length)
+        _tile_mlps(model, tiled_mlp)
+        offload = offloading()  # one manager for every step, as DeepSpeed asks (it pools its host buffers)
+
+        def step(ids):
+            with offload:  # forward and backward inside: backward brings the inputs back
+                if liger:
+                    loss, head = model(input_ids=ids, labels=ids, use_cache=False).loss, "Liger's fused linear cross-entropy"
+                else:
+                    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+                    labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)  # shifted, as HF's loss shifts
+                    shards = max(1, math.ceil(ids.numel() * config.vocab_size * 4 / ALST_LOGITS_SHARD))
+                    loss = tiled_loss.apply(_shard_loss(ids.shape[1] - 1), model, hidden, labels, None, shards,
+                                            [model.lm_head.weight], "sum")
+                    head = f"TiledFusedLogitsLoss in {shards} shard(s)"
+                loss.backward()
+            moved = offload.stats
+            where = (f"{moved.offloaded_bytes / GIB:.2f} GiB of {moved.marked_tensors} checkpointed layer inputs "
+                     f"to host memory ({moved.offloaded_tensors} offloaded)" if device.type != "cpu"
+                     else "checkpointed layer inputs not offloaded (on a CPU they are in host memory)")
+            step.notes = (f"deepspeed {version}; TiledMLP in {math.ceil(ids.shape[1] / config.hidden_size)} shards; "
+                          f"loss: {head}; {where}")
+
+        step.notes = None
+        return model, step
+
+    return make
+
+
 def _fpdt_chunk(length: int) -> int:
     return max(1, min(16384 if length > 32768 else 8192, length // 4))
 
@@ -233,6 +329,9 @@ CASES = [
     Case("hf+liger+top", "peer", _hf_peer(liger=True, top_whole=True)),
     Case("hf+trl-offload", "peer", _hf_peer(liger=False, offload="trl")),
     Case("hf+liger+trl-offload", "peer", _hf_peer(liger=True, offload="trl")),
+    # DeepSpeed's ALST on one GPU: tiled MLPs, tiled LM head + loss, checkpointed inputs offloaded.
+    Case("hf+alst", "peer", _alst_peer(liger=False)),
+    Case("hf+liger+alst", "peer", _alst_peer(liger=True)),
     # Layer checkpointing keeps attention's output (host memory) instead of rerunning it.
     Case("lt:checkpoint+mst", "longtrain", lambda n: lt.Strategy(checkpoint=True, mst=True)),
     Case("lt:checkpoint+mst+liger", "longtrain", lambda n: lt.Strategy(checkpoint=True, mst=True, liger=True)),
@@ -273,7 +372,8 @@ CASES = [
                                checkpoint=True, mst=True)),
 ]
 BY_NAME = {case.name: case for case in CASES}
-EXPERT_PEERS = ("hf+sac", "hf+liger+sac", "hf+top", "hf+liger+top", "hf+trl-offload", "hf+liger+trl-offload")
+EXPERT_PEERS = ("hf+sac", "hf+liger+sac", "hf+top", "hf+liger+top", "hf+trl-offload", "hf+liger+trl-offload", "hf+alst",
+                "hf+liger+alst")
 
 
 def _build_longtrain(config, device, dtype, strategy):
@@ -759,10 +859,10 @@ Median of {args.repeats} timed steps per round × {args.rounds} round(s), cases 
 (slowest − fastest) / median, every step's time in the JSON with the SM clock and power after it; MFU against dense
 bf16 peak; allocator peaks of the timed steps and their ratio (OOM follows *reserved*); host peak: the case process's
 resident memory during the timed steps. `× best peer`: tokens/s over the fastest peer at that length (the expert
-peers — selective checkpointing keeping attention, top layers unchecked, TRL's offloading — included). alloc conf:
-the allocator setting of the case (the same for all by default). kernel: longtrain's attention-block kernel;
-attention ops: the attention operators the warm-up step dispatched. cuDNN {torch.backends.cudnn.version()}, torch
-{torch.__version__}.{cap_line}
+peers — selective checkpointing keeping attention, top layers unchecked, TRL's offloading, DeepSpeed's ALST —
+included). alloc conf: the allocator setting of the case (the same for all by default). kernel: longtrain's
+attention-block kernel; attention ops: the attention operators the warm-up step dispatched. cuDNN
+{torch.backends.cudnn.version()}, torch {torch.__version__}.{cap_line}
 
 Longest length each case ran: {fit_lines or 'nothing ran'}.
 

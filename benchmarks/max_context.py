@@ -6,6 +6,8 @@ and gpt-oss-20b, LoRA and QLoRA — writes docs/results/max_context.{json,md}.
     python benchmarks/max_context.py            # the dense models (a process per model)
     python benchmarks/max_context.py --moe      # the mixtures of experts, merged into the report
     python benchmarks/max_context.py --moe --mode "LoRA r16" --model qwen3-30b-a3b   # some of them
+    python benchmarks/max_context.py --dense --mode "full, AdamW (either place)"       # some dense rows, merged
+    python benchmarks/max_context.py --restep   # every stored row's step time again at today's H100 table
     python benchmarks/max_context.py --smoke    # tiny model, seconds (CI)
 
 Each machine × model × mode row is the longest context of any candidate strategy
@@ -48,7 +50,12 @@ ANCHORS = {
     ("gpt-oss-20b", "1×H100 80 GB + 128 GB host", "QLoRA r16 (4-bit NF4 base)"):
         "Unsloth: 500K+ (QLoRA, 290K without tiled MLP) on 80 GB",
 }
+DENSE_MODELS = ("llama3-8b", "qwen2-7b")
 DENSE_MODES = ("full, AdamW (either place)", "full, AdamW fp32 masters in host memory", "LoRA r16")
+COMMAND = ("python benchmarks/max_context.py (the dense models, 2026-11-23; their \"either place\" rows again on "
+           "2026-11-30 with AdamW's float32 masters: --dense --mode \"full, AdamW (either place)\"); python "
+           "benchmarks/max_context.py --moe (the mixtures of experts, 2026-11-30; 25–50 minutes on 2 cores); "
+           "python benchmarks/max_context.py --restep (step times at the H100 table of 2026-11-30)")
 # Mixtures of experts: their weights alone take most of an 80 GB GPU in bf16, so LoRA and QLoRA only.
 MOE_MODELS = ("qwen3-30b-a3b", "gpt-oss-20b")
 MOE_MODES = ("LoRA r16", "QLoRA r16 (4-bit NF4 base)")
@@ -89,22 +96,27 @@ def main(argv=None) -> None:
     parser.add_argument("--moe", action="store_true",
                         help="only the mixture-of-experts rows (qwen3-30b-a3b and gpt-oss-20b, LoRA and QLoRA, both "
                              "machines), merged into the report")
-    parser.add_argument("--mode", action="append", choices=MOE_MODES,
-                        help="with --moe: only this training mode's rows (repeatable; default: every one)")
-    parser.add_argument("--model", action="append", choices=MOE_MODELS,
-                        help="with --moe: only this model's rows (repeatable; default: every one)")
+    parser.add_argument("--dense", action="store_true",
+                        help="only the dense models' rows (llama3-8b and qwen2-7b), merged into the report")
+    parser.add_argument("--mode", action="append", choices=list(MODES),
+                        help="with --moe or --dense: only this training mode's rows (repeatable; default: every one)")
+    parser.add_argument("--model", action="append", choices=DENSE_MODELS + MOE_MODELS,
+                        help="with --moe or --dense: only this model's rows (repeatable; default: every one)")
     parser.add_argument("--machine", action="append", choices=list(MACHINES),
-                        help="with --moe: only this machine's rows (repeatable; default: every one)")
+                        help="with --moe or --dense: only this machine's rows (repeatable; default: every one)")
+    parser.add_argument("--restep", action="store_true",
+                        help="recompute every stored row's predicted step time at the built-in H100 table")
     args = parser.parse_args(argv)
-    if args.moe:
-        machines = {m: MACHINES[m] for m in args.machine} if args.machine else None
-        rows = _each_model(args.model or list(MOE_MODELS), False, {m: MODES[m] for m in args.mode or MOE_MODES},
-                           machines)
-        write(_merged(rows, args.out), False, args.out,
-              command="python benchmarks/max_context.py (the dense models, 2026-11-23); python benchmarks/max_context.py "
-                      f"--moe (the mixtures of experts, {time.strftime('%Y-%m-%d')}; 25–50 minutes on 2 cores)")
+    if args.restep:
+        write(_restepped(_merged([], args.out)), False, args.out, command=COMMAND)
         return
-    models = ["tiny-llama"] if args.smoke else ["llama3-8b", "qwen2-7b"]
+    if args.moe or args.dense:
+        machines = {m: MACHINES[m] for m in args.machine} if args.machine else None
+        models, modes = (MOE_MODELS, MOE_MODES) if args.moe else (DENSE_MODELS, DENSE_MODES)
+        rows = _each_model(list(args.model or models), False, {m: MODES[m] for m in args.mode or modes}, machines)
+        write(_merged(rows, args.out), False, args.out, command=COMMAND)
+        return
+    models = ["tiny-llama"] if args.smoke else list(DENSE_MODELS)
     write(_each_model(models, args.smoke), args.smoke, args.out)
 
 
@@ -118,6 +130,29 @@ def _each_model(models: list[str], smoke: bool, modes: dict | None = None, machi
                                                 mp_context=multiprocessing.get_context("spawn")) as pool:
         return [row for rows in pool.map(rows_of, models, [smoke] * len(models), [machines] * len(models),
                                          [modes] * len(models)) for row in rows]
+
+
+def _restepped(rows: list[dict]) -> list[dict]:
+    """``rows`` with each predicted step time computed again by the time model at the
+    built-in H100 table (the strategy as its row names it, AdamW's place as it says)."""
+    import torch
+
+    import longtrain as lt
+    from longtrain.models.presets import preset_config
+    from longtrain.plan.bounds import _state_bytes
+    from longtrain.plan.time_model import H100, step_time
+
+    for row in rows:
+        if not row.get("strategy"):
+            continue
+        label = row["strategy"].split(" --optimizer-offload")[0].split(" · ")[0]
+        offloaded = "--optimizer-offload" in row["strategy"] or "optimizer in host memory" in row["strategy"]
+        config = preset_config(row["model"])
+        params = _state_bytes(config, "none", torch.bfloat16)[0]
+        tokens = int(row["tokens"].replace(",", ""))
+        row["step_s"] = step_time(config, tokens, lt.Strategy.parse(label), H100, optimizer_offload=offloaded,
+                                  trainable=params).seconds
+    return rows
 
 
 def _merged(rows: list[dict], out: str | None) -> list[dict]:
@@ -142,10 +177,10 @@ Memo + MsT; under LoRA, each also with `stream` — the frozen layer weights in 
 at a time on the device — where those weights fill a quarter of the device or more), found by a search over whole-length simulations on fake tensors (plan/longest.py: FPDTOptions
 exact to the chunk, the others within 1/64), the device side with the allocator's fragmentation margin
 measured on the H100; host memory 128 GB = 119.2 GiB; the H200's usable memory taken as 139 GiB).
-"Either place" weighs AdamW on the device (bf16 moments, no fp32 masters) against AdamW in host memory
-(fp32 masters and moments) and reports the longer; QLoRA is LoRA over a base held in 4 bits as bitsandbytes'
-NF4 holds it (`plan --lora --4bit`); `others` in the JSON lists every candidate's limit. Step times from the time model at the H100 rates
-(fitted at 16K-128K on 2026-11-23; not checked on a GPU at these lengths). Confirm a row with `longtrain plan --model M --seq-len N
+"Either place" weighs AdamW on the device (fp32 masters and moments, 12 bytes per parameter, as
+`--optimizer adamw` trains) against AdamW in host memory (fp32 masters and moments) and reports the longer; QLoRA is LoRA over a base held in 4 bits as bitsandbytes'
+NF4 holds it (`plan --lora --4bit`); `others` in the JSON lists every candidate's limit. Step times from the time model at the H100 table
+(refitted on 2026-11-30 to every H100 step measured at 16K-128K; not checked on a GPU at these lengths). Confirm a row with `longtrain plan --model M --seq-len N
 --device-memory D --host-memory H [--optimizer-offload | --lora]`."""
     write_report("max_context_smoke" if smoke else "max_context", "Longest context per machine (planner)", columns,
                  rows, notes, command or "python benchmarks/max_context.py" + (" --smoke" if smoke else ""), out_dir=out)

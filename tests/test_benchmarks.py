@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -154,3 +156,52 @@ def test_the_truncated_depth_benchmark_simulates_what_the_exact_tracker_measures
         assert row["status"] == "ok" and row["simulated_bytes"] == row["tracker_bytes"] > 0
     assert report["meta"]["full_depth_longest"] > 256 and report["meta"]["binds"]
     assert "Full depth (simulated)" in (tmp_path / "measured_longest.md").read_text()
+
+
+def test_the_alst_peer_runs_in_the_smoke_test_with_the_gradients_of_stock_hugging_face(tmp_path, monkeypatch):
+    """hf+alst: DeepSpeed's TiledMLP (4 shards of 64 tokens at 256), TiledFusedLogitsLoss and
+    its checkpoint-input offloader (nothing to move on a CPU) give every parameter the
+    gradient stock Hugging Face gives it, loss in uneven shards included."""
+    pytest.importorskip("deepspeed")
+    import torch
+
+    result = subprocess.run([sys.executable, "benchmarks/gpu_peers.py", "--smoke", "--cases", "hf+alst", "--lengths", "256",
+                             "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    [row] = json.loads((tmp_path / "gpu_peers.json").read_text())["rows"]
+    assert row["case"] == "hf+alst" and row["status"] == "ok" and row["tokens_per_s"] > 0
+    assert row["notes"].startswith("deepspeed ") and "TiledMLP in 4 shards" in row["notes"]
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_peers
+
+    monkeypatch.setattr(gpu_peers, "ALST_LOGITS_SHARD", 256 * 320 * 4 // 3 + 1)  # 3 loss shards: 86, 86, 84 tokens
+    config = gpu_peers._config("tiny-llama", [256])
+    ids = torch.randint(0, config.vocab_size, (1, 256))
+    grads = {}
+    for name in ("hf", "hf+alst"):
+        torch.manual_seed(0)
+        model, step = gpu_peers.BY_NAME[name].make(config, torch.device("cpu"), torch.float32, 256)
+        step(ids)
+        grads[name] = {n: p.grad for n, p in model.named_parameters()}
+    assert "TiledFusedLogitsLoss in 3 shard(s)" in step.notes
+    assert all(g is not None for g in grads["hf+alst"].values())
+    for name, grad in grads["hf"].items():
+        torch.testing.assert_close(grads["hf+alst"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_alst_peer_is_refused_in_one_line_where_deepspeed_does_not_import(tmp_path, monkeypatch):
+    """deepspeed is optional: where it does not import, hf+alst is refused (a limit, not a
+    crash) with what to install, the other cases run, and the sweep exits 0."""
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` raises ModuleNotFoundError
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_peers
+
+    code = gpu_peers.main(["--smoke", "--cases", "hf,hf+alst", "--lengths", "128", "--budget-s", "1e6",
+                           "--out", str(tmp_path)])
+    assert code == 0
+    rows = {r["case"]: r for r in json.loads((tmp_path / "gpu_peers.json").read_text())["rows"]}
+    assert rows["hf"]["status"] == "ok"
+    status = rows["hf+alst"]["status"]
+    assert status.startswith("refused: DeepSpeed is not installed") and status.endswith("pip install deepspeed")
+    assert "\n" not in status and rows["hf+alst"]["step_s"] is None

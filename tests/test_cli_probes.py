@@ -623,8 +623,10 @@ def test_after_a_divergence_the_checkpoint_named_is_the_newest_that_still_traine
 
 
 def test_float16_that_overflows_writes_no_checkpoint(tmp_path, data_file):
+    """Pure float16 AdamW (its epsilon rounds to zero in float16) diverges at once."""
     out = tmp_path / "run"
-    code, _, err = cli(*tiny(data_file, "--steps", "3", "--save-every", "1", "--dtype", "float16", "--out", out))
+    code, _, err = cli(*tiny(data_file, "--steps", "3", "--save-every", "1", "--dtype", "float16", "--optimizer", "adamw-16bit",
+                             "--out", out))
     assert code == 2 and err.count("\n") == 1, err
     assert "training diverged at step" in err and "use --dtype bfloat16 or float32" in err
     assert not (out / "checkpoints" / "latest").exists() and not (out / "final").exists()
@@ -767,11 +769,11 @@ def test_simulate_takes_the_optimizer_offload_flag_train_and_plan_take():
     code, table, err = cli(*base[:-1], "--optimizer-offload")
     assert code == 0 and "optimizer adamw in host memory (--optimizer-offload)" in table
     for wrong, message in [(["--optimizer", "sgd", "--optimizer-offload"], "needs --optimizer adamw"),
-                           (["--optimizer", "lion"], "invalid choice: 'lion' (choose from 'adamw', 'sgd', 'none')")]:
+                           (["--optimizer", "lion"], "invalid choice: 'lion' (choose from 'adamw', 'adamw-16bit', 'sgd', 'none')")]:
         code, _, err = cli(*base, *wrong)
         assert code == 2 and err.count("\n") == 1 and message in err, err
     code, helped, _ = cli("simulate", "--help")
-    assert "--optimizer {adamw,sgd,none}" in helped and "--optimizer-offload" in helped and "adamw-offload" not in helped
+    assert "--optimizer {adamw,adamw-16bit,sgd,none}" in helped and "--optimizer-offload" in helped and "adamw-offload" not in helped
 
 
 # ---- lengths beyond any configuration ----------------------------------------------------

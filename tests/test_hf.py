@@ -369,6 +369,9 @@ def test_auto_plans_for_the_run_length(tmp_path, monkeypatch):
     args.max_length = 512  # as TRL's SFTConfig has it
     tiny_trainer(tmp_path, strategy="auto", args=args)
     assert asked[-1] == (512, 2, "adamw", "cpu")
+    _, bf16 = stock_and_ours("tiny-llama", dtype=torch.bfloat16)  # the Trainer's AdamW: moments in bfloat16
+    tiny_trainer(tmp_path, bf16, strategy="auto", args=args)
+    assert asked[-1] == (512, 2, "adamw-16bit", "cpu")
     _, ours = stock_and_ours("tiny-llama")
     ours.config.max_position_embeddings = 0
     with pytest.raises(lt.LongtrainError, match="set max_length"):

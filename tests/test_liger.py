@@ -101,26 +101,34 @@ def test_the_command_line_refuses_liger_on_a_cpu_in_one_line(tmp_path, capsys):
 
 
 def test_strategy_auto_adds_liger_on_a_gpu_where_it_is_installed(monkeypatch):
-    """The planner's winner plus liger (same memory, fused kernels) where the device is
-    CUDA and liger-kernel covers the family; without it, the winner as it is."""
+    """Every candidate of the plan carries liger (same memory, fused kernels, so the ranking
+    is of what runs) where the device is CUDA and liger-kernel covers the family; without
+    it, none does. The rates are the card's built-in table."""
     from types import SimpleNamespace
 
-    import longtrain.plan.calibrate as calibrate
     import longtrain.plan.planner as planner
     import longtrain.techniques.liger.costs as liger_costs
     import longtrain.train.setup as trainer
-    from longtrain.plan.time_model import H100
+    from longtrain.plan.time_model import H200
     from longtrain.train.config import TrainConfig
 
-    winner = lt.Strategy(checkpoint=True, mst=True).to_dict()
-    monkeypatch.setattr(planner, "plan", lambda *a, **k: SimpleNamespace(best=SimpleNamespace(strategy=winner),
-                                                                         verdict=lambda: "checkpoint,mst"))
-    monkeypatch.setattr(calibrate, "local_rates", lambda device: H100)
-    monkeypatch.setattr(trainer.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 << 30))
+    asked = []
+
+    def plan(request):
+        asked.append(request)
+        winner = lt.Strategy(checkpoint=True, mst=True, **{name: True for name in request.carried}).to_dict()
+        return SimpleNamespace(best=SimpleNamespace(strategy=winner), verdict=lambda: "checkpoint,mst")
+
+    monkeypatch.setattr(planner, "plan", plan)
+    monkeypatch.setenv("LONGTRAIN_CACHE", "/nonexistent-longtrain-cache")  # no stored calibration
+    monkeypatch.setattr(trainer.torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=141 << 30, name="NVIDIA H200"))
     monkeypatch.setattr(trainer.torch.cuda, "current_device", lambda: 0)  # what a bare "cuda" device means
     config = TrainConfig(model="tiny-llama", strategy="auto")
     for installed in (True, False):
         monkeypatch.setattr(liger_costs, "liger_available", lambda model_type: installed and model_type == "llama")
         chosen = trainer.planned_strategy(config, trainer.torch.device("cuda"), trainer.torch.bfloat16)
+        assert asked[-1].carried == (("liger",) if installed else ())
+        assert asked[-1].rates is H200 and asked[-1].rates_name == "h200"
         assert ("liger" in chosen.techniques) == installed
         assert {"checkpoint", "mst"} <= set(chosen.techniques)

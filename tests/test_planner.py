@@ -276,7 +276,7 @@ def test_a_plan_request_refuses_each_wrong_field_in_one_line():
         ({"seq_len": 1}, "seq_len (--seq-len) must be a whole number of at least 2 tokens, got 1"),
         ({"device_memory": 0}, "device_memory (--device-memory) must be a positive number of bytes, got 0"),
         ({"host_memory": 1.5}, "host_memory (--host-memory) must be a positive number of bytes"),
-        ({"optimizer": "lion"}, "optimizer (--optimizer) must be one of adamw, sgd, none, got 'lion'"),
+        ({"optimizer": "lion"}, "optimizer (--optimizer) must be one of adamw, adamw-16bit, sgd, none, got 'lion'"),
         ({"dtype": "fp7"}, "unknown dtype 'fp7'"),
         ({"rates": "h100"}, "rates (--rates) must be MachineRates"),
         ({"batch": True}, "batch (--batch-size) must be a positive count, got True"),
@@ -419,12 +419,13 @@ def test_optimizer_in_host_memory_frees_the_device_and_fills_the_host():
 
 def test_candidates_whose_parked_bytes_cannot_fit_are_not_simulated_nor_the_slower_ones():
     result = plan(PlanRequest("tiny-llama", 8192, device_memory=3 * 2**19, host_memory=3 * 2**20,
-                              optimizer_offload=False))
+                              optimizer="adamw-16bit", optimizer_offload=False))
     bounded = [r for r in result.rows if r.binds and "not simulated" in r.binds]
     assert bounded and all(r.device_bytes is None for r in bounded) and len(bounded) < len(result.rows)
     # Where no candidate can fit by what it parks, the plan is refused at once.
     with pytest.raises(lt.LongtrainError, match="no strategy weighed fits 32,768 tokens.*the longest any could fit is"):
-        plan(PlanRequest("tiny-llama", 32768, device_memory=3 * 2**20, host_memory=3 * 2**20, optimizer_offload=False))
+        plan(PlanRequest("tiny-llama", 32768, device_memory=3 * 2**20, host_memory=3 * 2**20, optimizer="adamw-16bit",
+                         optimizer_offload=False))
     if result.best is not None:
         slower = [r for r in result.rows if "skipped" in r.notes]
         assert all(r.step_seconds is None for r in slower)

@@ -97,7 +97,10 @@ def _add_train(sub) -> None:
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="steps of linear warm-up, below --steps "
                    "(default: 20, or a tenth of --steps where --steps is 20 or fewer)")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="decoupled weight decay (0 or more)")
-    p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "sgd"], help="AdamW (betas 0.9, 0.95) or SGD with momentum 0.9")
+    p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "adamw-16bit", "sgd"],
+                   help="AdamW (betas 0.9, 0.95) with float32 master weights and moments for 16-bit parameters "
+                   "(mixed precision), adamw-16bit (AdamW on the 16-bit weights themselves: small updates round "
+                   "away) or SGD with momentum 0.9")
     p.add_argument("--strategy", default=d.strategy, help="techniques: none, checkpoint, mst, memo, a comma list with options (checkpoint,mst:loss_chunks=8), a strategy as "
                    "`longtrain plan` prints it (fpdt:chunk=8192:offload,mst: an item naming an engine selects it), a strategy "
                    ".yaml/.json, or auto (the planner picks the fastest that fits this machine)")
@@ -182,8 +185,10 @@ def _add_simulate(sub) -> None:
     p.add_argument("--strategy", default="none", help="techniques: none, checkpoint, mst, a comma list with options, a strategy as "
                    "`longtrain plan` prints it (fpdt:chunk=8192:offload,mst), or a strategy .yaml/.json")
     p.add_argument("--engine", default=None, help="gradient engine with options: backprop, fpdt:chunk=8192:offload=true, seco:chunk=4096, spaco, adjoint:truncate=64")
-    p.add_argument("--optimizer", default="adamw", choices=_Choices(["adamw", "sgd", "none"], earlier=["adamw-offload"]),
-                   help="the optimizer whose state the step holds (none: no optimizer step)")
+    p.add_argument("--optimizer", default="adamw", choices=_Choices(["adamw", "adamw-16bit", "sgd", "none"],
+                                                                    earlier=["adamw-offload"]),
+                   help="the optimizer whose state the step holds (adamw: float32 masters and moments for 16-bit "
+                   "weights, as train runs it; adamw-16bit: pure 16-bit; none: no optimizer step)")
     p.add_argument("--optimizer-offload", action="store_true", help="AdamW's state and fp32 master weights in host "
                    "memory, gradients streamed there during backward (as train --optimizer-offload)")
     p.add_argument("--sp", type=int, default=1, help="Ulysses sequence parallelism over P ranks: simulate one rank's share "
@@ -288,12 +293,14 @@ def _add_plan(sub) -> None:
                        description="Simulate each candidate strategy that serves the model (checkpointing + MsT, Memo, FPDT "
                                    "with offload at a few chunk sizes; for state-space models the adjoint engine) on fake "
                                    "tensors, add the allocator's measured fragmentation margin, predict step time from the "
-                                   "H100 time model, and rank what fits.")
+                                   "time model at the rates of --rates, and rank what fits.")
     p.add_argument("--model", required=True, help="preset name or local model directory (only its config is read)")
     p.add_argument("--seq-len", type=_tokens, required=True, help="tokens per sample: 300000, 512K, 1M")
     p.add_argument("--device-memory", type=_bytes, required=True, help="memory of one GPU: 80GiB, 141GB")
     p.add_argument("--host-memory", type=_bytes, required=True, help="host memory the run may use: 120GiB")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"], help="the optimizer whose state the plan counts")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw-16bit", "sgd", "none"],
+                   help="the optimizer whose state the plan counts (adamw: float32 masters and moments for 16-bit "
+                   "weights, 12 bytes per parameter, as train runs it; adamw-16bit: pure 16-bit)")
     p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype (default %(default)s)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs in all, parameters, gradients and optimizer state sharded "
                    "over them (FSDP2); each sequence split over them (Ulysses) unless --sp says fewer (default %(default)s)")
@@ -311,8 +318,11 @@ def _add_plan(sub) -> None:
     p.add_argument("--exhaustive", action="store_true", help="simulate every candidate, not only those predicted faster "
                    "than the fastest that fits")
     p.add_argument("--engine", default=None, help="weigh only this engine's variants (e.g. adjoint, fpdt); default: every engine's")
-    p.add_argument("--rates", default="h100", help="the time model's rates: h100 (built in, default), or a device name "
-                   "or JSON file written by `longtrain calibrate`")
+    p.add_argument("--with", dest="carried", default="", metavar="TECHNIQUES", help="techniques every candidate "
+                   "carries where its engine takes them, comma-separated (e.g. liger, as --strategy auto plans on a "
+                   "GPU with liger-kernel: its fused kernels cost no memory and save time)")
+    p.add_argument("--rates", default="h100", help="the time model's rates: h100 (default) or h200, built in and fitted "
+                   "to the steps measured on each card, or a device name or JSON file written by `longtrain calibrate`")
     p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
                    help="candidates simulated at once, a process each (default: one per core, at most 4: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -351,7 +361,8 @@ def _plan_with(args, progress) -> int:
                           gpus=args.gpus, sp=args.sp, lora_rank=args.lora_rank if args.lora else None,
                           four_bit=args.four_bit,
                           optimizer_offload=args.optimizer_offload, engine=args.engine, longest=args.longest,
-                          exhaustive=args.exhaustive)
+                          exhaustive=args.exhaustive,
+                          carried=tuple(name.strip() for name in args.carried.split(",") if name.strip()))
     result = plan(request, workers=args.jobs, progress=progress)
     print(result.to_json() if args.json else result.table())
     return 0 if result.best is not None else 1
@@ -379,7 +390,7 @@ def _run_calibrate(args) -> int:
     rates, kept = measure(device, quick=args.quick, say=lambda line: print(f"  timing {line} ...", file=sys.stderr, flush=True))
     path = save(rates, device_name(device), unmeasured=kept)
     for field, value in rates.__dict__.items():
-        print(f"{field:<22} {value:.3g}" + ("   (H100 default: not measurable here)" if field in kept else ""))
+        print(f"{field:<22} {value:.3g}" + ("   (the card's built-in table: not measured here)" if field in kept else ""))
     print(f"stored in {path}; plan with it: longtrain plan ... --rates {device_name(device)}")
     return 0
 

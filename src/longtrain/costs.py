@@ -29,8 +29,11 @@ class StepWork:
 
     Sizes in forward FLOPs (``*_fwd``: one forward pass over the batch's tokens); the
     hooks add to ``matmul`` (FLOPs), ``attention_passes`` (in units of attention's
-    forward) and ``exposed`` (seconds of host copies compute does not hide). The facts below are set by the ``describe`` hooks before any
-    ``add_work`` hook runs, so no hook depends on another's order.
+    forward) and ``exposed`` (seconds of host copies compute does not hide), and count the
+    layers' and MLPs' forwards run again with :meth:`add_layer_forwards` and
+    :meth:`add_mlp_forwards` (their matmuls and their elementwise kernels). The facts below
+    are set by the ``describe`` hooks before any ``add_work`` hook runs, so no hook depends
+    on another's order.
     """
 
     config: Any
@@ -52,6 +55,8 @@ class StepWork:
     matmul: float = 0.0
     attention_passes: float = 3.0  # forward + backward
     exposed: float = 0.0
+    layer_passes: float = 3.0  # the layers' elementwise work, in forwards (a backward counts two)
+    mlp_passes: float = 0.0  # the MLPs' forwards run beyond those
     # facts (describe hooks)
     recomputes_layers: bool = False  # backward runs each layer's forward again (checkpointing, chunked engines)
     recomputed: float = 1.0  # share of the layers not left whole (they recompute and tile)
@@ -64,6 +69,7 @@ class StepWork:
     chunk_major: bool = False  # the engine runs every layer for one chunk before the next chunk (SeCO, SpaCO)
     inner: float = 0.0  # share of layers whose input backward recomputes inside a segment
     attention_rate: float = 0.0  # FLOP/s of the engine's attention kernels
+    fused: frozenset = frozenset()  # elementwise kernels fused ("norm", "rope", "mlp": ModelDescription.elementwise_bytes)
 
     @classmethod
     def of(cls, config, tokens: int, batch: int, rates, notes: dict | None, sequence_parallel: int) -> "StepWork":
@@ -80,6 +86,16 @@ class StepWork:
                    attention_fwd=2.0 * width * tokens * tokens * n * batch, attention_rate=rates.fused_attention)
         work.matmul = 3 * (work.layer_fwd + work.head_fwd)
         return work
+
+    def add_layer_forwards(self, count: float) -> None:
+        """``count`` more forwards of every layer (recomputation), elementwise kernels included."""
+        self.matmul += count * self.layer_fwd
+        self.layer_passes += count
+
+    def add_mlp_forwards(self, count: float) -> None:
+        """``count`` more forwards of every layer's MLP (a tiled backward's), activation included."""
+        self.matmul += count * self.mlp_fwd
+        self.mlp_passes += count
 
     @property
     def model_flops(self) -> float:
@@ -210,6 +226,11 @@ class TechniqueCosts(HostBudgetKnob):
         """(device, host) bytes the technique parks at its fullest, counted from the config."""
         return PARKED_NOTHING
 
+    def held_at_once(self, config, tokens: int, options, item: int, batch: int) -> int:
+        """Device bytes one of its ops holds at once beside what the step parks, where a
+        layer runs ``tokens`` tokens of each sequence at a time: a lower bound of the peak."""
+        return 0
+
     def fragmentation(self, options) -> str | None:
         """An allocator margin kind its steps need (the planner takes the largest)."""
         return None
@@ -222,6 +243,12 @@ class TechniqueCosts(HostBudgetKnob):
     def candidates(self, host_memory: int | None) -> dict[str, Any]:
         """The technique's variants a plan weighs on the default engine: label -> options."""
         return {}
+
+    def variants_on_default_engine(self) -> tuple:
+        """For a technique in every candidate: options also weighed, beside its defaults, with
+        each technique's candidate on the default engine (MsT's untiled MLP: faster where the
+        device holds a layer's whole MLP activations)."""
+        return ()
 
     def weighed_with_each(self, config, device_memory: int, item: int, frozen: bool) -> bool:
         """Whether a plan weighs every candidate also with this technique added, for a model

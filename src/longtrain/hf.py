@@ -375,8 +375,10 @@ def _auto_strategy(trainer) -> Strategy:
         rows, length = 1, length * rows
     args = trainer.args
     dtype = "bfloat16" if args.bf16 else str(next(model.parameters()).dtype).replace("torch.", "")
-    # Others are planned with AdamW's state, the larger.
-    optimizer = "sgd" if str(getattr(args.optim, "value", args.optim)) == "sgd" else "adamw"
+    # Others are planned with AdamW's state, the larger: the Trainer's AdamW keeps its moments in
+    # the weights' dtype (no float32 masters beside 16-bit weights).
+    sixteen = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+    optimizer = "sgd" if str(getattr(args.optim, "value", args.optim)) == "sgd" else ("adamw-16bit" if sixteen else "adamw")
     return auto_strategy(config, int(length), args.device, dtype=dtype, batch=rows, optimizer=optimizer,
                          say=logger.info)
 

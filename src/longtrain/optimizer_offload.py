@@ -48,6 +48,28 @@ __all__ = ["HostAdamW", "parameter_groups", "streaming"]
 BUCKET_BYTES = 256 * 2**20
 
 
+def buckets(masters: list[torch.Tensor], limit: int):
+    """Consecutive runs of indices into ``masters``, each closed once it holds ``limit`` bytes
+    (one master larger than that is a run of its own): a step's transient share."""
+    bucket, size = [], 0
+    for i, master in enumerate(masters):
+        bucket.append(i)
+        size += master.numel() * master.element_size()
+        if size >= limit:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def adamw_update(optimizer: torch.optim.AdamW) -> None:
+    """AdamW's update of ``optimizer``'s parameters that have a gradient (one bucket of a
+    step), without the step hooks: once any AdamW exists, torch wraps ``AdamW.step`` with
+    them, and they already run around the whole step."""
+    step = torch.optim.AdamW.step
+    getattr(step, "__wrapped__", step)(optimizer)
+
+
 def master_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of a parameter's host master copy: float32 for half-precision parameters."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
@@ -173,23 +195,12 @@ class HostAdamW(torch.optim.AdamW):
                 g.mul_(scale)
         return total
 
-    def _buckets(self):
-        bucket, size = [], 0
-        for i, master in enumerate(self.masters):
-            bucket.append(i)
-            size += master.numel() * master.element_size()
-            if size >= BUCKET_BYTES:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
-
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("HostAdamW does not take a closure")
         self.finish_backward()
-        for bucket in self._buckets():
+        for bucket in buckets(self.masters, BUCKET_BYTES):
             live = [i for i in bucket if self._filled[i]]
             if not live:
                 continue
@@ -197,7 +208,7 @@ class HostAdamW(torch.optim.AdamW):
                 for i in live:
                     grad = self.host_grads[i]
                     self.masters[i].grad = grad if grad.dtype == self.masters[i].dtype else grad.to(self.masters[i].dtype)
-                super().step()  # parameters without .grad (other buckets) are skipped
+                adamw_update(self)  # parameters without .grad (other buckets) are skipped
             for i in live:
                 self.masters[i].grad = None
             self._push(live)

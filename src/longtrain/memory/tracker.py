@@ -481,6 +481,8 @@ class MemoryTracker(TorchDispatchMode):
             for tensor in getattr(self.optimizer, "host_tensors", list)():  # an optimizer that keeps state on the host
                 self.track(tensor, "optimizer_state")
                 self.set_location(tensor, HOST)
+            for tensor in getattr(self.optimizer, "device_state_tensors", list)():  # state made with it (float32 masters)
+                self.track(tensor, "optimizer_state")
             self._handles.append(self.optimizer.register_step_pre_hook(self._before_step))
             self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
 

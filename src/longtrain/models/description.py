@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Attention", "FeedForward", "ModelDescription"]
+__all__ = ["Attention", "FeedForward", "ModelDescription", "stock_norm_bytes"]
+
+
+def stock_norm_bytes(item: int) -> int:
+    """Bytes per element one forward of an RMSNorm written in PyTorch ops moves: cast up to
+    float32, square, mean, scale, cast down, weight (``item``: the activations' element size)."""
+    return 4 * item + 7 * 4
 
 
 @dataclass(frozen=True)
@@ -145,3 +151,33 @@ class ModelDescription:
         feed_forward = self.feed_forward or (None,) * n
         return list(zip(attention, feed_forward))
 
+
+    def whole_layer_bytes(self, tokens: int, item: int) -> int:
+        """At least what a layer run without checkpointing keeps for its backward over
+        ``tokens`` tokens (its input, the two norms' outputs, attention's output and its
+        projection's, the MLP's gate, up and activation outputs): what leaving one whole costs."""
+        width = max(((block.active if block.is_moe else 1) * block.width + block.shared_width
+                     for block in self.feed_forward), default=0)
+        return tokens * item * (4 * self.hidden + self.attention_width + 3 * width)
+
+    def elementwise_bytes(self, item: int, fused: frozenset[str] = frozenset()) -> tuple[float, float]:
+        """Bytes one token's forward moves through a layer's elementwise kernels (norms,
+        rotary, the gated activation, residual adds, attention's output made contiguous),
+        averaged over the layers, and the share of it in the MLP's activation: ``(layer,
+        mlp)``. Counted as the stock PyTorch ops read and write them (RMSNorm upcasts to
+        float32 and makes five passes), or, for the kernels named in ``fused`` (``"norm"``,
+        ``"rope"``, ``"mlp"``: Liger's), one read and one write of each input and output.
+        ``item``: bytes per activation element. A backward counts as two forwards."""
+        norm = 2 * item if "norm" in fused else stock_norm_bytes(item)
+        layer = 2 * norm * self.hidden + 2 * 3 * item * self.hidden  # two norms, two residual adds
+        if self.has_attention:
+            rotated = self.rotary_dim / self.head_dim if self.head_dim else 0.0
+            rope = 2 * item if "rope" in fused else 5 * item  # q·cos, rotate_half, ·sin, add
+            layer += rotated * rope * (self.attention_width + self.kv_width) + 2 * item * self.attention_width
+        mlp = 0.0
+        for block in self.feed_forward:
+            width = (block.active if block.is_moe else 1) * block.width + block.shared_width
+            gated = block.matrices == 3
+            per_unit = (3 * item if "mlp" in fused else 5 * item) if gated else 2 * item
+            mlp += per_unit * width / self.layers
+        return layer + mlp, mlp

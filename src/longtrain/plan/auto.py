@@ -1,11 +1,12 @@
 """``--strategy auto``: the planner's fastest fitting strategy for the machine at hand.
 
 The plan is made for this device's memory (the share the allocator's per-process fraction
-allows, where one is set), half the host's physical memory (what Memo
-and kept attention may pin) and this machine's measured rates where ``longtrain
-calibrate`` stored them (the H100's otherwise). Techniques that cost no memory and save
-time where they run (``added_automatically`` in their costs: Liger's fused kernels on a
-GPU whose model family liger-kernel covers) are then added.
+allows, where one is set), half the host's physical memory (what Memo and kept attention
+may pin) and this machine's rates: those ``longtrain calibrate`` stored, else the built-in
+table of its card (the H200's on an H200, the H100's otherwise). Techniques that cost no
+memory and save time where they run (``added_automatically`` in their costs: Liger's fused
+kernels on a GPU whose model family liger-kernel covers) are carried by every candidate,
+so the ranking is of what runs.
 """
 
 from __future__ import annotations
@@ -29,31 +30,32 @@ def auto_strategy(model, seq_len: int, device: torch.device, *, dtype: str = "bf
     """The fastest strategy the planner finds fitting ``device`` for ``model`` at ``seq_len``
     tokens (one process of full fine-tuning); a :class:`LongtrainError` naming what binds
     where none fits."""
-    from .calibrate import device_name, local_rates
+    from .calibrate import device_name, local_rates, store_dir
     from .planner import PlanRequest, plan
-    from .time_model import H100
+    from .time_model import built_in_for
 
     host = pinned_host_budget()
     device_memory = _usable_device_memory(device) if device.type == "cuda" else host
-    say(f"planning --strategy auto for {seq_len:,} tokens ...")
-    rates = local_rates(device)  # this machine's `longtrain calibrate`, else the H100 rates
+    name = device_name(device)
+    rates = local_rates(device)  # this machine's `longtrain calibrate`, else its card's built-in table
+    rates_name = name if (store_dir() / f"{name}.json").is_file() else built_in_for(name)[0]
+    model_type = load_config(model).model_type
+    carried = []
+    for technique_name, technique in registry.techniques().items():
+        # Same memory, less time (e.g. fused elementwise kernels), where the technique runs here.
+        reason = technique.costs.added_automatically(device.type, model_type)
+        if reason is not None:
+            carried.append(technique_name)
+            say(f"--strategy auto weighs every candidate with {technique_name} where it combines ({reason})")
+    say(f"planning --strategy auto for {seq_len:,} tokens at the {rates_name} rates ...")
     result = plan(PlanRequest(model, seq_len, device_memory=device_memory, host_memory=host, optimizer=optimizer,
                               dtype=dtype, batch=batch, optimizer_offload=optimizer_offload, rates=rates,
-                              rates_name=device_name(device) if rates is not H100 else "h100"))
+                              rates_name=rates_name, carried=tuple(carried)))
     if result.best is None:
         hint = "" if optimizer_offload or optimizer == "none" else "; --optimizer-offload moves AdamW's state to host memory"
         raise LongtrainError(f"--strategy auto: {result.verdict()}{hint}")
     say(f"--strategy auto chose {result.verdict()}")
-    chosen = result.best.strategy
-    accepts = registry.engine(chosen["engine"]["name"]).accepts
-    model_type = load_config(model).model_type
-    for name, technique in registry.techniques().items():
-        # Same memory, less time (e.g. fused elementwise kernels), where the technique runs here.
-        reason = technique.costs.added_automatically(device.type, model_type) if name in accepts else None
-        if reason is not None and name not in chosen["techniques"]:
-            chosen = {**chosen, "techniques": {**chosen["techniques"], name: {}}}
-            say(f"--strategy auto adds {name} ({reason})")
-    return Strategy.from_dict(chosen)
+    return Strategy.from_dict(result.best.strategy)
 
 
 def _usable_device_memory(device: torch.device) -> int:

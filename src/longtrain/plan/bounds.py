@@ -86,12 +86,18 @@ def budgets_for(config, *, device_memory: int, host_memory: int, optimizer: str,
 
 
 def _state_bytes(config, optimizer: str, dtype: torch.dtype) -> tuple[int, int]:
-    """(parameter count, bytes of the optimizer state on the device) of full fine-tuning."""
+    """(parameter count, bytes of the optimizer state on the device) of full fine-tuning:
+    AdamW's two moments, with float32 masters and moments for 16-bit weights (``adamw``, as
+    :class:`~longtrain.optimizers.MasterAdamW` holds them: 12 bytes per parameter) or in the
+    weights' dtype (``adamw-16bit``); SGD's momentum."""
     with torch.device("meta"):
         model = build_from_config(config, dtype)
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    per = {"adamw": 2, "sgd": 1, "none": 0}[optimizer]
-    return params, per * params * torch.tensor([], dtype=dtype).element_size()
+    item = torch.tensor([], dtype=dtype).element_size()
+    if optimizer == "adamw" and item < 4:
+        return params, 12 * params
+    per = {"adamw": 2, "adamw-16bit": 2, "sgd": 1, "none": 0}[optimizer]
+    return params, per * params * item
 
 
 def budget_under(strategy: Strategy, budget: Budget, config, item: int) -> Budget:
@@ -109,14 +115,19 @@ def budget_under(strategy: Strategy, budget: Budget, config, item: int) -> Budge
 
 def parked_split(config, seq_len: int, strategy: Strategy, item: int, batch: int = 1) -> tuple[int, int]:
     """:func:`parked_bytes` as (on the device, in host memory), as the engine and each
-    technique count what they park (their costs' ``parked``)."""
+    technique count what they park (their costs' ``parked``), with the most a technique's
+    op holds at once beside it (``held_at_once``)."""
     engine = _engine_costs(strategy)
     device, host = engine.parked(config, seq_len, strategy.engine_options, item, batch)
     offloads = engine.parks_on_host(strategy.engine_options)
+    at_once = min(seq_len, engine.chunk(strategy.engine_options) or seq_len)  # tokens a layer runs at a time
+    held = 0
     for name, options in strategy.techniques.items():
-        more_device, more_host = registry.technique(name).costs.parked(config, seq_len, options, item, batch, offloads)
+        costs = registry.technique(name).costs
+        more_device, more_host = costs.parked(config, seq_len, options, item, batch, offloads)
         device, host = device + more_device, host + more_host
-    return device, host
+        held = max(held, costs.held_at_once(config, at_once, options, item, batch))
+    return device + held, host
 
 
 def parked_bytes(config, seq_len: int, strategy: Strategy, item: int, batch: int = 1) -> int:

@@ -1,13 +1,15 @@
 """``longtrain calibrate``: measure the time model's rates on the machine at hand.
 
 The planner predicts step time from a few rates (:class:`~longtrain.plan.time_model.MachineRates`);
-by default those measured on one H100. ``calibrate`` times each on this machine in
+built in: those fitted to the steps measured on one H100 and one H200. ``calibrate`` times each on this machine in
 seconds — a linear layer's GEMMs and causal attention (whole and in blocks), each
-forward and backward as a step runs them, pinned host copies, the CPU's fused AdamW —
+forward and backward as a step runs them, an RMSNorm's elementwise kernels, pinned host
+copies, the CPU's fused AdamW —
 and stores them per device name, where ``plan --rates`` and ``--strategy auto`` read
 them. Rates it cannot measure here (attention block kernels without a GPU, copies
-without pinned memory) keep the H100 defaults and are listed as such. The defaults were
-fitted to whole H100 steps and so absorb the elementwise work the model does not count;
+without pinned memory, the fitted slow spots) keep the
+built-in table of the card (the H200's on an H200, else the H100's) and are listed as such.
+The built-in tables were fitted to whole steps and so absorb what the model does not count;
 rates measured kernel by kernel do not, and predict somewhat faster steps.
 """
 
@@ -23,8 +25,9 @@ from typing import Callable
 import torch
 
 from ..errors import LongtrainError
+from ..models.description import stock_norm_bytes
 from ..models.flops import device_peak_flops
-from .time_model import H100, MachineRates
+from .time_model import BUILT_IN, MachineRates, built_in_for
 
 __all__ = ["device_name", "load", "local_rates", "measure", "save", "store_dir"]
 
@@ -66,7 +69,8 @@ def _forward_backward(forward: Callable[[], torch.Tensor], inputs: tuple) -> Cal
 
 
 def measure(device: torch.device, *, quick: bool = False, say: Callable[[str], None] = lambda _: None) -> tuple[MachineRates, list[str]]:
-    """The rates measured on ``device`` (and this host), and the names of those left at the H100 defaults."""
+    """The rates measured on ``device`` (and this host), and the names of those left at the
+    card's built-in table."""
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     repeat = 3 if quick or not cuda else 10
@@ -96,8 +100,23 @@ def measure(device: torch.device, *, quick: bool = False, say: Callable[[str], N
     say(f"attention blocks of {chunk:,} × {chunk:,} tokens, forward + backward")
     block = _timed(_forward_backward(lambda: sdpa(qc, qc, qc), (qc,)), device, repeat)
     measured["block_attention"] = 12 * heads * head_dim * chunk * chunk / block
-    # SeCO's blocks also merge partial results and accumulate a K/V gradient: the H100's ratio.
-    measured["chunkwise_attention"] = measured["block_attention"] * H100.chunkwise_attention / H100.block_attention
+    # SeCO's blocks also merge partial results and accumulate a K/V gradient: the built-in ratio.
+    base = built_in_for(device_name(device))[1]
+    measured["chunkwise_attention"] = measured["block_attention"] * base.chunkwise_attention / base.block_attention
+
+    # An RMSNorm in PyTorch ops, forward + backward (a backward moving twice a forward's bytes,
+    # as the time model counts every elementwise kernel).
+    rows = (16384 if cuda else 2048) // (4 if quick else 1)
+    h = torch.randn(rows, 4096, device=device, dtype=dtype, requires_grad=True)
+    weight = torch.ones(4096, device=device, dtype=dtype)
+
+    def norm() -> torch.Tensor:
+        up = h.float()
+        return weight * (up * torch.rsqrt(up.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+
+    say(f"RMSNorm over {rows:,} × 4,096, forward + backward")
+    seconds = _timed(_forward_backward(norm, (h,)), device, repeat)
+    measured["elementwise"] = 3 * stock_norm_bytes(h.element_size()) * h.numel() / seconds
 
     if cuda:
         host = torch.empty(256 * 2**20 // (4 if quick else 1), dtype=torch.uint8, pin_memory=True)
@@ -115,7 +134,7 @@ def measure(device: torch.device, *, quick: bool = False, say: Callable[[str], N
     # MFU's peak: the datasheet figure of a known GPU (H100, H200, ...: the trainer's and the
     # benchmarks' MFU use the same), else what this machine's GEMM reached.
     measured["peak"] = device_peak_flops(device) or measured["matmul"]
-    rates = dataclasses.replace(H100, **measured)
+    rates = dataclasses.replace(base, **measured)
     kept = [f.name for f in dataclasses.fields(MachineRates) if f.name not in measured]
     return rates, kept
 
@@ -134,25 +153,27 @@ def save(rates: MachineRates, name: str, unmeasured: tuple[str, ...] | list[str]
 
 
 def load(name_or_path: str) -> MachineRates:
-    """A stored calibration by device name (``longtrain calibrate`` prints it) or JSON path;
-    ``h100`` is the built-in default."""
-    if name_or_path.lower() == "h100":
-        return H100
+    """A built-in table (``h100``, ``h200``), or a stored calibration by device name
+    (``longtrain calibrate`` prints it) or JSON path; the rates a calibration did not measure
+    come from the built-in table of its card."""
+    if name_or_path.lower() in BUILT_IN:
+        return BUILT_IN[name_or_path.lower()]
     path = Path(name_or_path)
     if not path.suffix:
         path = store_dir() / f"{name_or_path}.json"
     if not path.is_file():
         known = sorted(p.stem for p in store_dir().glob("*.json")) if store_dir().is_dir() else []
         raise LongtrainError(f"no calibration {name_or_path!r} (looked for {path}); run `longtrain calibrate` on that "
-                             f"machine, or use one of: h100{''.join(', ' + k for k in known)}")
+                             f"machine, or use one of: {', '.join([*BUILT_IN, *known])}")
     try:
         data = json.loads(path.read_text())
-        return dataclasses.replace(H100, **{k: float(v) for k, v in data.items()})
+        return dataclasses.replace(built_in_for(path.stem)[1], **{k: float(v) for k, v in data.items()})
     except (ValueError, TypeError) as exc:
         raise LongtrainError(f"{path} is not a calibration written by `longtrain calibrate` ({exc}); run it again") from None
 
 
 def local_rates(device: torch.device) -> MachineRates:
-    """This machine's stored calibration, or the H100 defaults."""
+    """This machine's stored calibration, else the built-in table of its card (the H100's
+    where none is built in for it)."""
     path = store_dir() / f"{device_name(device)}.json"
-    return load(str(path)) if path.is_file() else H100
+    return load(str(path)) if path.is_file() else built_in_for(device_name(device))[1]

@@ -6,6 +6,7 @@ attention outputs within the host's room, and the technique that can leave top l
 from __future__ import annotations
 
 from .. import registry
+from ..errors import LongtrainError
 from ..strategy import Strategy
 from .bounds import _engine_costs
 
@@ -23,7 +24,8 @@ CHUNKS = (8192, 16384, 32768)
 # The option that holds a host budget: the plan fills it from --host-memory (less what AdamW's
 # state takes there), a run from its own host memory; a label leaves it out.
 def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_chunk: bool = False,
-               chunks: tuple[int, ...] = CHUNKS, adapter=None, added: tuple[str, ...] = ()) -> dict[str, Strategy]:
+               chunks: tuple[int, ...] = CHUNKS, adapter=None, added: tuple[str, ...] = (),
+               carried: tuple[str, ...] = ()) -> dict[str, Strategy]:
     """The strategies the planner weighs at ``seq_len`` tokens, by :attr:`~longtrain.strategy.Strategy.label`:
     each technique's variants on the default engine, then each engine's (``candidates`` of
     their costs), with the techniques every candidate carries (MsT) where the engine takes
@@ -31,25 +33,37 @@ def candidates(seq_len: int, host_memory: int | None, layers: int = 32, every_ch
     every chunk size, however many chunks (for :func:`max_context`). ``adapter``: the
     model's adapter class; only the variants its costs say serve such models (no chunked
     attention for a state-space model, no adjoint engine for a transformer). ``added``: techniques
-    weighed with every candidate too (:func:`added_techniques`), each variant after its base."""
+    weighed with every candidate too (:func:`added_techniques`), each variant after its base.
+    ``carried``: techniques every candidate carries as MsT does, where its engine takes them
+    (what ``--strategy auto`` adds: the ranking is then of what runs)."""
     techniques = registry.techniques()
     always = [name for name, technique in sorted(techniques.items()) if technique.costs.in_every_candidate]
 
-    def carried(accepts) -> dict:
-        return {name: True for name in always if name in accepts}
+    def built(accepts, every: dict | None = None, **chosen) -> Strategy:
+        """The candidate with what every candidate carries where the engine takes it (``every``:
+        options of those, where not their defaults; the ``carried`` ones only where they
+        combine with the candidate's own techniques)."""
+        usual = {name: (every or {}).get(name, True) for name in always if name in accepts}
+        riding = {name: True for name in carried if name in accepts and name not in usual and name not in chosen
+                  and (adapter is None or techniques[name].costs.serves(adapter, techniques[name].options()))}
+        try:
+            return Strategy(**chosen, **usual, **riding)
+        except LongtrainError:
+            return Strategy(**chosen, **usual)
 
     found = []
-    default = Strategy()
+    default = registry.engine(Strategy().engine).accepts
+    lighter = [{name: options} for name in always for options in techniques[name].costs.variants_on_default_engine()
+               if adapter is None or techniques[name].costs.serves(adapter, options)]
     for name, technique in sorted(techniques.items()):
-        extra = carried(registry.engine(default.engine).accepts)
         for options in technique.costs.candidates(host_memory).values():
             if adapter is None or technique.costs.serves(adapter, options):
-                found.append(Strategy(**{name: options}, **extra))
+                found.append(built(default, **{name: options}))
+                found += [built(default, every, **{name: options}) for every in lighter]
     for name, engine in sorted(registry.engines().items()):
-        extra = carried(engine.accepts)
         for options in engine.costs.candidates(seq_len, host_memory, layers, every_chunk, chunks).values():
             if adapter is None or engine.costs.serves(adapter, options):
-                found.append(Strategy(engine=name, engine_options=options, **extra))
+                found.append(built(engine.accepts, engine=name, engine_options=options))
     for name in added:
         found = [variant for strategy in found for variant in
                  ((strategy, _rebuilt(strategy, **{name: True})) if name in registry.engine(strategy.engine).accepts

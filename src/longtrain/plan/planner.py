@@ -219,8 +219,9 @@ def _candidates(setting: _Setting) -> list[tuple[Strategy, bool]]:
     r = setting.request
     layers = describe_model(setting.config).layers
     added = added_techniques(setting.config, r.device_memory, setting.item, frozen=bool(r.lora_rank) and not r.four_bit)
-    usual = candidates(r.seq_len, r.host_memory, layers, adapter=setting.kind, added=added)
-    every = candidates(r.seq_len, r.host_memory, layers, every_chunk=True, adapter=setting.kind, added=added)
+    usual = candidates(r.seq_len, r.host_memory, layers, adapter=setting.kind, added=added, carried=r.carried)
+    every = candidates(r.seq_len, r.host_memory, layers, every_chunk=True, adapter=setting.kind, added=added,
+                       carried=r.carried)
     if r.engine is not None:
         serving = sorted({strategy.engine for strategy in every.values()})
         if r.engine not in serving:
@@ -278,6 +279,7 @@ class _InOrder:
         self.setting, self.jobs, self.simulations, self.workers, self.say = setting, jobs, simulations, workers, say
         self.to_simulate = [i for i, job in enumerate(jobs) if job.bound is None]
         self.winner: str | None = None  # the label of the first row that fits
+        self.winner_seconds = float("inf")  # its predicted step time
 
     def rows(self) -> list[PlanRow]:
         """A row per job, in order, and after each fitting one its row with top layers whole."""
@@ -297,7 +299,8 @@ class _InOrder:
         if job.bound is not None:
             return PlanRow(name=job.name, strategy=job.strategy.to_dict(), binds=f"{job.bound} {NOT_SIMULATED}",
                            optimizer_offload=job.offloaded, simulated=False)
-        if self.winner is not None and not r.exhaustive:  # started ahead or not: the answer must not depend on --jobs
+        if self.winner is not None and not r.exhaustive and not self._may_win_with_whole_layers(job):
+            # started ahead or not: the answer must not depend on --jobs
             skipped = (f"over 32 chunks, and {self.winner} fits" if job.beyond
                        else f"predicted slower than {self.winner}, which fits")
             return PlanRow(name=job.name, strategy=job.strategy.to_dict(), notes={"skipped": skipped},
@@ -310,8 +313,29 @@ class _InOrder:
                                                              batch=r.batch, lora_rank=r.lora_rank, start=r.seq_len,
                                                              label=job.name, progress=self.say)
         if row.fits and self.winner is None:
-            self.winner = row.label
+            self.winner, self.winner_seconds = row.label, row.step_seconds
         return row
+
+    def _may_win_with_whole_layers(self, job: _Job) -> bool:
+        """Whether ``job``, predicted slower than the first row that fits, may still beat it
+        with top layers left whole (its own search then says how many fit): every layer
+        whole is predicted faster than that row. The memory kept outputs take on the device
+        may instead leave layers whole in another candidate."""
+        s, r = self.setting, self.setting.request
+        name = _leaves_layers_whole(job.strategy)
+        if name is None or job.beyond or r.longest:  # (a longest-context plan searches no whole layers)
+            return False
+        shape = describe_model(s.config)
+        # As many whole layers as the device could hold beside the step's lower bound.
+        held = job.budget.persistent + least_bytes(s.config, r.seq_len, job.strategy, s.item, r.batch, r.degree)[0]
+        room = WHOLE_LAYERS_FILL * job.budget.device_memory - held
+        count = min(shape.layers, int(room // shape.whole_layer_bytes(r.batch * r.seq_len // r.degree, s.item)))
+        if count < 1:
+            return False
+        options = registry.technique(name).costs.with_whole_layers(job.strategy.techniques[name], count)
+        whole = _rebuilt(job.strategy, **{name: options})
+        return step_time(s.config, r.seq_len, whole, r.rates, batch=r.batch, optimizer_offload=job.offloaded,
+                         trainable=s.params).seconds < self.winner_seconds
 
     def _start_ahead(self, i: int) -> None:
         """Job ``i`` and the next ones to simulate, ``workers`` in all, started where not yet."""

@@ -128,8 +128,8 @@ class Plan:
         args = launch + ["--model", self.model, "--seq-len", format_tokens(self.seq_len)] + row.flags()
         if self.lora_rank:
             args += ["--lora", "--lora-rank", str(self.lora_rank)] + (["--4bit"] if self.four_bit else [])
-        if self.optimizer == "sgd":  # (the state `none` counts has no training counterpart)
-            args += ["--optimizer", "sgd"]
+        if self.optimizer in ("sgd", "adamw-16bit"):  # (the state `none` counts has no training counterpart)
+            args += ["--optimizer", self.optimizer]
         if self.dtype != "bfloat16":
             args += ["--dtype", self.dtype]
         if self.batch != 1:

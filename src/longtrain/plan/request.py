@@ -19,7 +19,7 @@ from .time_model import H100, MachineRates
 
 __all__ = ["OPTIMIZERS", "PlanRequest"]
 
-OPTIMIZERS = ("adamw", "sgd", "none")  # whose state a plan counts ("none": no optimizer step)
+OPTIMIZERS = ("adamw", "adamw-16bit", "sgd", "none")  # whose state a plan counts ("none": no optimizer step)
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,11 @@ class PlanRequest:
     engine: str | None = None  # weigh only this engine's variants
     longest: bool = False  # also search the longest context each simulated strategy reaches
     exhaustive: bool = False  # simulate every candidate, not only those predicted faster than the fastest that fits
+    carried: tuple[str, ...] = ()  # techniques every candidate carries where its engine takes them (e.g. liger)
 
     def __post_init__(self) -> None:
         for check in (self._model, self._seq_len, self._memories, self._optimizer, self._dtype, self._rates,
-                      self._counts, self._lora_rank, self._optimizer_offload, self._engine, self._switches):
+                      self._counts, self._lora_rank, self._optimizer_offload, self._engine, self._switches, self._carried):
             check()
         self._sequence_parallel()
 
@@ -127,6 +128,15 @@ class PlanRequest:
                 raise LongtrainError(f"engine (--engine) must be an engine's name or None (every engine), "
                                      f"got {self.engine!r}")
             registry.engine(self.engine)  # an unknown name is refused in one line, naming the known ones
+
+    def _carried(self) -> None:
+        if isinstance(self.carried, str) or not all(isinstance(name, str) for name in self.carried):
+            raise LongtrainError(f"carried (--with) must be technique names, got {self.carried!r}")
+        for name in self.carried:
+            costs = registry.technique(name).costs  # an unknown name is refused in one line, naming the known ones
+            if costs.candidates(None):
+                raise LongtrainError(f"--with {name}: {name} is weighed as candidates of its own; --with takes a "
+                                     f"technique every candidate carries (e.g. liger)")
 
     def _switches(self) -> None:
         for name in ("longest", "exhaustive"):

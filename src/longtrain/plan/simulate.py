@@ -177,7 +177,7 @@ def run_training_steps(
     return report, n_params
 
 
-WARM_STARTS = ("adamw", "sgd")  # PyTorch's optimizers: their state is created by any step, whatever the gradients
+WARM_STARTS = ("adamw", "adamw-16bit", "sgd")  # PyTorch's optimizers: their state is created by any step, whatever the gradients
 
 
 def _initialize_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

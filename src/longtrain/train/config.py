@@ -102,7 +102,7 @@ _DEVICE = re.compile(r"(cpu|cuda)(:[0-9]+)?")
 _POSITIVE = ("seq_len", "batch_size", "grad_accum", "steps", "eval_samples", "lora_rank", "sp", "save_every",
              "keep_checkpoints")
 _NON_NEGATIVE = ("warmup_steps", "eval_every", "seed")
-_CHOICES = {"optimizer": ("adamw", "sgd"), "task_loss": ("task", "all"), "packing": ("auto", "concat", "documents", "best-fit"),
+_CHOICES = {"optimizer": ("adamw", "adamw-16bit", "sgd"), "task_loss": ("task", "all"), "packing": ("auto", "concat", "documents", "best-fit"),
             "loss_on": ("assistant", "all", None)}
 # Options that only mean something with --lora.
 _LORA_OPTIONS = ("lora_rank", "lora_dropout")

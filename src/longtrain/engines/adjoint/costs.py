@@ -43,4 +43,4 @@ class AdjointCosts(EngineCosts):
 
     def add_work(self, work: StepWork, options: AdjointOptions) -> None:
         if options.recompute:  # and the layer's states rebuilt before its VJPs
-            work.matmul += work.layer_fwd
+            work.add_layer_forwards(1)

@@ -193,7 +193,7 @@ class FPDTCosts(ChunkedCosts):
             # The recomputation hands a kept output to attention's backward (bf16 bytes for "fit").
             kept = planned_kept_outputs(work.config, work.tokens, settings, 2, work.batch)
             work.attention_passes -= kept / work.layers
-        work.matmul += work.inner * work.layer_fwd
+        work.add_layer_forwards(work.inner)
         work.attention_passes += work.inner
         # Under sequence parallelism a rank copies what one device would for its N/P tokens (a
         # gathered chunk's K/V are P chunks' tokens of 1/P of the heads): times P here, as the

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-from ...costs import TechniqueCosts
+from ...costs import StepWork, TechniqueCosts
 from ...errors import LongtrainError
+from .options import LigerOptions
 
 
 def _patchers() -> dict:
@@ -30,7 +31,16 @@ def liger_available(model_type: str) -> bool:
 
 class LigerCosts(TechniqueCosts):
     """Liger: the same memory as the stock ops (the simulator counts those, which keep at
-    least as much) in less elementwise time; added by ``--strategy auto`` where it runs."""
+    least as much) in less elementwise time (its fused kernels move fewer bytes:
+    :meth:`~longtrain.models.description.ModelDescription.elementwise_bytes`); added by
+    ``--strategy auto`` where it runs."""
+
+    def serves(self, adapter_class, options: LigerOptions) -> bool:
+        return adapter_class.has_attention  # liger-kernel patches decoders (no state-space model)
+
+    def describe(self, work: StepWork, options: LigerOptions) -> None:
+        work.fused = frozenset(kernel for kernel, on in (("norm", options.rms_norm), ("rope", options.rope),
+                                                         ("mlp", options.mlp)) if on)
 
     def added_automatically(self, device_type: str, model_type: str) -> str | None:
         return "liger-kernel is installed" if device_type == "cuda" and liger_available(model_type) else None

@@ -78,12 +78,12 @@ class MemoCosts(TechniqueCosts):
     def add_work(self, work: StepWork, options: MemoOptions) -> None:
         notes = work.notes
         alpha = notes.get("memo_alpha", options.alpha if options.alpha != "auto" else 0.0)
-        work.matmul += (1 - alpha) * (work.layer_fwd - (work.mlp_fwd if work.tiled_mlp else 0))
+        # The (1 − α) share of the token-wise forward again; with tiled MLPs, the tiled
+        # backward's forward once more (where a recomputation reads the MLP, as checkpointing's
+        # third MLP forward): at α = 0 Memo is checkpointing with attention kept, predicted as such.
+        work.add_layer_forwards(1 - alpha)
         if work.tiled_mlp:
-            # The tiled backward's forward, and the (1 − α) share of checkpointing's third MLP
-            # forward (the elementwise work a token-wise recomputation repeats): at α = 0 Memo
-            # is checkpointing with attention kept, and is predicted as such.
-            work.matmul += work.mlp_fwd + (1 - alpha) * work.mlp_fwd
+            work.add_mlp_forwards(1)
         if "memo_input_bytes" in notes:
             moved = notes["memo_input_bytes"] + notes["memo_attention_bytes"] + alpha * notes["memo_other_bytes"]
             n = work.layers
