@@ -266,6 +266,20 @@ def test_kernel_choice_per_device_dtype_and_head_dim(monkeypatch, capability, cu
     assert len(asked) <= 2  # cudnn and flash each asked at most once, on the first choice
 
 
+def test_deterministic_algorithms_keep_blocks_off_cudnn(monkeypatch):
+    """cuDNN's fused attention is not deterministic: under torch.use_deterministic_algorithms
+    (not warn-only) blocks take FlashAttention-2, as PyTorch's SDPA dispatch does."""
+    import longtrain.ops.attention_blocks as blocks
+
+    _pretend_gpu(monkeypatch)
+    cuda = torch.device("cuda", 0)
+    for strict, expected in ((True, "flash"), (False, "cudnn")):
+        monkeypatch.setattr(blocks, "_chosen", {})
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+        monkeypatch.setattr(torch, "is_deterministic_algorithms_warn_only_enabled", lambda strict=strict: not strict)
+        assert blocks.attention_kernel(cuda, torch.bfloat16, 128) == expected
+
+
 def test_cpu_blocks_run_the_cpu_flash_kernel_for_every_dtype(monkeypatch):
     from longtrain.ops.attention_blocks import attention_kernel
 

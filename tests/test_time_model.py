@@ -86,6 +86,19 @@ def test_liger_is_predicted_faster_by_the_bytes_its_fused_kernels_do_not_move():
     assert again == pytest.approx(once * 4 / 3)
 
 
+def test_head_dims_cudnn_does_not_take_are_predicted_at_flash_attentions_rate():
+    """Gemma-2's 256-wide heads run FlashAttention-2, not cuDNN (ops.attention_blocks.cudnn_takes):
+    its attention at flash_attention_share of the rate, whole-sequence and in blocks alike."""
+    config = preset_config("llama3-8b")
+    wide = preset_config("llama3-8b")
+    wide.head_dim, wide.num_attention_heads, wide.num_key_value_heads = 256, 16, 4  # the same width
+    for spec in ("checkpoint,mst", "fpdt:chunk=8192,mst"):
+        strategy = lt.Strategy.parse(spec)
+        narrow_part = step_time(config, 32 * K, strategy, H200).parts["attention"]
+        assert step_time(wide, 32 * K, strategy, H200).parts["attention"] == pytest.approx(
+            narrow_part / H200.flash_attention_share)
+
+
 def test_each_card_gets_its_own_table():
     assert built_in_for("nvidia-h200") == ("h200", H200) and built_in_for("NVIDIA H200 NVL")[1] is H200
     assert built_in_for("nvidia-h100-80gb-hbm3") == ("h100", H100) and built_in_for("nvidia-a100-sxm4-80gb") == ("h100", H100)

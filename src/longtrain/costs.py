@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .models.adapters import describe_model
+from .ops.attention_blocks import cudnn_takes
 
 __all__ = ["EngineCosts", "HostBudgetKnob", "TechniqueCosts", "StepWork", "PARKED_NOTHING"]
 
@@ -68,7 +69,8 @@ class StepWork:
     chunk: int | None = None  # tokens per chunk of a chunked engine
     chunk_major: bool = False  # the engine runs every layer for one chunk before the next chunk (SeCO, SpaCO)
     inner: float = 0.0  # share of layers whose input backward recomputes inside a segment
-    attention_rate: float = 0.0  # FLOP/s of the engine's attention kernels
+    attention_rate: float = 0.0  # FLOP/s of the engine's attention kernels (where cuDNN takes the head dimension)
+    attention_kernel_share: float = 1.0  # the share of that rate the head dimension's kernel reaches
     fused: frozenset = frozenset()  # elementwise kernels fused ("norm", "rope", "mlp": ModelDescription.elementwise_bytes)
 
     @classmethod
@@ -85,6 +87,8 @@ class StepWork:
                    layer_fwd=2.0 * s * (attn + mlp) * n, mlp_fwd=2.0 * s * mlp * n, head_fwd=2.0 * s * head,
                    attention_fwd=2.0 * width * tokens * tokens * n * batch, attention_rate=rates.fused_attention)
         work.matmul = 3 * (work.layer_fwd + work.head_fwd)
+        if shape.has_attention and not cudnn_takes(shape.head_dim):  # FlashAttention-2 runs those
+            work.attention_kernel_share = rates.flash_attention_share
         return work
 
     def add_layer_forwards(self, count: float) -> None:

@@ -54,6 +54,7 @@ __all__ = [
     "block_forward",
     "block_kernel",
     "cudnn_lse_is_4d",
+    "cudnn_takes",
     "kernel_supported",
     "lse_dtype",
     "merge_",
@@ -135,8 +136,17 @@ def kernel_supported(kernel: str, device: torch.device, dtype: torch.dtype, head
     capability = _device_capability(device)
     if kernel == "flash":
         return torch.backends.cuda.flash_sdp_enabled() and capability >= (8, 0) and head_dim <= 256
+    # cuDNN's fused attention is not deterministic: refused where PyTorch's SDPA dispatch refuses it.
+    deterministic = torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
     return (hasattr(aten, "_scaled_dot_product_cudnn_attention") and torch.backends.cuda.cudnn_sdp_enabled()
-            and capability >= (9, 0) and head_dim <= 128 and _cudnn_version() >= 90000)
+            and capability >= (9, 0) and cudnn_takes(head_dim) and _cudnn_version() >= 90000 and not deterministic)
+
+
+def cudnn_takes(head_dim: int) -> bool:
+    """Whether cuDNN's fused attention takes blocks of this head dimension: a multiple of 8
+    up to 128, as PyTorch's SDPA dispatch guards it (on the GPUs longtrain runs it on). The
+    time model predicts FlashAttention-2's rate for the others."""
+    return head_dim % 8 == 0 and head_dim <= 128
 
 
 def _device_capability(device: torch.device) -> tuple[int, int]:

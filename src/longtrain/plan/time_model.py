@@ -65,6 +65,10 @@ class MachineRates:
     per_chunk_layer: float = 6.91e-3  # seconds per (chunk, layer) of a chunked engine (fitted with offload_exposed)
     offload_exposed: float = 0.0685  # share of host copies (bytes / host_bandwidth) the compute does not hide
     elementwise: float = 2.45e12  # bytes/s the elementwise kernels move (ModelDescription.elementwise_bytes)
+    # FlashAttention-2's attention rate as a share of cuDNN's, for head dimensions cuDNN does not
+    # take (ops.attention_blocks.cudnn_takes: e.g. Gemma-2's 256); blocks measured on one H100,
+    # 2026-11-23: 3.0e14 against 4.3e14 FLOP/s; the whole-sequence kernels assumed alike
+    flash_attention_share: float = 0.70
     host_bandwidth: float = 2.5e10  # bytes/s, device <-> pinned host
     cpu_adam: float = 1.5e9  # parameters/s of fused CPU AdamW with fp32 masters (16 cores; an estimate, not measured on the GPU host)
     interconnect: float = 3.0e11  # bytes/s per GPU of all-to-all (NVLink; not yet measured)
@@ -133,7 +137,7 @@ def step_time(config, tokens: int, strategy, rates: MachineRates = H100, notes: 
         parts["tiled_mlp_slowdown"] = work.recomputed * 2 * mlp_fwd / rates.matmul * (1 / rates.tiled_mlp_efficiency - 1)
     if work.chunked_head:
         parts["head_weight_grad"] = head_fwd * (1 / rates.head_weight_grad - 1 / rates.matmul)
-    parts["attention"] = work.attention_passes * work.attention_fwd / work.attention_rate
+    parts["attention"] = work.attention_passes * work.attention_fwd / (work.attention_rate * work.attention_kernel_share)
     layer_bytes, mlp_bytes = describe_model(config).elementwise_bytes(2, work.fused)  # bf16 activations
     parts["elementwise"] = (tokens * work.batch * n * (work.layer_passes * layer_bytes + work.mlp_passes * mlp_bytes)
                             / rates.elementwise)
