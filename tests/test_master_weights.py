@@ -56,6 +56,29 @@ def test_step_hooks_run_once_per_step_whatever_the_buckets(monkeypatch):
     assert seen == ["pre", "post"] and all((w.detach() != 0).all() for w in weights)
 
 
+def test_weights_written_from_outside_become_their_masters_and_groups_are_not_added():
+    """A state dict loaded into the model after the optimizer was built is what the next
+    step updates (not the masters of the weights before it)."""
+    model = torch.nn.Linear(8, 8).bfloat16()
+    opt = make_optimizer("adamw", model.parameters(), lr=1e-6)
+    loaded = torch.nn.Linear(8, 8).bfloat16().state_dict()
+    model.load_state_dict(loaded)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert torch.equal(model.weight.detach(), loaded["weight"]) and torch.equal(opt.masters[0], loaded["weight"].float())
+    with pytest.raises(Exception, match="build a new optimizer"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]})
+
+
+def test_a_state_without_masters_says_so():
+    model = torch.nn.Linear(4, 4).bfloat16()
+    state = make_optimizer("adamw", model.parameters()).state_dict()
+    del state["master_weights"]
+    with pytest.warns(UserWarning, match="no float32 master weights"):
+        make_optimizer("adamw", model.parameters()).load_state_dict(state)
+
+
 def test_small_updates_accumulate_in_the_masters_where_pure_16bit_rounds_them_away():
     torch.manual_seed(0)
     start = (4 + 0.9 * torch.rand(256, 256)).bfloat16()  # weights in [4, 5): a bfloat16 spacing of 1/32

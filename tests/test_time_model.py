@@ -178,6 +178,37 @@ def test_a_plan_of_pure_16bit_adamw_pastes_a_command_that_trains_it():
     assert "--optimizer" not in plan(PlanRequest("tiny-llama", 2048, device_memory=2**30, host_memory=2**30)).command()
 
 
+def test_the_optimizer_step_binds_where_its_float32_gradients_do_not_fit():
+    """At the step, activations freed, the device holds weights, gradients, AdamW's masters and
+    moments and the largest parameter's float32 gradient: a row whose activations fit can
+    still not fit there."""
+    import torch
+
+    from longtrain.plan.bounds import _largest_parameter, budgets_for
+    from longtrain.plan.planner import _evaluate
+
+    config = preset_config("tiny-llama")
+    params, [budget] = budgets_for(config, device_memory=2**30, host_memory=2**30, optimizer="adamw",
+                                   dtype=torch.bfloat16, optimizer_offload=False)
+    assert budget.step_extra == 2 * params + 4 * _largest_parameter(config, torch.bfloat16)
+    tight = dataclasses.replace(budget, device_memory=budget.persistent + budget.step_extra - 1)
+    row = _evaluate(lt.Strategy.parse("checkpoint,mst"), config, 256, tight, H100, 1, params, lambda: (budget.persistent - budget.device_state, 0, {}))
+    assert not row.fits and row.binds.startswith("device memory at the optimizer step: needs")
+
+
+def test_a_plan_without_optimizer_state_says_what_train_adds(capsys):
+    assert main(["plan", "--model", "tiny-llama", "--seq-len", "2K", "--device-memory", "1GiB", "--host-memory", "1GiB",
+                 "--optimizer", "none", "--jobs", "1"]) == 0
+    assert "planned without optimizer state" in capsys.readouterr().out
+
+
+def test_a_plan_request_takes_a_list_and_names_the_table_it_is_given():
+    from longtrain.plan.planner import PlanRequest
+
+    request = PlanRequest("tiny-llama", 2048, device_memory=2**30, host_memory=2**30, carried=["liger"], rates=H200)
+    assert request.carried == ("liger",) and request.rates_name == "h200" and hash(request)
+
+
 def test_plan_with_carries_a_technique_and_refuses_an_unknown_one(capsys):
     assert main(["plan", "--model", "tiny-llama", "--seq-len", "2K", "--device-memory", "4GiB", "--host-memory", "4GiB",
                  "--with", "liger", "--json", "--jobs", "1"]) == 0

@@ -3,6 +3,8 @@ simulator models exactly what the trainer runs."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .errors import LongtrainError
@@ -56,17 +58,44 @@ class MasterAdamW(torch.optim.AdamW):
     learning rate times an update below a bfloat16 weight's spacing still accumulates in
     its master. 12 bytes of state per parameter (master and two moments), beside the
     parameter and its gradient. Its ``param_groups`` hold the masters, so schedulers work on
-    it as on any optimizer; parameters in float32 or wider are their own masters."""
+    it as on any optimizer; parameters in float32 or wider are their own masters. Weights
+    written from outside (a state dict loaded into the model after the optimizer was built)
+    become their masters again at the next step. What reads ``param_groups`` for gradients
+    (``GradScaler.unscale_``, clipping over the groups' parameters) sees the masters, which
+    hold none: clip ``model.parameters()`` instead."""
 
     def __init__(self, params, **options):
         self.model_params = list(params)
         self.masters = [p.detach().float() if p.dtype in HALF else p for p in self.model_params]
+        self._building = True
         super().__init__(self.masters, **options)
+        self._building = False
+        self._written = [self._version_of(p) for p in self.model_params]
+
+    @staticmethod
+    def _version_of(param: torch.Tensor) -> int | None:
+        try:
+            return param._version
+        except (AttributeError, RuntimeError):  # a tensor subclass without a version counter
+            return None
+
+    def add_param_group(self, param_group) -> None:
+        if not self._building:
+            raise LongtrainError("MasterAdamW makes its float32 masters when it is built: build a new optimizer "
+                                 "with every parameter instead of adding a group")
+        super().add_param_group(param_group)
+
+    def _adopt_outside_writes(self) -> None:
+        """Masters of weights written since this optimizer last wrote them start from those weights."""
+        for i, (param, master) in enumerate(zip(self.model_params, self.masters)):
+            if master is not param and self._written[i] is not None and self._version_of(param) != self._written[i]:
+                master.copy_(param)
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("MasterAdamW does not take a closure")
+        self._adopt_outside_writes()
         # Parameters that are their own masters show their gradient to their bucket's step only.
         own = {i: p.grad for i, (p, m) in enumerate(zip(self.model_params, self.masters)) if m is p and p.grad is not None}
         for i in own:
@@ -86,6 +115,7 @@ class MasterAdamW(torch.optim.AdamW):
                     master.grad = None
                     if master is not param:
                         param.copy_(master)
+                        self._written[i] = self._version_of(param)
         finally:
             for i, grad in own.items():
                 self.model_params[i].grad = grad
@@ -107,10 +137,13 @@ class MasterAdamW(torch.optim.AdamW):
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
+        if "master_weights" not in state_dict and any(m is not p for m, p in zip(self.masters, self.model_params)):
+            warnings.warn("this optimizer state has no float32 master weights (pure 16-bit AdamW wrote it): the "
+                          "masters start from the weights", stacklevel=2)
         saved = iter(state_dict.pop("master_weights", ()))
         super().load_state_dict(state_dict)
         with torch.no_grad():
-            for master, param in zip(self.masters, self.model_params):
+            for i, (master, param) in enumerate(zip(self.masters, self.model_params)):
                 if master is param:
                     continue
                 value = next(saved, None)
@@ -121,3 +154,4 @@ class MasterAdamW(torch.optim.AdamW):
                 (master.to_local() if hasattr(master, "to_local") and not hasattr(value, "to_local") else master).copy_(
                     value.to(master.device) if not hasattr(master, "to_local") else value)
                 param.copy_(master)
+                self._written[i] = self._version_of(param)

@@ -50,6 +50,7 @@ class Budget:
     device_state: int  # optimizer state on the device (added to simulations without optimizer)
     host_state: int  # optimizer state, masters and gradient buffers in host memory
     optimizer: str  # what the simulation runs: "none" (state added) or "adamw-offload"
+    step_extra: int = 0  # device bytes beside ``persistent`` at the optimizer step: gradients, float32 gradients made at once
 
 
 def budgets_for(config, *, device_memory: int, host_memory: int, optimizer: str, dtype: torch.dtype,
@@ -67,9 +68,12 @@ def budgets_for(config, *, device_memory: int, host_memory: int, optimizer: str,
     state //= gpus
     budgets = []
     grads = 0 if lora_rank else weights
-    if weights + grads + state <= device_memory and optimizer_offload is not True:
+    # MasterAdamW makes a bucket of gradients float32 at once: at least the largest parameter's.
+    transient = 0 if lora_rank or optimizer != "adamw" or item >= 4 else 4 * _largest_parameter(config, dtype) // gpus
+    if weights + grads + state + transient <= device_memory and optimizer_offload is not True:
         # LoRA: the adapters' optimizer state is simulated with them (a fraction of a percent of the weights).
-        budgets.append(Budget(device_memory, host_memory, weights + state, state, 0, optimizer if lora_rank else "none"))
+        budgets.append(Budget(device_memory, host_memory, weights + state, state, 0, optimizer if lora_rank else "none",
+                              step_extra=grads + transient))
     if optimizer_offload is not False and optimizer == "adamw" and not lora_rank and gpus == 1 and weights <= device_memory:
         masters = params * 4  # fp32 masters, two fp32 moments, a gradient buffer in the parameters' dtype
         budgets.append(Budget(device_memory, host_memory, weights, 0, 3 * masters + params * item, "adamw-offload"))
@@ -98,6 +102,13 @@ def _state_bytes(config, optimizer: str, dtype: torch.dtype) -> tuple[int, int]:
         return params, 12 * params
     per = {"adamw": 2, "adamw-16bit": 2, "sgd": 1, "none": 0}[optimizer]
     return params, per * params * item
+
+
+def _largest_parameter(config, dtype: torch.dtype) -> int:
+    """Elements of the model's largest parameter (the embedding, as a rule)."""
+    with torch.device("meta"):
+        model = build_from_config(config, dtype)
+    return max(p.numel() for p in model.parameters())
 
 
 def budget_under(strategy: Strategy, budget: Budget, config, item: int) -> Budget:

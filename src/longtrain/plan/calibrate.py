@@ -103,6 +103,8 @@ def measure(device: torch.device, *, quick: bool = False, say: Callable[[str], N
     # SeCO's blocks also merge partial results and accumulate a K/V gradient: the built-in ratio.
     base = built_in_for(device_name(device))[1]
     measured["chunkwise_attention"] = measured["block_attention"] * base.chunkwise_attention / base.block_attention
+    # The chunked head's weight gradient (one GEMM per chunk, float32 out): the built-in ratio to matmul.
+    measured["head_weight_grad"] = measured["matmul"] * base.head_weight_grad / base.matmul
 
     # An RMSNorm in PyTorch ops, forward + backward (a backward moving twice a forward's bytes,
     # as the time model counts every elementwise kernel).

@@ -442,8 +442,12 @@ def _evaluate(strategy: Strategy, config, seq_len, budget: Budget, rates, batch,
     reserved = reserved_bytes(strategy, budget, device)
     device += budget.device_state
     binds = []
+    step = budget.persistent + budget.step_extra  # the optimizer step, activations freed
     if reserved > budget.device_memory:
         binds.append(f"device memory: needs {format_bytes(reserved)}, {format_bytes(reserved - budget.device_memory)} over")
+    elif step > budget.device_memory:
+        binds.append(f"device memory at the optimizer step: needs {format_bytes(step)}, "
+                     f"{format_bytes(step - budget.device_memory)} over")
     if host > budget.host_memory:
         binds.append(f"host memory: needs {format_bytes(host)}, {format_bytes(host - budget.host_memory)} over")
     predicted = step_time(config, seq_len, strategy, rates, notes=notes, batch=batch, optimizer_offload=offloaded,

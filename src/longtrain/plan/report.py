@@ -189,6 +189,9 @@ class Plan:
             lines += [f"{len(skipped)} candidate(s) not simulated ({skipped[0].notes['skipped']}); "
                       "--exhaustive simulates them", ""]
         train = [f"train it: {self.command()}"] if self.best is not None else []
+        if train and self.optimizer == "none":
+            train.append("(planned without optimizer state: `longtrain train` steps AdamW, whose float32 masters and "
+                         "moments this plan does not count; plan with --optimizer adamw to count them)")
         return "\n".join(lines + [self.verdict()] + train + [
             "memory simulated (device × the allocator's measured fragmentation margin); "
             f"step time from the time model at the {self.rates_name} rates (longtrain.plan.time_model)"

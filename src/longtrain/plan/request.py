@@ -15,7 +15,7 @@ from .. import engines as _builtin_engines  # noqa: F401  (registers the built-i
 from .. import registry
 from ..errors import LongtrainError
 from ..models.loading import parse_dtype
-from .time_model import H100, MachineRates
+from .time_model import BUILT_IN, H100, MachineRates
 
 __all__ = ["OPTIMIZERS", "PlanRequest"]
 
@@ -101,6 +101,9 @@ class PlanRequest:
                                  f"longtrain.plan.calibrate.load reads a calibration), got {self.rates!r}")
         if not isinstance(self.rates_name, str) or not self.rates_name:
             raise LongtrainError(f"rates_name must name the rates (e.g. 'h100'), got {self.rates_name!r}")
+        if self.rates_name == "h100" and self.rates is not H100:  # the default name beside other rates: theirs
+            named = [name for name, table in BUILT_IN.items() if table is self.rates]
+            object.__setattr__(self, "rates_name", named[0] if named else "given")
 
     def _counts(self) -> None:
         for name, flag in (("batch", "--batch-size"), ("gpus", "--gpus")):
@@ -131,7 +134,8 @@ class PlanRequest:
 
     def _carried(self) -> None:
         if isinstance(self.carried, str) or not all(isinstance(name, str) for name in self.carried):
-            raise LongtrainError(f"carried (--with) must be technique names, got {self.carried!r}")
+            raise LongtrainError(f"carried (--with) must be a tuple of technique names, e.g. ('liger',), got {self.carried!r}")
+        object.__setattr__(self, "carried", tuple(self.carried))
         for name in self.carried:
             costs = registry.technique(name).costs  # an unknown name is refused in one line, naming the known ones
             if costs.candidates(None):

@@ -74,7 +74,8 @@ __all__ = [
 
 ASSUMPTIONS = (
     "attention: fused flash kernel, whole-sequence or per chunk (saves output + log-sum-exp, no s×s scores); "
-    "optimizer: per-parameter step, state in parameter dtype; allocator fragmentation not modelled; "
+    "optimizer: per-parameter step (AdamW: float32 masters and moments for 16-bit weights, adamw-16bit: state in "
+    "their dtype); allocator fragmentation not modelled; "
     "under --sp: one rank's share, FSDP2's all-gather buffer counted, its gathered parameter copy not"
 )
 
