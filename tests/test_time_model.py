@@ -202,11 +202,14 @@ def test_a_plan_without_optimizer_state_says_what_train_adds(capsys):
     assert "planned without optimizer state" in capsys.readouterr().out
 
 
-def test_a_plan_request_takes_a_list_and_names_the_table_it_is_given():
+def test_a_plan_request_names_the_table_it_is_given_and_wants_a_tuple():
     from longtrain.plan.planner import PlanRequest
 
-    request = PlanRequest("tiny-llama", 2048, device_memory=2**30, host_memory=2**30, carried=["liger"], rates=H200)
-    assert request.carried == ("liger",) and request.rates_name == "h200" and hash(request)
+    request = PlanRequest("tiny-llama", 2048, device_memory=2**30, host_memory=2**30, carried=("liger",), rates=H200)
+    assert request.rates_label == "h200" and hash(request)
+    for wrong in (["liger"], "liger"):
+        with pytest.raises(lt.LongtrainError, match="must be a tuple of technique names"):
+            PlanRequest("tiny-llama", 2048, device_memory=2**30, host_memory=2**30, carried=wrong)
 
 
 def test_plan_with_carries_a_technique_and_refuses_an_unknown_one(capsys):

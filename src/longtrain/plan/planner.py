@@ -184,7 +184,7 @@ def _empty_plan(setting: _Setting) -> Plan:
     name = r.model if isinstance(r.model, str) else getattr(setting.config, "name_or_path", "") or setting.config.model_type
     return Plan(model=name, seq_len=r.seq_len, device_memory=r.device_memory, host_memory=r.host_memory,
                 optimizer=r.optimizer, dtype=str(parse_dtype(r.dtype)).removeprefix("torch."), rows=[], gpus=r.gpus, sp=r.sp,
-                lora_rank=r.lora_rank, rates_name=r.rates_name, untimed=setting.kind.untimed_work, batch=r.batch,
+                lora_rank=r.lora_rank, rates_name=r.rates_label, untimed=setting.kind.untimed_work, batch=r.batch,
                 four_bit=bool(setting.kind.base_bits(setting.config)))
 
 

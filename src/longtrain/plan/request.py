@@ -101,9 +101,14 @@ class PlanRequest:
                                  f"longtrain.plan.calibrate.load reads a calibration), got {self.rates!r}")
         if not isinstance(self.rates_name, str) or not self.rates_name:
             raise LongtrainError(f"rates_name must name the rates (e.g. 'h100'), got {self.rates_name!r}")
-        if self.rates_name == "h100" and self.rates is not H100:  # the default name beside other rates: theirs
-            named = [name for name, table in BUILT_IN.items() if table is self.rates]
-            object.__setattr__(self, "rates_name", named[0] if named else "given")
+
+    @property
+    def rates_label(self) -> str:
+        """What a plan calls its rates: ``rates_name``, or where that was left at its default
+        beside other rates, the built-in table they are (else "given")."""
+        if self.rates_name != "h100" or self.rates is H100:
+            return self.rates_name
+        return next((name for name, table in BUILT_IN.items() if table is self.rates), "given")
 
     def _counts(self) -> None:
         for name, flag in (("batch", "--batch-size"), ("gpus", "--gpus")):
@@ -133,9 +138,9 @@ class PlanRequest:
             registry.engine(self.engine)  # an unknown name is refused in one line, naming the known ones
 
     def _carried(self) -> None:
-        if isinstance(self.carried, str) or not all(isinstance(name, str) for name in self.carried):
-            raise LongtrainError(f"carried (--with) must be a tuple of technique names, e.g. ('liger',), got {self.carried!r}")
-        object.__setattr__(self, "carried", tuple(self.carried))
+        if not isinstance(self.carried, tuple) or not all(isinstance(name, str) for name in self.carried):
+            raise LongtrainError(f"carried (--with) must be a tuple of technique names (a one-name tuple ends in a "
+                                 f"comma), got {self.carried!r}")
         for name in self.carried:
             costs = registry.technique(name).costs  # an unknown name is refused in one line, naming the known ones
             if costs.candidates(None):
