@@ -33,6 +33,7 @@ def test_train_writes_metrics_checkpoints_summary_and_final_model(tmp_path, caps
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_loss"] < summary["first_loss"]
     assert summary["simulated_stock_peak_bytes"] > 0
+    assert summary["optimizer"] == "adamw"  # which AdamW ran: the run's settings say (float32 masters for 16-bit weights)
     assert summary["attention_kernel"] == "flash" and summary["measured_reserved_bytes"] is None  # CPU: its flash kernel
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000006"
     assert (tmp_path / "final" / "config.json").exists()

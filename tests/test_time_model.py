@@ -170,6 +170,12 @@ def test_plan_with_refuses_a_technique_weighed_as_candidates_of_its_own():
         PlanRequest("tiny-llama", 2048, device_memory=2**30, host_memory=2**30, carried=("checkpoint",))
 
 
+def test_plan_with_refuses_a_technique_no_candidate_takes(capsys):
+    assert main(["plan", "--model", "tiny-mamba", "--seq-len", "2K", "--device-memory", "1GiB", "--host-memory", "1GiB",
+                 "--with", "liger", "--jobs", "1"]) == 2
+    assert "--with liger: no candidate weighed for mamba models takes it" in capsys.readouterr().err
+
+
 def test_a_plan_of_pure_16bit_adamw_pastes_a_command_that_trains_it():
     from longtrain.plan.planner import PlanRequest, plan
 

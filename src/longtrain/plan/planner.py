@@ -222,6 +222,10 @@ def _candidates(setting: _Setting) -> list[tuple[Strategy, bool]]:
     usual = candidates(r.seq_len, r.host_memory, layers, adapter=setting.kind, added=added, carried=r.carried)
     every = candidates(r.seq_len, r.host_memory, layers, every_chunk=True, adapter=setting.kind, added=added,
                        carried=r.carried)
+    for name in r.carried:
+        if not any(name in strategy.techniques for strategy in every.values()):
+            raise LongtrainError(f"--with {name}: no candidate weighed for {setting.config.model_type} models takes it "
+                                 f"(their engines, their techniques or the model's family refuse it); leave it out")
     if r.engine is not None:
         serving = sorted({strategy.engine for strategy in every.values()})
         if r.engine not in serving:

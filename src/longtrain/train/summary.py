@@ -49,6 +49,7 @@ def write_summary(out: Path, config: TrainConfig, *, strategy: Strategy, model, 
         stock_peak, stock_setup = None, f"not simulated: {exc}"
     summary = {
         "model": c.model, "seq_len": c.seq_len, "strategy": strategy.spec, "steps": steps,
+        "optimizer": "adamw-offload" if c.optimizer_offload else c.optimizer,  # adamw: float32 masters for 16-bit weights
         "steps_trained": len(step_times),  # by this command (fewer than "steps" when it resumed)
         "first_loss": sum(losses[:window]) / window if losses else None,
         "final_loss": sum(losses[-window:]) / window if losses else None,
@@ -136,7 +137,8 @@ def format_summary(summary: dict) -> str:
         _throughput_row(summary),
         ("measured peak memory", _peak_text(summary) if summary.get("steps_trained", 1) else "n/a (no step trained by this command)"),
         _stock_row(summary),
-        ("wall time", f"{summary['seconds']:.0f} s for {_steps_phrase(summary)}, strategy {summary['strategy']}"),
+        ("wall time", f"{summary['seconds']:.0f} s for {_steps_phrase(summary)}, strategy {summary['strategy']}"
+                      + (f", optimizer {summary['optimizer']}" if summary.get("optimizer") else "")),
     ]
     if summary.get("processes", 1) > 1:
         rows[3] = (rows[3][0], rows[3][1] + f", the largest of {summary['processes']} processes")
