@@ -113,11 +113,18 @@ def test_a_calibration_takes_what_it_did_not_measure_from_its_cards_table(tmp_pa
     assert rates.matmul == 7.0e14 and rates.elementwise == H200.elementwise and rates.per_chunk_layer == H200.per_chunk_layer
 
 
-def test_this_machine_without_a_calibration_gets_a_built_in_table(tmp_path, monkeypatch):
+def test_this_machine_gets_its_calibration_else_a_built_in_table(tmp_path, monkeypatch):
     import torch
 
+    from longtrain.plan.calibrate import device_name
+
     monkeypatch.setenv("LONGTRAIN_CACHE", str(tmp_path))
-    assert local_rates(torch.device("cpu")) is H100
+    (tmp_path / "rates").mkdir()
+    name = device_name(torch.device("cpu"))
+    (tmp_path / "rates" / f"{name}.json").write_text(json.dumps({"matmul": 1.0e11}))
+    assert local_rates(torch.device("cpu"))[0] == name and local_rates(torch.device("cpu"))[1].matmul == 1.0e11
+    (tmp_path / "rates" / f"{name}.json").unlink()
+    assert local_rates(torch.device("cpu")) == ("h100", H100)
 
 
 def test_carried_techniques_ride_with_every_candidate_that_combines_with_them():

@@ -30,15 +30,12 @@ def auto_strategy(model, seq_len: int, device: torch.device, *, dtype: str = "bf
     """The fastest strategy the planner finds fitting ``device`` for ``model`` at ``seq_len``
     tokens (one process of full fine-tuning); a :class:`LongtrainError` naming what binds
     where none fits."""
-    from .calibrate import device_name, local_rates, store_dir
+    from .calibrate import local_rates
     from .planner import PlanRequest, plan
-    from .time_model import built_in_for
 
     host = pinned_host_budget()
     device_memory = _usable_device_memory(device) if device.type == "cuda" else host
-    name = device_name(device)
-    rates = local_rates(device)  # this machine's `longtrain calibrate`, else its card's built-in table
-    rates_name = name if (store_dir() / f"{name}.json").is_file() else built_in_for(name)[0]
+    rates_name, rates = local_rates(device)  # this machine's `longtrain calibrate`, else its card's built-in table
     model_type = load_config(model).model_type
     carried = []
     for technique_name, technique in registry.techniques().items():

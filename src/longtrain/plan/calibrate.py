@@ -174,8 +174,9 @@ def load(name_or_path: str) -> MachineRates:
         raise LongtrainError(f"{path} is not a calibration written by `longtrain calibrate` ({exc}); run it again") from None
 
 
-def local_rates(device: torch.device) -> MachineRates:
-    """This machine's stored calibration, else the built-in table of its card (the H100's
-    where none is built in for it)."""
-    path = store_dir() / f"{device_name(device)}.json"
-    return load(str(path)) if path.is_file() else built_in_for(device_name(device))[1]
+def local_rates(device: torch.device) -> tuple[str, MachineRates]:
+    """(what a plan calls them, the rates): this machine's stored calibration under its device
+    name, else the built-in table of its card (the H100's where none is built in for it)."""
+    name = device_name(device)
+    path = store_dir() / f"{name}.json"
+    return (name, load(str(path))) if path.is_file() else built_in_for(name)

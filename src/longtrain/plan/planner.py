@@ -322,9 +322,10 @@ class _InOrder:
 
     def _may_win_with_whole_layers(self, job: _Job) -> bool:
         """Whether ``job``, predicted slower than the first row that fits, may still beat it
-        with top layers left whole (its own search then says how many fit): every layer
-        whole is predicted faster than that row. The memory kept outputs take on the device
-        may instead leave layers whole in another candidate."""
+        with top layers left whole (its own search then says how many fit): with as many whole
+        as the device could hold beside its lower bound (``whole_layer_bytes`` each), it is
+        predicted faster than that row. The memory kept outputs take on the device may instead
+        leave layers whole in another candidate."""
         s, r = self.setting, self.setting.request
         name = _leaves_layers_whole(job.strategy)
         if name is None or job.beyond or r.longest:  # (a longest-context plan searches no whole layers)
