@@ -53,6 +53,7 @@ PRIOR_H100 = MachineRates(matmul=6.5e14, fused_attention=4.6e14, block_attention
                           tiled_mlp_efficiency=0.68, head_weight_grad=5.0e14, per_chunk_layer=6.8e-3,
                           offload_exposed=0.068, elementwise=2.3e12, host_bandwidth=2.5e10)
 HBM = {"H100": 3.35e12, "H200": 4.8e12}  # datasheet bytes/s
+LLAMA = preset_config("llama3-8b")  # the model of every stored row
 
 
 @dataclass
@@ -68,8 +69,7 @@ class Row:
     left_out: str | None = None  # why the model does not describe the row
 
     def predict(self, rates: MachineRates) -> float:
-        config = preset_config("llama3-8b")
-        return step_time(config, self.tokens, self.strategy, rates, notes=self.notes).seconds + self.extra_flops / rates.matmul
+        return step_time(LLAMA, self.tokens, self.strategy, rates, notes=self.notes).seconds + self.extra_flops / rates.matmul
 
 
 def _fpdt(tokens: int, **options) -> dict:
@@ -109,7 +109,7 @@ def _strategy(case: str, tokens: int, notes: str | None) -> tuple[lt.Strategy | 
 
 def _stored_rows() -> list[Row]:
     rows = []
-    config = preset_config("llama3-8b")
+    config = LLAMA
     shape = describe_model(config)
     for name, card in (("gpu_peers", "H100"), ("gpu_peers_h200", "H200"), ("gpu_peers_h200_experts", "H200")):
         data = json.loads((RESULTS / f"{name}.json").read_text())
@@ -198,7 +198,7 @@ def auto_against_the_rows(rows: list[Row], lengths=(32 * K, 64 * K, 128 * K), wo
     found = []
     for tokens in lengths:
         chosen = auto_on_the_h200(tokens, workers)
-        predicted = step_time(preset_config("llama3-8b"), tokens, chosen, H200).seconds
+        predicted = step_time(LLAMA, tokens, chosen, H200).seconds
         cases = [{"case": row.case, "source": row.source, "measured_s": row.measured, "predicted_s": row.predict(H200)}
                  for row in rows if row.card == "H200" and row.tokens == tokens and row.left_out is None]
         found.append({"tokens": tokens, "auto": chosen.label, "auto_predicted_s": predicted, "cases": cases,

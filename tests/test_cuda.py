@@ -647,3 +647,26 @@ def test_streamed_frozen_weights_on_cuda_are_bit_for_bit_the_step_without(strate
     stream = applied_context(streamed).weight_stream
     on_device = [p for group in stream.groups for p in group if p.device.type == "cuda"]
     assert sum(p.nbytes for p in on_device) <= 2 * sum(t.nbytes for t in stream.host[0])
+
+
+def test_master_adamw_fused_on_cuda_is_float32_adamw_rounded_into_the_weights(monkeypatch):
+    """The fused CUDA path of MasterAdamW, over several buckets: float32 AdamW (fused) on
+    float32 copies fed the same gradients, rounded into the bfloat16 weights."""
+    import longtrain.optimizers as optimizers
+
+    monkeypatch.setattr(optimizers, "BUCKET_BYTES", 256 * 256 * 4)
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)) for _ in range(3)]
+    references = [torch.nn.Parameter(w.detach().float().clone()) for w in weights]
+    ours = optimizers.make_optimizer("adamw", weights, lr=1e-3, weight_decay=0.1)
+    stock = torch.optim.AdamW(references, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), fused=True)
+    for _ in range(3):
+        for w, r in zip(weights, references):
+            g = torch.randn(w.shape, device="cuda").to(w.dtype)
+            w.grad, r.grad = g, g.float()
+        ours.step()
+        stock.step()
+        ours.zero_grad()
+        stock.zero_grad()
+    for w, r, m in zip(weights, references, ours.masters):
+        assert torch.equal(m, r.detach()) and torch.equal(w.detach(), r.detach().to(torch.bfloat16))
