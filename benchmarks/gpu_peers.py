@@ -52,12 +52,14 @@ reserved bytes of the timed steps and their ratio; the process's peak resident h
 during the timed steps (sampled every 10 ms); longtrain's pinned pool; the allocator setting
 (``--expandable-segments all``, the default: the same for every case); for longtrain, the
 attention kernel of its blocks (``--attention-kernel`` forces one); cuDNN's and torch's
-versions. ``--device-memory 80GiB`` caps every case's allocator (its per-process fraction of
-the device): an H100's memory on an H200, said in every row and the report. Writes
+versions. ``--device-memory 79.1GiB`` caps every case's allocator (its per-process fraction of
+the device): an H100 80 GB's memory (what CUDA reports of it) on an H200, said in every row
+and the report; ``× best peer`` then compares rows under the same cap. Every row names its
+device; ``--append`` refuses a folder whose rows another device measured. Writes
 docs/results/gpu_peers.json, .md and a tokens/s-vs-length PNG on a zero-based axis.
 
     python benchmarks/gpu_peers.py                        # Llama-3-8B at 16K and 32K, every case
-    python benchmarks/gpu_peers.py --lengths 128K --device-memory 80GiB --cases hf+liger+sac,lt:auto --append
+    python benchmarks/gpu_peers.py --lengths 128K --device-memory 79.1GiB --cases hf+liger+sac,lt:auto --append
     python benchmarks/gpu_peers.py --lengths 64K --append
     python benchmarks/gpu_peers.py --lengths 128K,256K,512K --append --cases hf+liger+offload,lt:fpdt+offload+keep+mst
     python benchmarks/gpu_peers.py --smoke                # tiny model on the CPU: checks the script
@@ -438,7 +440,7 @@ def _empty_row(case: Case, length: int) -> dict:
             "alloc_gib": None, "reserved_gib": None, "reserved_over_alloc": None, "host_peak_gib": None,
             "host_pinned_gib": None, "alloc_conf": allocator_setting(),
             "attention_kernel": None, "attention_ops": None, "step_times": None, "spread_pct": None,
-            "sm_clock_mhz": None, "power_w": None, "device_cap_gib": None, "notes": None}
+            "sm_clock_mhz": None, "power_w": None, "device_cap_gib": None, "device": None, "rounds": 1, "notes": None}
 
 
 def _kernel_of(config, device, dtype) -> str:
@@ -666,12 +668,16 @@ def run_isolated(case: Case, length: int, args, timeout: float) -> dict:
 
 
 def _add_ratios(rows: list[dict]) -> None:
-    """tokens/s of each case over the best peer that ran at the same length."""
-    for length in {r["tokens"] for r in rows}:
-        peers = [r["tokens_per_s"] for r in rows if r["tokens"] == length and not r["case"].startswith("lt:") and r["tokens_per_s"]]
+    """tokens/s of each case over the best peer that ran at the same length under the same
+    memory cap (a capped row stands for a smaller card: it is compared with that card's peers)."""
+    def group(r):
+        return r["tokens"], r.get("device_cap_gib")
+
+    for key in {group(r) for r in rows}:
+        peers = [r["tokens_per_s"] for r in rows if group(r) == key and not r["case"].startswith("lt:") and r["tokens_per_s"]]
         best = max(peers) if peers else None
         for r in rows:
-            if r["tokens"] == length:
+            if group(r) == key:
                 r["vs_best_peer"] = r["tokens_per_s"] / best if best and r["tokens_per_s"] else None
 
 
@@ -717,7 +723,7 @@ def _pooled(earlier: dict | None, row: dict) -> dict:
     times = earlier["step_times"] + row["step_times"]
     median = statistics.median(times)
     pooled = dict(row, step_times=times, step_s=median, tokens_per_s=row["tokens"] / median,
-                  spread_pct=100 * (max(times) - min(times)) / median)
+                  spread_pct=100 * (max(times) - min(times)) / median, rounds=earlier.get("rounds", 1) + 1)
     if row.get("mfu_pct"):
         pooled["mfu_pct"] = row["mfu_pct"] * row["step_s"] / median
     for key in ("sm_clock_mhz", "power_w"):
@@ -750,8 +756,8 @@ def main(argv=None) -> int:
                         help="run every case this many times per length, the order reversed each round, pooling "
                              "their timed steps (default %(default)s)")
     parser.add_argument("--device-memory", default=None, metavar="SIZE",
-                        help="cap each case's allocator at SIZE (its per-process fraction of the device), e.g. 80GiB: "
-                             "an H100's memory on an H200; rows say so")
+                        help="cap each case's allocator at SIZE (its per-process fraction of the device), e.g. 79.1GiB: "
+                             "an H100 80 GB's memory on an H200; rows say so")
     parser.add_argument("--budget-s", type=float, default=540.0,
                         help="start no new case after this many seconds (default %(default)s)")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
@@ -775,7 +781,16 @@ def main(argv=None) -> int:
     if not args.smoke and not torch.cuda.is_available():
         print("gpu_peers: no CUDA device here; run it on a GPU machine, or pass --smoke to exercise the script on the CPU")
         return 0
-    device, dtype, model_name, lengths = _settings(args)
+    if args.smoke and args.model != parser.get_default("model"):
+        print(f"gpu_peers: --smoke runs tiny-llama, not --model {args.model}; drop one of them", file=sys.stderr)
+        return 2
+    try:
+        device, dtype, model_name, lengths = _settings(args)
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"{args.lengths!r} holds no positive length")
+    except (ValueError, lt.LongtrainError) as error:
+        print(f"gpu_peers: --lengths: {error}; e.g. --lengths 16K,32K", file=sys.stderr)
+        return 2
     args.repeats = args.repeats if args.repeats is not None else (2 if args.smoke else 3)
     args.warmup = args.warmup if args.warmup is not None else 1
     if args.rounds < 1 or args.repeats < 1 or args.warmup < 0:
@@ -795,14 +810,20 @@ def main(argv=None) -> int:
         return 2
     config = _config(model_name, lengths)
     rows, skipped = [], []
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if args.append and (out / "gpu_peers.json").exists():
         previous = json.loads((out / "gpu_peers.json").read_text())
+        earlier_device = previous["meta"].get("device")
+        if earlier_device != device_name:
+            print(f"gpu_peers: --append: {out / 'gpu_peers.json'} holds rows measured on {earlier_device}, this is "
+                  f"{device_name}; pass --out with a folder of this device's rows", file=sys.stderr)
+            return 2
         rows = [r for r in previous["rows"] if r["tokens"] not in lengths or r["case"] not in names]
         skipped = [s for s in previous["meta"].get("skipped", []) if not any(f" at {n:,} tokens" in s for n in lengths)]
     if _liger() is None and any("liger" in n for n in names):
         note = f"hf+liger cases (liger-kernel {_LIGER_PROBLEM[0]})"
         skipped += [note] if note not in skipped else []
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        print(f"gpu_peers: not run: the Liger cases (liger-kernel {_LIGER_PROBLEM[0]})", file=sys.stderr)
     start = STARTED
     this_run: dict[tuple, dict] = {}
     for length, round_index in ((n, r) for n in lengths for r in range(args.rounds)):
@@ -825,6 +846,7 @@ def main(argv=None) -> int:
                 row = run_isolated(case, length, args, timeout=max(1.0, min(left + 60, hard)))
             else:
                 row = run_case(case, config, length, device, dtype, args.repeats, args.warmup, args.profile, _cap(args))
+            row["device"] = device_name
             row = this_run[(length, name)] = _pooled(this_run.get((length, name)), row)
             rows = [r for r in rows if (r["tokens"], r["case"]) != (length, name)] + [row]
             print(f"  {length:>8,} {name:<26} {row['status']:<14} "
@@ -846,15 +868,18 @@ def _report(rows, skipped, out, model_name, dtype, device_name, args, argv) -> N
     rows.sort(key=lambda r: (r["tokens"], list(BY_NAME).index(r["case"]) if r["case"] in BY_NAME else 99))
     _add_ratios(rows)
     fits = longest_fit(rows)
-    cap = _cap(args)
-    cap_line = (f" Every case capped at {cap / GIB:.0f} GiB of the device (--device-memory; the allocator's per-process "
-                "fraction): a smaller card's figures on this one." if cap else "")
+    caps = sorted({f"{r['device_cap_gib']:.1f}" for r in rows if r.get("device_cap_gib")})
+    enforced = ("ran with the allocator capped there (--device-memory; its per-process fraction): a smaller card's "
+                "figures on this one" if device_name != "cpu" else "name the cap they were asked for (on the CPU it is "
+                "recorded, not enforced)")
+    cap_line = f" Rows with a `cap GiB` ({', '.join(caps)}) {enforced}, compared with peers under the same cap." if caps else ""
     fit_lines = "; ".join(f"{case} {_tokens(entry['longest_ok'])}"
                           + (f" (not {_tokens(entry['first_failure'])})" if entry["first_failure"] else "")
                           for case, entry in fits.items())
     notes = f"""
 {model_name}, {str(dtype).replace('torch.', '')}, batch 1, forward + backward, no optimizer step, on {device_name}.
-Median of {args.repeats} timed steps per round × {args.rounds} round(s), cases interleaved (order reversed each round),
+Median of every timed step of a case ({args.repeats} per round; `rounds`: a case's rounds at its length — from 2 on,
+the cases of a length interleaved, the order reversed each round; 1: the cases of a length ran one after another once)
 ({'CUDA events' if device_name != 'cpu' else 'wall clock'}) after {args.warmup} warm-up step(s) at the length; spread:
 (slowest − fastest) / median, every step's time in the JSON with the SM clock and power after it; MFU against dense
 bf16 peak; allocator peaks of the timed steps and their ratio (OOM follows *reserved*); host peak: the case process's
@@ -868,7 +893,7 @@ Longest length each case ran: {fit_lines or 'nothing ran'}.
 
 Not run: {'; '.join(skipped) or 'nothing'}."""
     columns = [("tokens", "tokens"), ("case", "case"), ("status", "status"), ("step_s", "step s"),
-               ("spread_pct", "spread %"), ("tokens_per_s", "tokens/s"), ("vs_best_peer", "× best peer"), ("mfu_pct", "MFU %"),
+               ("spread_pct", "spread %"), ("rounds", "rounds"), ("tokens_per_s", "tokens/s"), ("vs_best_peer", "× best peer"), ("mfu_pct", "MFU %"),
                ("alloc_gib", "alloc GiB"), ("reserved_gib", "reserved GiB"), ("reserved_over_alloc", "reserved/alloc"),
                ("host_peak_gib", "host peak GiB"), ("host_pinned_gib", "pinned GiB"), ("alloc_conf", "alloc conf"),
                ("attention_kernel", "kernel"), ("attention_ops", "attention ops"), ("device_cap_gib", "cap GiB"),
@@ -880,7 +905,7 @@ Not run: {'; '.join(skipped) or 'nothing'}."""
     write_report("gpu_peers", "longtrain vs Hugging Face (+ Liger, + offload) on one GPU", columns, rows, notes, command.strip(),
                  out_dir=out, meta={"device": device_name, "skipped": skipped, "longest_fit": fits,
                                     "cudnn": torch.backends.cudnn.version(), "torch": torch.__version__,
-                                    "device_cap_gib": cap / GIB if cap else None, "rounds": args.rounds,
+                                    "device_cap_gib": _cap(args) / GIB if _cap(args) else None, "rounds": args.rounds,
                                     "repeats": args.repeats, "warmup": args.warmup}, quiet=True)
 
 

@@ -9,11 +9,18 @@ place, less the other layers' share; what it measures is the part of the simulat
 run could contradict — the chunked engines' per-chunk transients, the head's tiles, the
 allocator's reserve. Per length: the exact tracker's peak (live storages: what the simulator
 counts) and, on a GPU, the allocator's allocated and reserved peaks; the simulated peak of
-the same truncated model; their difference. Then, simulated: the whole model's longest
-context on ``--device-memory`` and ``--host-memory`` with this strategy and what binds past it.
+the same truncated model; the simulated peak over the tracker's and the allocator's
+reserved peak over the simulated one. Then, simulated: the whole model's longest context on
+``--device-memory`` and ``--host-memory`` with this strategy and optimizer and what binds
+past it — by default full fine-tuning with AdamW's float32 state in host memory, the first
+column of docs/planner.md's longest-context table.
 
-    python benchmarks/measured_longest.py --lengths 512K,1M --layers 2 --strategy fpdt:chunk=32768:offload,mst
-    python benchmarks/measured_longest.py --device-memory 80GiB --lengths 512K   # an 80 GB card's limit, on any GPU
+The report is written after every length, so a command stopped at its time limit keeps
+what it measured; no length starts after ``--budget-s`` seconds (the full-depth search
+follows the steps, a few minutes on one core).
+
+    python benchmarks/measured_longest.py --lengths 512K,1M --layers 2 --strategy fpdt:chunk=8192:segment=6,mst
+    python benchmarks/measured_longest.py --device-memory 79.1GiB --lengths 512K   # an H100 80 GB's limit, on an H200
     python benchmarks/measured_longest.py --smoke   # tiny-llama on the CPU: the tracker against the simulator
 """
 
@@ -81,13 +88,18 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2, help="layers of the truncated model (default %(default)s)")
     parser.add_argument("--lengths", default="512K,1M", help="comma list of lengths (default %(default)s)")
     parser.add_argument("--strategy", default="fpdt:chunk=32768:offload,mst", help="(default %(default)s)")
-    parser.add_argument("--optimizer", default="none", choices=("none", "adamw"),
-                        help="none: gradients only, as the peers are timed; adamw: its state too (default %(default)s)")
+    parser.add_argument("--optimizer", default="adamw", choices=("none", "adamw"),
+                        help="adamw: float32 masters and moments, as train runs it; none: gradients only, as the "
+                             "peers are timed (default %(default)s)")
+    parser.add_argument("--optimizer-offload", action=argparse.BooleanOptionalAction, default=True,
+                        help="AdamW's state in host memory, for the step and the full-depth limit (default: on)")
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="start no new length after this many seconds (default %(default)s)")
     parser.add_argument("--device-memory", default=None, metavar="SIZE",
                         help="the device of the full-depth limit, and the allocator's cap on a GPU (default: this "
                              "GPU's memory)")
-    parser.add_argument("--host-memory", default="128GiB", metavar="SIZE", help="host of the full-depth limit "
-                                                                                 "(default %(default)s)")
+    parser.add_argument("--host-memory", default="128GB", metavar="SIZE", help="host of the full-depth limit "
+                                                                                "(default %(default)s)")
     parser.add_argument("--smoke", action="store_true", help="tiny-llama at 256 and 512 tokens on the CPU, float32")
     parser.add_argument("--out", default=None, help="folder for the JSON and markdown (default docs/results/, or a "
                                                     "temporary one with --smoke)")
@@ -115,52 +127,86 @@ def main(argv=None) -> int:
     full = preset_config(model_name)
     full.use_cache = False
 
-    rows = []
+    offloaded = args.optimizer == "adamw" and args.optimizer_offload
+    stepped = "adamw-offload" if offloaded else args.optimizer
+    out = Path(args.out) if args.out else (Path(__import__("tempfile").mkdtemp(prefix="measured_longest_"))
+                                           if args.smoke else None)
+    command = "python benchmarks/measured_longest.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    report = _Report(model_name, layers, dtype_name, strategy, stepped, device, device_memory, host_memory, out,
+                     command.strip())
+    started = time.perf_counter()
     for length in lengths:
+        if time.perf_counter() - started > args.budget_s:
+            report.skipped.append(f"{length:,} tokens (time budget of {args.budget_s:.0f} s spent)")
+            continue
         config = truncated(full, layers, length)
         row = {"tokens": length, "layers": layers, "status": "ok"}
         try:
-            row.update(measure(config, length, strategy, device, dtype, args.optimizer))
+            row.update(measure(config, length, strategy, device, dtype, stepped))
         except torch.OutOfMemoryError:
             row.update(status="out of memory", tracker_gib=None, allocated_gib=None, reserved_gib=None, step_s=None)
             gc.collect()
             torch.cuda.empty_cache()
         with default_dtype(dtype):
-            simulated = simulate(config, length, strategy=strategy, optimizer=args.optimizer, dtype=dtype_name,
-                                 iterations=1)
+            simulated = simulate(config, length, strategy=strategy, optimizer=stepped, dtype=dtype_name, iterations=1)
         row["simulated_bytes"], row["simulated_gib"] = simulated.device_peak_bytes, simulated.device_peak_bytes / GIB
-        measured = row.get("tracker_gib")
+        measured, reserved = row.get("tracker_gib"), row.get("reserved_gib")
         row["difference_pct"] = 100 * (row["simulated_gib"] - measured) / measured if measured else None
-        rows.append(row)
+        row["reserved_over_simulated_pct"] = 100 * (reserved / row["simulated_gib"] - 1) if reserved else None
+        report.rows.append(row)
+        report.write()  # kept if the command is stopped at its time limit
         print(f"  {length:>9,} tokens, {layers} layers: {row['status']}, tracker {measured or 0:.3f} GiB, "
               f"simulated {row['simulated_gib']:.3f} GiB", flush=True)
 
-    optimizer = "adamw" if args.optimizer == "adamw" else "none"
-    _, budgets = budgets_for(full, device_memory=device_memory, host_memory=host_memory, optimizer=optimizer,
-                             dtype=dtype, optimizer_offload=False)
-    longest, binds = longest_context(full, strategy, budgets[0], dtype_name)
-    notes = f"""
-{model_name} truncated to {layers} of its layers (embedding and head whole), {dtype_name}, batch 1, strategy
-`{strategy.name}`, optimizer {args.optimizer}, one training step per length on {torch.cuda.get_device_name(device)
-if device.type == 'cuda' else 'the CPU'}. tracker: the exact tracker's peak of live device storages (what the simulator
-counts); allocated / reserved: the CUDA allocator's peaks; simulated: `simulate` of the same truncated model;
-difference: simulated over tracker.
-
-Full depth (simulated): {model_name} with `{strategy.name}` trains at most **{longest:,} tokens** on
-{format_bytes(device_memory)} of device and {format_bytes(host_memory)} of host memory (device side with the
-allocator's fragmentation margin); past it: {binds}."""
-    columns = [("tokens", "tokens"), ("layers", "layers"), ("status", "status"), ("tracker_gib", "tracker GiB"),
-               ("allocated_gib", "allocated GiB"), ("reserved_gib", "reserved GiB"), ("simulated_gib", "simulated GiB"),
-               ("difference_pct", "difference %"), ("step_s", "step s")]
-    out = Path(args.out) if args.out else (Path(__import__("tempfile").mkdtemp(prefix="measured_longest_"))
-                                           if args.smoke else None)
-    command = "python benchmarks/measured_longest.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_report("measured_longest", "Longest contexts: a truncated model measured, the whole model simulated",
-                 columns, rows, notes, command.strip(), out_dir=out,
-                 meta={"full_depth_longest": longest, "binds": binds, "device_memory": device_memory,
-                       "host_memory": host_memory, "strategy": strategy.name}, quiet=True)
-    print(f"measured_longest: full depth {longest:,} tokens ({binds}); wrote {out or 'docs/results'}/measured_longest.*")
+    _, budgets = budgets_for(full, device_memory=device_memory, host_memory=host_memory, optimizer=args.optimizer,
+                             dtype=dtype, optimizer_offload=offloaded if args.optimizer == "adamw" else None)
+    report.longest, report.binds = longest_context(full, strategy, budgets[0], dtype_name)
+    report.write()
+    print(f"measured_longest: full depth {report.longest:,} tokens ({report.binds}); wrote "
+          f"{out or 'docs/results'}/measured_longest.*")
     return 0
+
+
+class _Report:
+    """The report so far: the rows measured, the lengths skipped, the full-depth limit once found."""
+
+    COLUMNS = [("tokens", "tokens"), ("layers", "layers"), ("status", "status"), ("tracker_gib", "tracker GiB"),
+               ("allocated_gib", "allocated GiB"), ("reserved_gib", "reserved GiB"), ("simulated_gib", "simulated GiB"),
+               ("difference_pct", "simulated / tracker − 1, %"),
+               ("reserved_over_simulated_pct", "reserved / simulated − 1, %"), ("step_s", "step s")]
+
+    def __init__(self, model_name, layers, dtype_name, strategy, optimizer, device, device_memory, host_memory, out,
+                 command):
+        self.model_name, self.layers, self.dtype_name, self.strategy = model_name, layers, dtype_name, strategy
+        self.optimizer, self.device, self.out, self.command = optimizer, device, out, command
+        self.device_memory, self.host_memory = device_memory, host_memory
+        self.rows: list[dict] = []
+        self.skipped: list[str] = []
+        self.longest: int | None = None
+        self.binds: str | None = None
+
+    def write(self) -> None:
+        optimizer = {"adamw-offload": "AdamW, float32 state in host memory", "adamw": "AdamW, float32 state on the "
+                     "device", "none": "none (gradients only)"}[self.optimizer]
+        where = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "the CPU")
+        limit = (f"trains at most **{self.longest:,} tokens** on {format_bytes(self.device_memory)} of device and "
+                 f"{format_bytes(self.host_memory)} of host memory (device side with the allocator's fragmentation "
+                 f"margin); past it: {self.binds}" if self.longest is not None else "not computed (the steps ran "
+                 "first; the search had not finished)")
+        notes = f"""
+{self.model_name} truncated to {self.layers} of its layers (embedding and head whole), {self.dtype_name}, batch 1,
+strategy `{self.strategy.name}`, optimizer {optimizer}, one training step per length on {where}. tracker: the exact
+tracker's peak of live device storages (what the simulator counts); allocated / reserved: the CUDA allocator's peaks;
+simulated: `simulate` of the same truncated model.
+
+Full depth (simulated): {self.model_name} with `{self.strategy.name}` and the same optimizer {limit}.
+
+Not run: {'; '.join(self.skipped) or 'nothing'}."""
+        write_report("measured_longest", "Longest contexts: a truncated model measured, the whole model simulated",
+                     self.COLUMNS, self.rows, notes, self.command, out_dir=self.out,
+                     meta={"full_depth_longest": self.longest, "binds": self.binds, "device_memory": self.device_memory,
+                           "host_memory": self.host_memory, "strategy": self.strategy.name, "optimizer": self.optimizer,
+                           "skipped": self.skipped}, quiet=True)
 
 
 if __name__ == "__main__":

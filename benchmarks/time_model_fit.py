@@ -3,7 +3,8 @@ each row gets in the fit and out of it.
 
 Rows: every step time stored in docs/results/gpu_peers.json (one H100 80 GB, 2026-11-23),
 gpu_peers_h200.json and gpu_peers_h200_experts.json (one H200, 2026-11-26 and -30), and
-SeCO's H100 rows of 2026-11-22 (docs/seco.md). Each case is the strategy it ran (a peer as
+SeCO's H100 rows of 2026-11-22 (docs/seco.md); planned_step.json's whole step (optimizer
+included) is listed, left out. Each case is the strategy it ran (a peer as
 the longtrain strategy doing the same work: Hugging Face's checkpointing reruns attention,
 Liger's fused loss is a chunked head, selective checkpointing keeps attention's outputs on
 the device); rows whose work the model does not describe are listed with the reason and
@@ -132,6 +133,11 @@ def _stored_rows() -> list[Row]:
                   lt.Strategy.parse(spec, engine=engine))
         _corrected_for_2026_11_23(row, config, shape)
         rows.append(row)
+    for stored in json.loads((RESULTS / "planned_step.json").read_text())["rows"]:
+        rows.append(Row("H200" if "H200" in stored["device"] else "H100", "planned_step.json", stored["strategy"],
+                        int(stored["tokens"].replace(",", "")), stored["step_s"], lt.Strategy.parse(stored["strategy"]),
+                        left_out="a whole training step, its AdamW update (pure bf16, the code of 2026-11-26) "
+                                 "included; the model's rows are forward + backward"))
     return rows
 
 
@@ -271,7 +277,7 @@ def main() -> None:
 
     for r in result["rows"]:
         lines.append(f"| {r['card']} | {r['source']} | {r['tokens'] // K}K | {r['case']} | "
-                     f"{r['strategy'] or 'left out: ' + r['left_out']} | {r['measured_s']:.2f} | {pct(r['fit_error_pct'])} | "
+                     f"{'left out: ' + r['left_out'] if r['left_out'] else r['strategy']} | {r['measured_s']:.2f} | {pct(r['fit_error_pct'])} | "
                      f"{pct(r['leave_one_out_error_pct'])} | {pct(r['builtin_error_pct'])} |")
     lines += ["", "Fitted rates:", "", "| rate | " + " | ".join(result["tables"]) + " |",
               "|---|" + "---|" * len(result["tables"])]

@@ -2,6 +2,7 @@
 runs gpu_peers.py at toy sizes, writing its reports where it says."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,14 @@ def test_gpu_peers_isolates_cases_and_stops_a_case_at_its_first_failure(tmp_path
                 "alloc_gib": None, "reserved_gib": None, "reserved_over_alloc": None, "host_peak_gib": None,
                 "host_pinned_gib": None, "alloc_conf": "default", "attention_kernel": None}
 
-    earlier = {"meta": {"skipped": []}, "rows": [row(128, "lt:checkpoint+mst", "out of memory")]}
+    earlier = {"meta": {"skipped": [], "device": "NVIDIA H100 80GB HBM3"}, "rows": [row(128, "lt:checkpoint+mst", "out of memory")]}
+    (tmp_path / "gpu_peers.json").write_text(json.dumps(earlier))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_peers
+
+    # Another device's rows are not merged: ratios and longest lengths would mix two machines.
+    assert gpu_peers.main(["--smoke", "--append", "--cases", "hf", "--lengths", "128", "--out", str(tmp_path)]) == 2
+    earlier["meta"]["device"] = "cpu"
     (tmp_path / "gpu_peers.json").write_text(json.dumps(earlier))
     cases = "hf,lt:checkpoint+mst,lt:fpdt+offload+keep+mst"
     result = subprocess.run([sys.executable, "benchmarks/gpu_peers.py", "--smoke", "--isolate", "--append", "--cases", cases,
@@ -119,10 +127,25 @@ def test_expert_peers_interleaved_rounds_and_the_device_cap_run_in_the_smoke_tes
     assert rows["hf+trl-offload"]["status"].startswith("refused: TRL's activation offloading")
     for case in ("hf", "hf+sac", "hf+top"):
         assert rows[case]["status"] == "ok" and len(rows[case]["step_times"]) == 4  # 2 rounds × 2 steps
-        assert rows[case]["device_cap_gib"] == 1.0 and rows[case]["spread_pct"] >= 0
+        assert rows[case]["device_cap_gib"] == 1.0 and rows[case]["spread_pct"] >= 0 and rows[case]["rounds"] == 2
+        assert rows[case]["device"] == "cpu"
     assert "layers unchecked" in rows["hf+top"]["notes"]
     assert report["meta"]["device_cap_gib"] == 1.0 and report["meta"]["rounds"] == 2
-    assert "capped at 1 GiB" in (tmp_path / "gpu_peers.md").read_text()
+    assert "Rows with a `cap GiB` (1.0) name the cap they were asked for (on the CPU it is recorded, not enforced)" \
+        in (tmp_path / "gpu_peers.md").read_text()
+
+
+def test_best_peer_ratios_compare_rows_under_the_same_cap():
+    """A capped row stands for a smaller card: its ratio is over the peers run under that cap."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_peers
+
+    rows = [{"tokens": 8, "case": "hf", "tokens_per_s": 100.0, "device_cap_gib": None},
+            {"tokens": 8, "case": "lt:auto", "tokens_per_s": 120.0, "device_cap_gib": None},
+            {"tokens": 8, "case": "hf", "tokens_per_s": 50.0, "device_cap_gib": 79.1},
+            {"tokens": 8, "case": "lt:auto", "tokens_per_s": 60.0, "device_cap_gib": 79.1}]
+    gpu_peers._add_ratios(rows)
+    assert [r["vs_best_peer"] for r in rows] == [1.0, 1.2, 1.0, 1.2]
 
 
 def test_the_top_layers_peer_leaves_what_auto_leaves_whole_unchecked(monkeypatch):
@@ -156,38 +179,70 @@ def test_the_truncated_depth_benchmark_simulates_what_the_exact_tracker_measures
         assert row["status"] == "ok" and row["simulated_bytes"] == row["tracker_bytes"] > 0
     assert report["meta"]["full_depth_longest"] > 256 and report["meta"]["binds"]
     assert "Full depth (simulated)" in (tmp_path / "measured_longest.md").read_text()
+    assert report["meta"]["optimizer"] == "adamw-offload"  # full fine-tuning as the longest-context table counts it
 
 
-def test_the_alst_peer_runs_in_the_smoke_test_with_the_gradients_of_stock_hugging_face(tmp_path, monkeypatch):
+def test_the_truncated_depth_benchmark_starts_no_length_past_its_budget(tmp_path):
+    """Past --budget-s a length is skipped and said so; the full-depth limit is still found and
+    the report written (it is written after every length too)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import measured_longest
+
+    assert measured_longest.main(["--smoke", "--lengths", "256", "--budget-s", "0", "--optimizer", "none",
+                                  "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "measured_longest.json").read_text())
+    assert report["rows"] == [] and report["meta"]["skipped"] == ["256 tokens (time budget of 0 s spent)"]
+    assert report["meta"]["full_depth_longest"] > 256 and report["meta"]["optimizer"] == "none"
+
+
+def _with_deepspeed() -> dict:
+    """The environment of a process that imports DeepSpeed: `make install` puts it in the
+    venv's alst folder, apart from the packages every test process imports (where it
+    imports, Accelerate imports it on every save_pretrained). Skips where it does not import."""
+    env = dict(os.environ)
+    apart = Path(sys.prefix) / "alst"
+    if apart.is_dir():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(apart), env.get("PYTHONPATH")]))
+    if subprocess.run([sys.executable, "-c", "import deepspeed"], env=env, capture_output=True).returncode:
+        pytest.skip("deepspeed does not import here (make install puts it in .venv/alst)")
+    return env
+
+
+_ALST_GRADIENTS = """
+import sys, torch
+sys.path.insert(0, "benchmarks")
+import gpu_peers
+gpu_peers.ALST_LOGITS_SHARD = 256 * 320 * 4 // 3 + 1  # 3 loss shards: 86, 86, 84 tokens
+config = gpu_peers._config("tiny-llama", [256])
+ids = torch.randint(0, config.vocab_size, (1, 256))
+grads = {}
+for name in ("hf", "hf+alst"):
+    torch.manual_seed(0)
+    model, step = gpu_peers.BY_NAME[name].make(config, torch.device("cpu"), torch.float32, 256)
+    step(ids)
+    grads[name] = {n: p.grad for n, p in model.named_parameters()}
+assert "TiledFusedLogitsLoss in 3 shard(s)" in step.notes, step.notes
+assert all(g is not None for g in grads["hf+alst"].values())
+for name, grad in grads["hf"].items():
+    torch.testing.assert_close(grads["hf+alst"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+print("same gradients")
+"""
+
+
+def test_the_alst_peer_runs_in_the_smoke_test_with_the_gradients_of_stock_hugging_face(tmp_path):
     """hf+alst: DeepSpeed's TiledMLP (4 shards of 64 tokens at 256), TiledFusedLogitsLoss and
     its checkpoint-input offloader (nothing to move on a CPU) give every parameter the
     gradient stock Hugging Face gives it, loss in uneven shards included."""
-    pytest.importorskip("deepspeed")
-    import torch
-
+    env = _with_deepspeed()
     result = subprocess.run([sys.executable, "benchmarks/gpu_peers.py", "--smoke", "--cases", "hf+alst", "--lengths", "256",
-                             "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                             "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     [row] = json.loads((tmp_path / "gpu_peers.json").read_text())["rows"]
     assert row["case"] == "hf+alst" and row["status"] == "ok" and row["tokens_per_s"] > 0
     assert row["notes"].startswith("deepspeed ") and "TiledMLP in 4 shards" in row["notes"]
-
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import gpu_peers
-
-    monkeypatch.setattr(gpu_peers, "ALST_LOGITS_SHARD", 256 * 320 * 4 // 3 + 1)  # 3 loss shards: 86, 86, 84 tokens
-    config = gpu_peers._config("tiny-llama", [256])
-    ids = torch.randint(0, config.vocab_size, (1, 256))
-    grads = {}
-    for name in ("hf", "hf+alst"):
-        torch.manual_seed(0)
-        model, step = gpu_peers.BY_NAME[name].make(config, torch.device("cpu"), torch.float32, 256)
-        step(ids)
-        grads[name] = {n: p.grad for n, p in model.named_parameters()}
-    assert "TiledFusedLogitsLoss in 3 shard(s)" in step.notes
-    assert all(g is not None for g in grads["hf+alst"].values())
-    for name, grad in grads["hf"].items():
-        torch.testing.assert_close(grads["hf+alst"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    result = subprocess.run([sys.executable, "-c", _ALST_GRADIENTS], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and "same gradients" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 def test_the_alst_peer_is_refused_in_one_line_where_deepspeed_does_not_import(tmp_path, monkeypatch):
@@ -205,3 +260,15 @@ def test_the_alst_peer_is_refused_in_one_line_where_deepspeed_does_not_import(tm
     status = rows["hf+alst"]["status"]
     assert status.startswith("refused: DeepSpeed is not installed") and status.endswith("pip install deepspeed")
     assert "\n" not in status and rows["hf+alst"]["step_s"] is None
+
+
+def test_gpu_peers_refuses_what_it_would_ignore_or_cannot_read_in_one_line(capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_peers
+
+    for argv, said in ((["--lengths", "12x"], "gpu_peers: --lengths: cannot read token count '12x'"),
+                       (["--lengths", "-5"], "gpu_peers: --lengths: "),
+                       (["--model", "tiny-qwen2"], "gpu_peers: --smoke runs tiny-llama, not --model tiny-qwen2")):
+        assert gpu_peers.main(["--smoke", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(said) and err.count("\n") == 1, err

@@ -109,6 +109,8 @@ PROBES = [
     ("boolean on", ["--engine", "fpdt:chunk=32:offload=on"], "fresh", 2, "offload must be true or false"),
     ("engine option not a number", ["--engine", "seco:chunk=big"], "fresh", 2, "seco chunk must be a positive integer"),
     ("technique twice", ["--strategy", "mst,mst:loss_chunks=4"], "fresh", 2, "names 'mst' twice"),
+    ("strategy trailing comma", ["--strategy", "checkpoint,"], "fresh", 2, "has an empty item"),
+    ("strategy double comma", ["--strategy", "checkpoint,,mst"], "fresh", 2, "has an empty item"),
     ("strategy file engine 5", ["--strategy", "{tmp}/engine5.json"], "fresh", 2, "engine must be a name or a mapping"),
     ("strategy file YAML list", ["--strategy", "{tmp}/list.yaml"], "fresh", 2, "techniques must be a mapping"),
     ("strategy file broken", ["--strategy", "{tmp}/broken.yaml"], "fresh", 2, "is not valid YAML"),
@@ -665,13 +667,15 @@ def test_value_mistakes_are_refused_before_torch_loads():
     """`train`'s checks of its values come before torch and transformers load (a refusal
     in well under a second instead of 5-8 s)."""
     printed = in_a_fresh_interpreter(
+        "plan = ['plan', '--model', 'tiny-llama', '--seq-len', '2K', '--device-memory', '1GiB', '--host-memory', '1GiB']\n"
         "err = io.StringIO()\n"
         "with contextlib.redirect_stderr(err):\n"
         "    codes = [main(a) for a in (['train', '--steps', '0'], ['train', '--out', ''], ['train', '--data', ''],\n"
         "                               ['train', '--seq-len', '64K', '--lr', '-1e-3'],\n"
-        "                               ['simulate', '--model', 'tiny-llama', '--seq-len', '1'])]\n"
+        "                               ['simulate', '--model', 'tiny-llama', '--seq-len', '1'],\n"
+        "                               [*plan, '--gpus', '0'], [*plan, '--dtype', 'int8'], [*plan, '--engine', 'warp'])]\n"
         "print(codes, err.getvalue().count('\\n'))")
-    assert printed == "[2, 2, 2, 2, 2] 5 []"
+    assert printed == "[2, 2, 2, 2, 2, 2, 2, 2] 8 []"
 
 
 # ---- what `longtrain plan` prints pastes into --strategy -------------------------------

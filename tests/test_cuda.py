@@ -432,6 +432,34 @@ def test_whole_sequence_chunked_attention_with_several_heads_and_rows_on_each_ke
 
 
 @pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+@pytest.mark.parametrize("length", [1000, 1201])
+def test_chunks_of_lengths_no_power_of_two_divides_stay_exact_on_each_kernel(kernel, length, forced_kernel):
+    """Blocks of 300 tokens and a short last one (100; 1 at 1,201: a single key, which cuDNN
+    refuses and the next kernel takes): PyTorch's SDPA dispatch sends cuDNN 9 such lengths as
+    it is, and so do the blocks. bf16 within bf16 error of float64 SDPA; cuDNN's run checked
+    by name."""
+    if not _kernel_available(kernel):
+        pytest.skip(f"{kernel} attention is not available on this device")
+    from conftest import AttentionKernelCalls
+
+    from longtrain.ops.chunked_attention import chunked_attention
+
+    forced_kernel(kernel)
+    torch.manual_seed(0)
+    q = torch.randn(1, 8, length, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 2, length, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    dout = torch.randn_like(q)
+    with AttentionKernelCalls() as calls:
+        chunked_attention(q, k, v, chunk=300).backward(dout)
+    assert any({"cudnn": "cudnn_attention", "flash": "flash_attention"}[kernel] in name for name in calls.calls)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    F.scaled_dot_product_attention(q64, k64.repeat_interleave(4, 1), v64.repeat_interleave(4, 1),
+                                   is_causal=True).backward(dout.double())
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert float((got.double() - want).norm() / want.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
 def test_packed_and_padded_documents_take_one_fused_call_each_on_each_kernel(kernel, forced_kernel):
     """Whole-sequence attention over packed documents with left and right padding: one
     fused call per document (lengths no kernel tile divides, a query block after the last

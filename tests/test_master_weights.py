@@ -75,7 +75,7 @@ def test_a_state_without_masters_says_so():
     model = torch.nn.Linear(4, 4).bfloat16()
     state = make_optimizer("adamw", model.parameters()).state_dict()
     del state["master_weights"]
-    with pytest.warns(UserWarning, match="no float32 master weights"):
+    with pytest.warns(UserWarning, match="holds no master weights"):
         make_optimizer("adamw", model.parameters()).load_state_dict(state)
 
 
@@ -144,3 +144,12 @@ def test_the_command_line_names_pure_16bit_adamw(command, capsys):
     extra = ["--device-memory", "1GiB", "--host-memory", "1GiB", "--jobs", "1"] if command == "plan" else []
     assert main([command, "--model", "tiny-llama", "--seq-len", "256", "--optimizer", "adamw-16bit", *extra]) == 0
     assert "adamw-16bit" in capsys.readouterr().out
+
+
+def test_pure_16bit_adamw_on_float32_weights_is_refused_before_anything_is_written(tmp_path, capsys):
+    """adamw-16bit on float32 weights would be plain AdamW under another name."""
+    out = tmp_path / "run"
+    assert main(["train", "--model", "tiny-llama", "--seq-len", "256", "--dtype", "float32", "--optimizer", "adamw-16bit",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--optimizer adamw-16bit steps AdamW on 16-bit weights, and these are float32" in err and not out.exists()

@@ -138,6 +138,25 @@ def test_offloaded_run_resumes_bit_for_bit(tmp_path, capsys):
     assert json.loads((tmp_path / "ref" / "summary.json").read_text())["final_loss"] is not None
 
 
+def test_a_float32_run_resumed_with_its_state_moved_to_the_host_keeps_its_trained_weights(tmp_path, capsys):
+    """An on-device AdamW's checkpoint of float32 weights holds no masters (the weights are
+    their own): resumed with --optimizer-offload, the host masters are the trained weights,
+    not the ones the run started from, and the change is said."""
+    tiny = ["train", "--model", "tiny-llama", "--seq-len", "128", "--eval-samples", "2", "--no-progress",
+            "--dtype", "float32", "--steps", "4", "--save-every", "2", "--keep-checkpoints", "3"]
+    assert main([*tiny, "--out", str(tmp_path / "ref")]) == 0
+    capsys.readouterr()
+    assert main([*tiny, "--out", str(tmp_path / "moved"), "--optimizer-offload",
+                 "--resume-from", str(tmp_path / "ref" / "checkpoints" / "step-00000002")]) == 0
+    assert "resuming with --optimizer-offload True (the checkpoint's run had False)" in capsys.readouterr().out
+
+    def losses(path):
+        return {r["step"]: r["loss"] for r in read_metrics(path / "metrics.jsonl") if "loss" in r}
+
+    ref, got = losses(tmp_path / "ref"), losses(tmp_path / "moved")
+    assert [got[s] for s in (3, 4)] == pytest.approx([ref[s] for s in (3, 4)], rel=1e-5)
+
+
 def test_offload_needs_adamw_and_one_process(capsys):
     code = main(["train", "--model", "tiny-llama", "--optimizer", "sgd", "--optimizer-offload", "--no-progress",
                  "--out", "/tmp/never-written"])

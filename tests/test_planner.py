@@ -397,8 +397,10 @@ def test_a_refusal_quotes_the_whole_models_layers_and_host_budget():
 def test_plan_refuses_at_once_when_the_model_states_alone_do_not_fit():
     with pytest.raises(lt.LongtrainError, match="model states alone.*exceed the device's 20.00 GiB"):
         plan(PlanRequest("llama3-8b", 4096, device_memory=20 * GIB, host_memory=GIB, optimizer_offload=False))
-    with pytest.raises(lt.LongtrainError, match="model states alone"):  # the bf16 weights alone: 15 GiB
+    with pytest.raises(lt.LongtrainError, match="model states alone.*the device holds 14.96 GiB of weights"):
         plan(PlanRequest("llama3-8b", 4096, device_memory=10 * GIB, host_memory=GIB))
+    with pytest.raises(lt.LongtrainError, match=r"the weights alone \(14.96 GiB\) exceed the device's 10.00 GiB"):
+        plan(PlanRequest("llama3-8b", 4096, device_memory=10 * GIB, host_memory=GIB, optimizer_offload=True))
 
 
 def test_optimizer_in_host_memory_frees_the_device_and_fills_the_host():
@@ -667,7 +669,16 @@ def test_plan_weighs_one_engine_when_asked(capsys):
     assert "checkpoint" not in out and "fastest that fits: --strategy adjoint" in out
     assert main(["plan", "--model", "tiny-llama", "--seq-len", "2K", "--device-memory", "1GiB", "--host-memory", "4GiB",
                  "--engine", "adjoint"]) == 2
-    assert "--engine adjoint does not train llama models; engines a plan weighs for them: backprop, fpdt" in capsys.readouterr().err
+    assert "--engine adjoint: a plan weighs no adjoint candidate for llama models; engines it weighs for them: backprop, " \
+           "fpdt" in capsys.readouterr().err
+    plan = ["plan", "--model", "tiny-llama", "--device-memory", "1GiB", "--host-memory", "4GiB", "--jobs", "1"]
+    # FPDT's candidates split a sequence in 8K-token chunks or more: none at 8K.
+    assert main([*plan, "--seq-len", "8K", "--engine", "fpdt"]) == 2
+    assert "--engine fpdt: none of its candidates runs 8,192 tokens in more than one chunk" in capsys.readouterr().err
+    assert main([*plan, "--seq-len", "2K", "--engine", "fpdt:chunk=512"]) == 2
+    assert "--engine fpdt:chunk=512: a plan takes an engine's name (e.g. fpdt)" in capsys.readouterr().err
+    assert main([*plan, "--seq-len", "2K", "--dtype", "float32", "--optimizer", "adamw-16bit"]) == 2
+    assert "--optimizer adamw-16bit steps AdamW on 16-bit weights, and --dtype float32 is not" in capsys.readouterr().err
 
 
 def _sleep(seconds: float) -> None:

@@ -36,7 +36,8 @@ def test_every_stored_row_is_described_or_says_why_not():
     rows = time_model_fit._stored_rows()
     assert len(rows) >= 45 and {r.card for r in rows} == {"H100", "H200"}
     left_out = {r.case for r in rows if r.left_out}
-    assert left_out == {"hf+liger+offload", "lt:memo+mst"}  # save_on_cpu; Memo's H100 code of its date
+    # save_on_cpu; Memo's H100 code of its date; planned_step.json's whole step (its optimizer update timed too)
+    assert left_out == {"hf+liger+offload", "lt:memo+mst", "fpdt:chunk=32768:keep_output,mst"}
     assert all(r.left_out for r in rows if r.case == "lt:memo+mst" and r.card == "H100")
 
 
@@ -111,6 +112,10 @@ def test_a_calibration_takes_what_it_did_not_measure_from_its_cards_table(tmp_pa
     (tmp_path / "rates" / "nvidia-h200.json").write_text(json.dumps({"matmul": 7.0e14}))
     rates = load("nvidia-h200")
     assert rates.matmul == 7.0e14 and rates.elementwise == H200.elementwise and rates.per_chunk_layer == H200.per_chunk_layer
+    for empty in ("{}", "[]"):  # nothing measured: not the card's table under another name
+        (tmp_path / "empty.json").write_text(empty)
+        with pytest.raises(lt.LongtrainError, match="is not a calibration written by `longtrain calibrate`"):
+            load(str(tmp_path / "empty.json"))
 
 
 def test_this_machine_gets_its_calibration_else_a_built_in_table(tmp_path, monkeypatch):
@@ -181,6 +186,19 @@ def test_plan_with_refuses_a_technique_no_candidate_takes(capsys):
     assert main(["plan", "--model", "tiny-mamba", "--seq-len", "2K", "--device-memory", "1GiB", "--host-memory", "1GiB",
                  "--with", "liger", "--jobs", "1"]) == 2
     assert "--with liger: no candidate weighed for mamba models takes it" in capsys.readouterr().err
+
+
+def test_plan_with_refuses_streaming_weights_that_all_train(capsys):
+    """stream serves frozen layers (LoRA's base): carried into a full fine-tuning plan, every
+    candidate would be refused one by one and the verdict would read "nothing fits"."""
+    argv = ["plan", "--model", "tiny-llama", "--seq-len", "2K", "--device-memory", "1GiB", "--host-memory", "1GiB",
+            "--with", "liger,stream", "--jobs", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--with stream: stream serves layers whose weights do not train" in err and err.count("\n") == 1
+    from longtrain.plan.planner import PlanRequest
+
+    assert PlanRequest("tiny-llama", 2048, device_memory=2**30, host_memory=2**30, lora_rank=16, carried=("stream",))
 
 
 def test_a_plan_of_pure_16bit_adamw_pastes_a_command_that_trains_it():

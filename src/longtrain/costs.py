@@ -204,6 +204,7 @@ class TechniqueCosts(HostBudgetKnob):
 
     decides_at_first_step = False  # it measures the model in its first step (no warm start of a simulation)
     in_every_candidate = False  # a plan adds it to every candidate whose engine accepts it
+    needs_frozen_layers = False  # it serves only layers whose weights do not train (LoRA's base)
 
     def serves(self, adapter_class, options) -> bool:
         """Whether a plan weighs this variant for models of ``adapter_class``."""

@@ -244,10 +244,14 @@ class HostAdamW(torch.optim.AdamW):
         state_dict = dict(state_dict)
         masters = state_dict.pop("master_weights", None)
         super().load_state_dict(state_dict)
-        if masters is not None:
-            with torch.no_grad():
+        with torch.no_grad():
+            if masters is None:  # an on-device AdamW's: float32 weights, loaded by now, are their own masters
+                for master, param in zip(self.masters, self.device_params):
+                    master.copy_(param.detach())
+            else:
                 for master, saved in zip(self.masters, masters):
                     master.copy_(saved)
+        if masters is not None:
             self._push(range(len(self.masters)))
             if self._stream is not None:
                 torch.cuda.current_stream(self.cuda).wait_stream(self._stream)

@@ -295,7 +295,10 @@ class Strategy:
             strategy, note = (part.strip() for part in spec.split("·", 1))
             raise LongtrainError(f"'{note}' in --strategy {spec!r} is not part of a strategy: pass --strategy {strategy} "
                                  "with --optimizer-offload")
-        items = [] if spec == "none" else [n.strip() for n in spec.split(",") if n.strip()]
+        items = [] if spec in ("none", "") else [n.strip() for n in spec.split(",")]
+        if not all(items):
+            raise LongtrainError(f"strategy {spec!r} has an empty item; separate names by single commas, as in "
+                                 "'checkpoint,mst'")
         techniques: dict[str, Any] = {}
         named: tuple[str, dict] | None = None
         engines = registry.engines()

@@ -77,13 +77,18 @@ def budgets_for(config, *, device_memory: int, host_memory: int, optimizer: str,
     if optimizer_offload is not False and optimizer == "adamw" and not lora_rank and gpus == 1 and weights <= device_memory:
         masters = params * 4  # fp32 masters, two fp32 moments, a gradient buffer in the parameters' dtype
         budgets.append(Budget(device_memory, host_memory, weights, 0, 3 * masters + params * item, "adamw-offload"))
-    if optimizer_offload and not any(b.optimizer == "adamw-offload" for b in budgets):
+    offloadable = optimizer == "adamw" and not lora_rank and gpus == 1
+    if optimizer_offload and not offloadable:
         raise LongtrainError("--optimizer-offload plans AdamW's state in host memory for full fine-tuning on one GPU; "
                              "it needs --optimizer adamw, no --lora and --gpus 1")
     if not budgets:
+        held = weights if optimizer_offload else weights + grads + state
+        what = f"the weights alone ({format_bytes(held)})" if optimizer_offload else (
+            f"the model states alone (weights, gradients, {optimizer} state: {format_bytes(held)} per GPU)")
+        beside = (f" (with AdamW's state in host memory, --optimizer-offload, the device holds {format_bytes(weights)} "
+                  f"of weights)" if offloadable and optimizer_offload is None else "")
         raise LongtrainError(
-            f"the model states alone (weights, gradients, {optimizer} state: {format_bytes(weights + grads + state)} per GPU) "
-            f"exceed the device's {format_bytes(device_memory)} by {format_bytes(weights + grads + state - device_memory)}; "
+            f"{what} exceed the device's {format_bytes(device_memory)} by {format_bytes(held - device_memory)}{beside}; "
             "no activation strategy helps — shard them over more GPUs (--gpus), train LoRA (--lora), or use a smaller optimizer"
         )
     return params, budgets
@@ -240,6 +245,7 @@ def refuse_lengths_that_cannot_fit(config, seq_len: int, strategy: Strategy, dty
     raise LongtrainError(
         f"{seq_len:,} tokens cannot fit: under strategy {strategy.spec}, the token ids and what the step parks "
         f"alone need at least {'; '.join(over(seq_len))} (counted, not simulated); "
-        + (f"at most {longest:,} tokens could fit beside the weights" if longest else
+        + (f"at most {longest:,} tokens could fit beside the weights (their gradients and optimizer state "
+           f"not counted)" if longest else
            "no length fits beside the weights")
         + (f" ({batch} per batch)" if batch > 1 else ""))

@@ -169,6 +169,8 @@ def load(name_or_path: str) -> MachineRates:
                              f"machine, or use one of: {', '.join([*BUILT_IN, *known])}")
     try:
         data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not data:
+            raise ValueError("no measured rate in it")
         return dataclasses.replace(built_in_for(path.stem)[1], **{k: float(v) for k, v in data.items()})
     except (ValueError, TypeError) as exc:
         raise LongtrainError(f"{path} is not a calibration written by `longtrain calibrate` ({exc}); run it again") from None

@@ -229,11 +229,14 @@ def _candidates(setting: _Setting) -> list[tuple[Strategy, bool]]:
     if r.engine is not None:
         serving = sorted({strategy.engine for strategy in every.values()})
         if r.engine not in serving:
-            raise LongtrainError(f"--engine {r.engine} does not train {setting.config.model_type} models; engines a "
-                                 f"plan weighs for them: {', '.join(serving)}")
+            raise LongtrainError(f"--engine {r.engine}: a plan weighs no {r.engine} candidate for "
+                                 f"{setting.config.model_type} models; engines it weighs for them: {', '.join(serving)}")
         usual, every = ({label: s for label, s in found.items() if s.engine == r.engine} for found in (usual, every))
     fallback = [label for label, strategy in every.items()
                 if label not in usual and registry.engine(strategy.engine).costs.chunk(strategy.engine_options) < r.seq_len]
+    if r.engine is not None and not usual and not fallback:
+        raise LongtrainError(f"--engine {r.engine}: none of its candidates runs {r.seq_len:,} tokens in more than one "
+                             f"chunk; train --engine {r.engine} with a smaller chunk, or plan without --engine")
     return [(strategy, False) for strategy in usual.values()] + [(every[label], True) for label in fallback]
 
 

@@ -93,7 +93,10 @@ class PlanRequest:
             raise LongtrainError(f"optimizer (--optimizer) must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
 
     def _dtype(self) -> None:
-        parse_dtype(self.dtype)  # an unknown name is refused in one line, naming the known ones
+        item = parse_dtype(self.dtype).itemsize  # an unknown name is refused in one line, naming the known ones
+        if self.optimizer == "adamw-16bit" and item > 2:
+            raise LongtrainError(f"--optimizer adamw-16bit steps AdamW on 16-bit weights, and --dtype {self.dtype} is "
+                                 f"not 16-bit (it would be plain AdamW): use --optimizer adamw, or a 16-bit --dtype")
 
     def _rates(self) -> None:
         if not isinstance(self.rates, MachineRates):
@@ -135,6 +138,9 @@ class PlanRequest:
             if not isinstance(self.engine, str):
                 raise LongtrainError(f"engine (--engine) must be an engine's name or None (every engine), "
                                      f"got {self.engine!r}")
+            if ":" in self.engine:
+                raise LongtrainError(f"--engine {self.engine}: a plan takes an engine's name (e.g. "
+                                     f"{self.engine.split(':')[0]}) and weighs its options itself")
             registry.engine(self.engine)  # an unknown name is refused in one line, naming the known ones
 
     def _carried(self) -> None:
@@ -146,6 +152,9 @@ class PlanRequest:
             if costs.candidates(None):
                 raise LongtrainError(f"--with {name}: {name} is weighed as candidates of its own; --with takes a "
                                      f"technique every candidate carries (e.g. liger)")
+            if costs.needs_frozen_layers and not self.lora_rank:
+                raise LongtrainError(f"--with {name}: {name} serves layers whose weights do not train, and full "
+                                     f"fine-tuning trains every one; plan with --lora, or leave it out")
 
     def _switches(self) -> None:
         for name in ("longest", "exhaustive"):

@@ -84,7 +84,7 @@ class TrainConfig:
     # Settings a resumed run may change: applied from the checkpoint's step on, each change logged.
     # (The rest — where to write, how often to save or evaluate, the strategy, which change
     # how a step is computed but not what it computes — apply as given.)
-    ADJUSTABLE = ("steps", "lr", "warmup_steps", "weight_decay", "max_grad_norm", "dtype")
+    ADJUSTABLE = ("steps", "lr", "warmup_steps", "weight_decay", "max_grad_norm", "dtype", "optimizer_offload")
 
 
 DEFAULT_WARMUP = 20  # steps of warm-up without --warmup-steps (a tenth of the demo's 200 steps)

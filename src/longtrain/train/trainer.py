@@ -94,6 +94,10 @@ class Trainer:
         compute = self.compute_dtype = parse_dtype(config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
         # The parameters' dtype: the compute dtype, or with --master-weights (FSDP2 mixed precision) their own.
         self.dtype = parse_dtype(config.master_weights) if config.master_weights else compute
+        if config.optimizer == "adamw-16bit" and self.dtype.itemsize > 2:
+            raise LongtrainError(f"--optimizer adamw-16bit steps AdamW on 16-bit weights, and these are "
+                                 f"{str(self.dtype).replace('torch.', '')} (it would be plain AdamW): use --optimizer "
+                                 f"adamw, or --dtype bfloat16")
         self.strategy = choose_strategy(config, compute, self.device)
         self.out = Path(config.out)
         self.checkpoints = checkpoints_dir(self.out)

@@ -45,6 +45,8 @@ class StreamCosts(TechniqueCosts):
     the backward — which SpaCO does for its sampled chunks only (charged for all: an upper
     bound). The copies share the host link with what the step offloads (not modelled)."""
 
+    needs_frozen_layers = True
+
     def weighed_with_each(self, config, device_memory: int, item: int, frozen: bool) -> bool:
         return worth_weighing(config, device_memory, item, frozen)
 
