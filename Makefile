@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml
 	  if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q "torch>=2.6"; \
 	  else $(PY) -m pip install -q "torch==2.13.0"; fi; fi
 	$(PY) -m pip install -q -e ".[test,lora,plot]"
-	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/alst "deepspeed>=0.19" hjson py-cpuinfo msgpack einops ninja
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/alst "deepspeed>=0.19" hjson py-cpuinfo msgpack einops ninja \
+	  || echo "DeepSpeed not installed: the ALST peer's smoke test will skip"
 	touch $(STAMP)
 
 install: $(STAMP)

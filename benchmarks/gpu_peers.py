@@ -682,10 +682,12 @@ def _add_ratios(rows: list[dict]) -> None:
 
 
 def longest_fit(rows: list[dict]) -> dict[str, dict]:
-    """Per case: the longest length that ran, and the shortest that did not (None: none failed)."""
+    """Per case (and memory cap): the longest length that ran, and the shortest that did not
+    (None: none failed)."""
     summary: dict[str, dict] = {}
     for r in sorted(rows, key=lambda r: r["tokens"]):
-        entry = summary.setdefault(r["case"], {"longest_ok": None, "first_failure": None})
+        key = r["case"] + (f" (cap {r['device_cap_gib']:.1f} GiB)" if r.get("device_cap_gib") else "")
+        entry = summary.setdefault(key, {"longest_ok": None, "first_failure": None})
         if r["status"] == "ok":
             entry["longest_ok"] = r["tokens"]
         elif entry["first_failure"] is None:
@@ -811,6 +813,7 @@ def main(argv=None) -> int:
     config = _config(model_name, lengths)
     rows, skipped = [], []
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    cap_gib = _cap(args) / GIB if _cap(args) else None
     if args.append and (out / "gpu_peers.json").exists():
         previous = json.loads((out / "gpu_peers.json").read_text())
         earlier_device = previous["meta"].get("device")
@@ -818,7 +821,8 @@ def main(argv=None) -> int:
             print(f"gpu_peers: --append: {out / 'gpu_peers.json'} holds rows measured on {earlier_device}, this is "
                   f"{device_name}; pass --out with a folder of this device's rows", file=sys.stderr)
             return 2
-        rows = [r for r in previous["rows"] if r["tokens"] not in lengths or r["case"] not in names]
+        rows = [r for r in previous["rows"]  # this run's (length, case, cap) replace the stored ones
+                if r["tokens"] not in lengths or r["case"] not in names or r.get("device_cap_gib") != cap_gib]
         skipped = [s for s in previous["meta"].get("skipped", []) if not any(f" at {n:,} tokens" in s for n in lengths)]
     if _liger() is None and any("liger" in n for n in names):
         note = f"hf+liger cases (liger-kernel {_LIGER_PROBLEM[0]})"
@@ -832,6 +836,7 @@ def main(argv=None) -> int:
             if "liger" in name and _liger() is None:
                 continue
             failed_before = [r for r in rows if r["case"] == name and r["status"] != "ok"
+                             and r.get("device_cap_gib") == cap_gib
                              and (r["tokens"] < length or (r["tokens"] == length and round_index))]
             if failed_before:
                 skipped.append(f"{name} at {length:,} tokens ({failed_before[0]['status']} at {failed_before[0]['tokens']:,})")
@@ -846,9 +851,9 @@ def main(argv=None) -> int:
                 row = run_isolated(case, length, args, timeout=max(1.0, min(left + 60, hard)))
             else:
                 row = run_case(case, config, length, device, dtype, args.repeats, args.warmup, args.profile, _cap(args))
-            row["device"] = device_name
+            row["device"], row["device_cap_gib"] = device_name, cap_gib  # also where the case's process failed
             row = this_run[(length, name)] = _pooled(this_run.get((length, name)), row)
-            rows = [r for r in rows if (r["tokens"], r["case"]) != (length, name)] + [row]
+            rows = [r for r in rows if (r["tokens"], r["case"], r.get("device_cap_gib")) != (length, name, cap_gib)] + [row]
             print(f"  {length:>8,} {name:<26} {row['status']:<14} "
                   + (f"{row['step_s']:.3f} s  {row['tokens_per_s']:,.0f} tok/s" if row["step_s"] else ""), flush=True)
             # Written after every case, so a run stopped at its time limit keeps what it measured.
@@ -857,7 +862,8 @@ def main(argv=None) -> int:
     _plot(rows, out / "gpu_peers.png")
     print(f"gpu_peers: wrote {out}/gpu_peers.json, .md, .png")
     broken = [f"{r['case']} at {r['tokens']:,}" for r in rows
-              if r["tokens"] in lengths and r["case"] in names and r["status"].startswith("failed")]
+              if r["tokens"] in lengths and r["case"] in names and r.get("device_cap_gib") == cap_gib
+              and r["status"].startswith("failed")]
     if broken:  # a crash, not a measured limit (out of memory, refused, timed out): the suite must say so
         print(f"gpu_peers: FAILED: {'; '.join(broken)}", file=sys.stderr)
         return 1
@@ -865,7 +871,8 @@ def main(argv=None) -> int:
 
 
 def _report(rows, skipped, out, model_name, dtype, device_name, args, argv) -> None:
-    rows.sort(key=lambda r: (r["tokens"], list(BY_NAME).index(r["case"]) if r["case"] in BY_NAME else 99))
+    rows.sort(key=lambda r: (r["tokens"], r.get("device_cap_gib") or 0,
+                             list(BY_NAME).index(r["case"]) if r["case"] in BY_NAME else 99))
     _add_ratios(rows)
     fits = longest_fit(rows)
     caps = sorted({f"{r['device_cap_gib']:.1f}" for r in rows if r.get("device_cap_gib")})

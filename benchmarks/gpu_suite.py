@@ -51,6 +51,15 @@ def _version(package: str) -> str | None:
         return None
 
 
+def _peers_folder(device: str, scratch: Path) -> Path:
+    """docs/results where its gpu_peers.json holds this device's rows (or none), else a folder
+    of this run's own: the stored rows are one device's, and gpu_peers refuses to mix two."""
+    stored = DOCS / "gpu_peers.json"
+    if not stored.exists() or json.loads(stored.read_text())["meta"].get("device") == device:
+        return DOCS
+    return scratch / "peers"
+
+
 def environment() -> dict:
     import torch
 
@@ -147,7 +156,8 @@ def main(argv=None) -> int:
     peers = [sys.executable, "benchmarks/gpu_peers.py", "--budget-s", "180"] + (
         # The plumbing at toy sizes, one length; the expert peers have a smoke test of their own.
         ["--smoke", "--out", str(scratch), "--cases", _smoke_peer_cases(), "--lengths", "128"] if args.smoke
-        else ["--lengths", args.lengths, "--cases", args.cases, "--append"])  # --append: other lengths stay
+        else ["--lengths", args.lengths, "--cases", args.cases, "--append",  # --append: other lengths stay
+              "--out", str(_peers_folder(summary["environment"]["device"], scratch))])
     adjoint = [sys.executable, "benchmarks/adjoint.py", "--only", "gpu"]
     for name, cmd, timeout in (("peers", peers, 260), ("adjoint", adjoint, 80)):
         if name in skip:
@@ -161,7 +171,7 @@ def main(argv=None) -> int:
                                   "tail": tail if code != 0 else ""}
         if code is None:
             summary["skipped"].append(f"the rest of {name} (its {timeout:.0f} s limit was reached)")
-    peers_json = out / "gpu_peers.json"
+    peers_json = Path(peers[peers.index("--out") + 1]) / "gpu_peers.json"
     if "peers" in summary["parts"] and peers_json.exists():
         summary["skipped"] += json.loads(peers_json.read_text())["meta"].get("skipped", [])
     summary["seconds"] = time.perf_counter() - start

@@ -134,9 +134,15 @@ def main(argv=None) -> int:
     command = "python benchmarks/measured_longest.py " + " ".join(argv if argv is not None else sys.argv[1:])
     report = _Report(model_name, layers, dtype_name, strategy, stepped, device, device_memory, host_memory, out,
                      command.strip())
+    try:  # before any step: a machine the states alone do not fit is refused at once
+        _, budgets = budgets_for(full, device_memory=device_memory, host_memory=host_memory, optimizer=args.optimizer,
+                                 dtype=dtype, optimizer_offload=offloaded if args.optimizer == "adamw" else None)
+    except lt.LongtrainError as error:
+        print(f"measured_longest: {error}", file=sys.stderr)
+        return 2
     started = time.perf_counter()
     for length in lengths:
-        if time.perf_counter() - started > args.budget_s:
+        if time.perf_counter() - started >= args.budget_s:
             report.skipped.append(f"{length:,} tokens (time budget of {args.budget_s:.0f} s spent)")
             continue
         config = truncated(full, layers, length)
@@ -145,6 +151,7 @@ def main(argv=None) -> int:
             row.update(measure(config, length, strategy, device, dtype, stepped))
         except torch.OutOfMemoryError:
             row.update(status="out of memory", tracker_gib=None, allocated_gib=None, reserved_gib=None, step_s=None)
+        if row["status"] != "ok":  # outside the handler: its traceback no longer holds the step's tensors
             gc.collect()
             torch.cuda.empty_cache()
         with default_dtype(dtype):
@@ -158,8 +165,6 @@ def main(argv=None) -> int:
         print(f"  {length:>9,} tokens, {layers} layers: {row['status']}, tracker {measured or 0:.3f} GiB, "
               f"simulated {row['simulated_gib']:.3f} GiB", flush=True)
 
-    _, budgets = budgets_for(full, device_memory=device_memory, host_memory=host_memory, optimizer=args.optimizer,
-                             dtype=dtype, optimizer_offload=offloaded if args.optimizer == "adamw" else None)
     report.longest, report.binds = longest_context(full, strategy, budgets[0], dtype_name)
     report.write()
     print(f"measured_longest: full depth {report.longest:,} tokens ({report.binds}); wrote "

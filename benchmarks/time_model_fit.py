@@ -258,6 +258,18 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS), help="folder for time_model_fit.json/.md")
     args = parser.parse_args()
     result = run(smoke=args.smoke)
+    lines = markdown(result)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/time_model_fit.py" + (" --smoke" if args.smoke else "")
+    meta = {"generated": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "command": command}
+    (out / "time_model_fit.json").write_text(json.dumps({"meta": meta, **result}, indent=2) + "\n")
+    (out / "time_model_fit.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def markdown(result: dict) -> list[str]:
+    """The report's lines, from what :func:`run` returns (or the JSON it wrote)."""
     lines = ["# The time model refitted to every GPU row", "",
              "`python benchmarks/time_model_fit.py` (CPU; rows measured on one H100 80 GB, 2026-11-22/23, and one "
              "H200, 2026-11-26/30; Llama-3-8B, bf16, batch 1). Errors are predicted / measured − 1. *fit*: the "
@@ -296,13 +308,7 @@ def main() -> None:
             cases = "; ".join(f"{c['case']} {c['predicted_s']:.2f} / {c['measured_s']:.2f}" for c in entry["cases"])
             lines.append(f"| {entry['tokens'] // K}K | `{entry['auto']}` | {entry['auto_predicted_s']:.2f} | {cases} | "
                          f"{'yes' if entry['auto_predicted_fastest'] else '**no**'} |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/time_model_fit.py" + (" --smoke" if args.smoke else "")
-    meta = {"generated": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "command": command}
-    (out / "time_model_fit.json").write_text(json.dumps({"meta": meta, **result}, indent=2) + "\n")
-    (out / "time_model_fit.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return lines
 
 
 if __name__ == "__main__":

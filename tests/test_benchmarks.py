@@ -193,6 +193,8 @@ def test_the_truncated_depth_benchmark_starts_no_length_past_its_budget(tmp_path
     report = json.loads((tmp_path / "measured_longest.json").read_text())
     assert report["rows"] == [] and report["meta"]["skipped"] == ["256 tokens (time budget of 0 s spent)"]
     assert report["meta"]["full_depth_longest"] > 256 and report["meta"]["optimizer"] == "none"
+    # A machine the model states alone do not fit is refused before any step.
+    assert measured_longest.main(["--smoke", "--lengths", "256", "--device-memory", "64KiB", "--out", str(tmp_path)]) == 2
 
 
 def _with_deepspeed() -> dict:

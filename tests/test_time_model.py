@@ -57,6 +57,8 @@ def test_the_committed_fit_report_matches_the_built_in_tables():
             assert getattr(rates, name) == pytest.approx(report["tables"][card][name], rel=0.005), (card, name)
     assert all(entry["auto_predicted_fastest"] for entry in report["auto_h200"])
     assert [entry["tokens"] for entry in report["auto_h200"]] == [32 * K, 64 * K, 128 * K]
+    markdown = (ROOT / "docs/results/time_model_fit.md").read_text()
+    assert markdown == "\n".join(time_model_fit.markdown(report)) + "\n"  # the table is the JSON's
 
 
 def test_the_fit_recovers_rates_it_is_given():

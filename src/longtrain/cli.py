@@ -339,15 +339,15 @@ def _run_plan(args) -> int:
     # Options that are no part of the request, first: a mistake is refused before torch loads.
     # (PlanRequest checks the rest, each field in one line.)
     progress = None if args.json else (lambda line: print(f"  {line} ...", file=sys.stderr, flush=True))
-    from .train.config import DTYPES, ENGINES
+    from .train.config import DTYPES, ENGINES, known_names
 
-    for flag, value in (("--lora-rank", args.lora_rank), ("--jobs", args.jobs), ("--gpus", args.gpus), ("--sp", args.sp or 1)):
+    for flag, value in (("--lora-rank", args.lora_rank), ("--jobs", args.jobs), ("--gpus", args.gpus), ("--sp", 1 if args.sp is None else args.sp)):
         if value < 1:
             raise LongtrainError(f"{flag} must be a positive count, got {value}")
     if args.dtype.lower() not in DTYPES:
         raise LongtrainError(f"unknown dtype {args.dtype!r}; choose one of {', '.join(DTYPES)}")
-    if args.engine is not None and args.engine.split(":")[0] not in ENGINES:
-        raise LongtrainError(f"unknown engine {args.engine!r}; choose one of {', '.join(ENGINES)}")
+    if args.engine is not None and args.engine.split(":")[0] not in known_names("engines", ENGINES):
+        raise LongtrainError(f"unknown engine {args.engine!r}; choose one of {', '.join(sorted(known_names('engines', ENGINES)))}")
     _refuse_rank_without_lora(args)
     from .plan import workers
 

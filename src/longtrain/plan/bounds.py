@@ -85,8 +85,8 @@ def budgets_for(config, *, device_memory: int, host_memory: int, optimizer: str,
         held = weights if optimizer_offload else weights + grads + state
         what = f"the weights alone ({format_bytes(held)})" if optimizer_offload else (
             f"the model states alone (weights, gradients, {optimizer} state: {format_bytes(held)} per GPU)")
-        beside = (f" (with AdamW's state in host memory, --optimizer-offload, the device holds {format_bytes(weights)} "
-                  f"of weights)" if offloadable and optimizer_offload is None else "")
+        beside = (f" (with AdamW's state in host memory, --optimizer-offload, the weights alone, {format_bytes(weights)}, "
+                  f"still exceed it)" if offloadable and optimizer_offload is None else "")
         raise LongtrainError(
             f"{what} exceed the device's {format_bytes(device_memory)} by {format_bytes(held - device_memory)}{beside}; "
             "no activation strategy helps — shard them over more GPUs (--gpus), train LoRA (--lora), or use a smaller optimizer"

@@ -205,7 +205,7 @@ def _check_paths(config: TrainConfig) -> None:
             raise LongtrainError(f"{option(name)} is empty (it would mean the current directory); {fix}")
 
 
-def _known(kind: str, static: tuple[str, ...]) -> set[str]:
+def known_names(kind: str, static: tuple[str, ...]) -> set[str]:
     """The names of ``kind`` ("engines", "techniques"): the built-ins, and where the registry
     is loaded already (a program that registered its own), those it holds."""
     registry = sys.modules.get("longtrain.registry")
@@ -216,7 +216,7 @@ def _check_names(config: TrainConfig) -> None:
     """--engine, --strategy (each item's name), --dtype, --master-weights and --device
     read as text against the known names: the options themselves are read (by the type
     each declares) once torch is loaded."""
-    engines, techniques = _known("engines", ENGINES), _known("techniques", TECHNIQUES)
+    engines, techniques = known_names("engines", ENGINES), known_names("techniques", TECHNIQUES)
     engine = config.engine.split(":", 1)[0].strip()
     if engine not in engines:
         raise LongtrainError(f"unknown engine {engine!r} in --engine {config.engine!r}; available: {', '.join(sorted(engines))}")
