@@ -274,3 +274,14 @@ def test_gpu_peers_refuses_what_it_would_ignore_or_cannot_read_in_one_line(capsy
         assert gpu_peers.main(["--smoke", *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith(said) and err.count("\n") == 1, err
+
+
+def test_gpu_suite_writes_another_cards_peers_apart_from_the_stored_rows(tmp_path):
+    """docs/results/gpu_peers.json holds one card's rows (gpu_peers refuses to append another's):
+    the suite appends there on that card and writes a folder of its own on any other."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_suite
+
+    stored = json.loads((ROOT / "docs/results/gpu_peers.json").read_text())["meta"]["device"]
+    assert gpu_suite._peers_folder(stored, tmp_path) == gpu_suite.DOCS
+    assert gpu_suite._peers_folder("NVIDIA H200", tmp_path) == tmp_path / "peers"

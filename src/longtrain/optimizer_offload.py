@@ -35,6 +35,7 @@ moments: a resumed run continues bit for bit.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
@@ -46,6 +47,10 @@ __all__ = ["HostAdamW", "parameter_groups", "streaming"]
 # Masters of at most this many bytes are updated and copied back per bucket: large enough
 # for the fused kernel to run at full speed, small enough to overlap with the copies.
 BUCKET_BYTES = 256 * 2**20
+
+# What a checkpoint without master weights means to an optimizer that keeps float32 masters.
+NO_MASTERS = ("this optimizer state holds no master weights (its weights were their own: float32, or pure 16-bit "
+              "AdamW): the float32 masters start from the weights as loaded")
 
 
 def buckets(masters: list[torch.Tensor], limit: int):
@@ -246,6 +251,8 @@ class HostAdamW(torch.optim.AdamW):
         super().load_state_dict(state_dict)
         with torch.no_grad():
             if masters is None:  # an on-device AdamW's: float32 weights, loaded by now, are their own masters
+                if any(p.element_size() < 4 for p in self.device_params):
+                    warnings.warn(NO_MASTERS, stacklevel=2)
                 for master, param in zip(self.masters, self.device_params):
                     master.copy_(param.detach())
             else:

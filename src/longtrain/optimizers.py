@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from .errors import LongtrainError
-from .optimizer_offload import adamw_update, buckets
+from .optimizer_offload import NO_MASTERS, adamw_update, buckets
 
 __all__ = ["MasterAdamW", "make_optimizer"]
 
@@ -138,8 +138,7 @@ class MasterAdamW(torch.optim.AdamW):
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         if "master_weights" not in state_dict and any(m is not p for m, p in zip(self.masters, self.model_params)):
-            warnings.warn("this optimizer state holds no master weights (its weights were their own: float32, or "
-                          "pure 16-bit AdamW): the float32 masters start from the weights as loaded", stacklevel=2)
+            warnings.warn(NO_MASTERS, stacklevel=2)
         saved = iter(state_dict.pop("master_weights", ()))
         super().load_state_dict(state_dict)
         with torch.no_grad():
