@@ -176,6 +176,7 @@ PROBES = [
     ("warmup as long as the run", ["--steps", "4", "--warmup-steps", "4"], "fresh", 2, "pass --warmup-steps below 4"),
     ("loss on the assistant of text", ["--loss-on", "assistant"], "fresh", 2,
      "--loss-on assistant puts the loss on chat records' assistant messages"),
+    ("task-loss with data", ["--task-loss", "task"], "fresh", 2, "--task-loss chooses the loss of the built-in pass-key"),
     # Names refused before torch loads (test_name_mistakes_are_refused_before_torch_loads).
     ("engine unknown", ["--engine", "warp:chunk=64"], "fresh", 2, "unknown engine 'warp'"),
     ("technique unknown", ["--strategy", "checkpoint,warp"], "fresh", 2, "unknown technique 'warp'"),
@@ -1133,3 +1134,20 @@ def test_simulate_and_plan_refuse_a_lora_rank_without_lora_in_one_line(command):
     assert code == 2 and not out
     assert err.strip().splitlines() == ["longtrain: error: --lora-rank has no effect without --lora; add --lora "
                                          "(or drop --lora-rank)"]
+
+
+def test_packing_without_data_is_refused_before_anything_is_written(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--packing", "best-fit", "--out", str(out)]) == 2
+    assert "--packing arranges the records of --data" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_run_resumes_with_its_data_named_by_another_path_to_the_same_file(tmp_path, data_file, monkeypatch):
+    """`--data text.txt` from its folder and `--data /abs/text.txt` name one file: the resume
+    is the run's, not "another setting"."""
+    monkeypatch.chdir(data_file.parent)
+    out = tmp_path / "run"
+    code, _, err = cli(*tiny(data_file.name, "--steps", "1", "--out", out))
+    assert code == 0, err
+    code, _, err = cli(*tiny(str(data_file), "--steps", "2", "--resume", "--out", out))
+    assert code == 0, err

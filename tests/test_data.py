@@ -397,3 +397,22 @@ def test_text_training_does_not_import_datasets(tmp_path):
             f"w = TokenWindows({str(data)!r}, ByteTokenizer(), 64); assert w.packing == 'concat' and w.positions is None; "
             "assert 'datasets' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_records_longer_than_a_window_are_said_to_be_split(tmp_path, tokenizers):
+    """A chat longer than --seq-len is split into windows (data.md); the run says how many."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(json.dumps(c) for c in CHATS) + "\n")
+    code, out, err = train(data, tokenizers["generation"], tmp_path / "run", "--seq-len", "32")
+    assert code == 0, err
+    assert "chat or prompt/completion records of" in out and "are longer than --seq-len 32: split into windows" in out
+    code, out, err = train(data, tokenizers["generation"], tmp_path / "whole")  # SEQ_LEN: every chat fits whole
+    assert code == 0 and "longer than --seq-len" not in out, err
+
+
+def test_a_byte_order_mark_is_not_read_as_text(tmp_path):
+    from longtrain.train.records import read_records
+
+    data = tmp_path / "bom.jsonl"
+    data.write_bytes("\ufeff".encode() + b'{"text": "hello"}\n{"text": "world"}\n')
+    assert [r.value for r in read_records(data)] == [{"text": "hello"}, {"text": "world"}]

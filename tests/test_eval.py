@@ -205,6 +205,7 @@ REFUSALS = [
     (["--model", "demo", "--depths", "0,1.5"], "--depths takes numbers in [0, 1]"),
     (["--model", "demo", "--depths", "-0.25"], "--depths takes numbers in [0, 1]"),
     (["--model", "demo", "--depths", "nan"], "--depths takes numbers in [0, 1]"),
+    (["--model", "demo", "--depths", "0.3", "--task", "passkey"], "--task passkey places its needles at random"),
     (["--model", "demo", "--lengths", "0"], "--lengths takes positive token counts"),
     (["--model", "demo", "--lengths", "2K,-4K"], "--lengths takes positive token counts"),
     (["--model", "demo", "--lengths", "2K,lots"], "--lengths takes positive token counts"),

@@ -137,6 +137,12 @@ def test_unsupported_families_are_refused_by_every_engine_and_technique(family):
 def test_a_model_that_is_no_causal_lm_is_refused():
     with pytest.raises(lt.LongtrainError, match="Linear \\(not a Hugging Face causal LM\\)"):
         lt.apply(torch.nn.Linear(2, 2), lt.Strategy(checkpoint=True))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=100)
+    with pytest.raises(lt.LongtrainError, match="LlamaModel is not laid out as a llama causal language model"):
+        lt.apply(LlamaForCausalLM(config).model, None)  # the decoder without its LM head
 
 
 def test_add_lora_targets_exclude_the_head():

@@ -341,6 +341,7 @@ def test_refused_trainers_strategies_and_batches_in_one_line(tmp_path):
     refused("has no option 'chunks'", lambda: tiny_trainer(tmp_path, strategy="fpdt:chunks=16"))
     refused("trl.SFTTrainer", lambda: wrap(dict))
     refused("Weighted.compute_loss", lambda: wrap(type("Weighted", (Trainer,), {"compute_loss": lambda *a, **k: 0})))
+    refused("overrides training_step in Stepping", lambda: wrap(type("Stepping", (Trainer,), {"training_step": lambda *a: 0})))
     assert wrap(Trainer) is LongtrainTrainer
 
     trainer = tiny_trainer(tmp_path, strategy="checkpoint")
@@ -348,9 +349,21 @@ def test_refused_trainers_strategies_and_batches_in_one_line(tmp_path):
     refused("shift_labels", lambda: trainer.training_step(model, {**batch, "shift_labels": batch["labels"]}))
     refused("no 'labels'", lambda: trainer.training_step(model, {"input_ids": batch["input_ids"]}))
     refused("'pixel_values' is not read", lambda: trainer.training_step(model, {**batch, "pixel_values": batch["labels"]}))
+    refused("'label' is not read by longtrain.step", lambda: lt.step(model, {"input_ids": batch["input_ids"],
+                                                                              "label": batch["labels"]}))
+    refused("num_label_tokens=0 divides the loss", lambda: lt.step(model, batch, num_label_tokens=0))
     unlabelled = {**batch, "labels": torch.full_like(batch["labels"], -100)}
     loss = trainer.training_step(model, unlabelled, num_items_in_batch=torch.tensor(40.0))
     assert float(loss) == 0 and all(p.grad is None for p in model.parameters())  # nothing to learn: no step
+
+
+def test_the_cache_is_emptied_every_torch_empty_cache_steps(tmp_path, monkeypatch):
+    """``torch_empty_cache_steps`` as the stock step honours it (accelerate's clear_device_cache)."""
+    cleared = []
+    monkeypatch.setattr("accelerate.utils.memory.clear_device_cache", lambda *a, **k: cleared.append(1))
+    trainer = tiny_trainer(tmp_path, strategy="checkpoint", args=training_args(tmp_path, torch_empty_cache_steps=1))
+    trainer.train()
+    assert len(cleared) >= 2  # after each of the step's two micro-batches (and where the stock loop clears it)
 
 
 def test_auto_plans_for_the_run_length(tmp_path, monkeypatch):

@@ -448,8 +448,8 @@ def _add_eval(sub) -> None:
                    "the small pretrained model longtrain ships)")
     p.add_argument("--lengths", default=None, help="context lengths in tokens, e.g. 2K,4K,8K (default: those of 2K,4K,8K "
                    "within the model's max_position_embeddings)")
-    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1]: 0 the start of the context, "
-                   "1 just before the question")
+    p.add_argument("--depths", default=None, help="needle depths in [0, 1]: 0 the start of the context, "
+                   "1 just before the question (default 0,0.25,0.5,0.75,1)")
     p.add_argument("--samples", type=int, default=16, help="held-out samples per cell")
     p.add_argument("--task", default="both", choices=["passkey", "needle", "both"], help="passkey: needles at random points "
                    "(as train evaluates); needle: one needle at each depth; both")
@@ -471,7 +471,7 @@ def _run_eval(args) -> int:
 
     # Values, the model directory and --out first: a mistake is refused before torch loads.
     config = EvalConfig(model=args.model, lengths=None if args.lengths is None else parse_lengths(args.lengths),
-                        depths=parse_depths(args.depths), samples=args.samples, task=args.task, seed=args.seed,
+                        depths=parse_depths(args.depths, args.task), samples=args.samples, task=args.task, seed=args.seed,
                         out=args.out, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
                         extend_context=args.extend_context, progress=args.progress)
     check_eval_config(config)

@@ -48,7 +48,7 @@ from .models.layers import unwrap
 from .ops.token_stats import TokenStats, counting
 from .parallel.distributed import sum_gradients
 from .parallel.fsdp import padded_to_longest
-from .strategy import Strategy, applied_context, applied_strategy, apply, router_aux_loss, step
+from .strategy import BATCH_KEYS, Strategy, applied_context, applied_strategy, apply, router_aux_loss, step
 
 __all__ = ["LongtrainTrainer", "wrap"]
 
@@ -56,7 +56,6 @@ logger = logging.getLogger(__name__)
 
 # What lt.step reads from a batch, and the keys a padding-free collator (TRL's) derives
 # from position_ids for varlen kernels: they say nothing lt.step does not already read.
-_BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
 _DERIVED_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "use_cache"})
 
 _SP_HINT = ("to split sequences over P processes, set parallelism_config=ParallelismConfig(sp_size=P) (longtrain's "
@@ -237,7 +236,7 @@ class _LongtrainTraining(SequenceParallelCheckpoints):
         """``torch_empty_cache_steps``, as the stock step honours it."""
         every = self.args.torch_empty_cache_steps
         if every is not None and self.state.global_step % every == 0:
-            from accelerate.utils import clear_device_cache
+            from accelerate.utils.memory import clear_device_cache
 
             clear_device_cache()
 
@@ -320,6 +319,7 @@ def _wrapped(trainer_cls: type) -> type:
     if issubclass(trainer_cls, _LongtrainTraining):
         return trainer_cls
     _check_loss_is_cross_entropy(trainer_cls)
+    _check_no_own_training_step(trainer_cls)
     name = f"Longtrain{trainer_cls.__name__}"
     doc = f"``{trainer_cls.__module__}.{trainer_cls.__qualname__}`` whose training step is :func:`longtrain.step`."
     return type(name, (_LongtrainTraining, trainer_cls), {"__module__": __name__, "__qualname__": name, "__doc__": doc})
@@ -337,6 +337,16 @@ def _check_loss_is_cross_entropy(trainer_cls: type) -> None:
         raise LongtrainError(f"{trainer_cls.__name__} computes its loss in {owner.__name__}.compute_loss, which "
                              "longtrain's step replaces with next-token cross-entropy; wrap a trainer whose loss is "
                              "that (transformers.Trainer, trl.SFTTrainer)")
+
+
+def _check_no_own_training_step(trainer_cls: type) -> None:
+    """Refuse a Trainer subclass whose own ``training_step`` longtrain's step would replace
+    unseen (TRL's SFTTrainer only wraps the stock step in its activation offloading, which
+    longtrain's strategies replace)."""
+    owner = next(c for c in trainer_cls.__mro__ if "training_step" in vars(c))
+    if (owner.__module__, owner.__qualname__) not in _CROSS_ENTROPY_LOSSES:
+        raise LongtrainError(f"{trainer_cls.__name__} overrides training_step in {owner.__name__}, which longtrain's "
+                             "step replaces; move that work to a TrainerCallback, or wrap the class it extends")
 
 
 # ---- the strategy -----------------------------------------------------------------------
@@ -401,11 +411,11 @@ def _take_over_checkpointing(trainer, strategy: Strategy, planned: bool) -> Stra
         disable()
     if planned or strategy.uses("checkpoint") or not _composes_with_checkpoint(strategy):
         logger.info("longtrain: Hugging Face's activation checkpointing is off; strategy %r keeps activations its "
-                    "own way", strategy.name)
+                    "own way", strategy.spec)
         return strategy
     taken = Strategy(strategy.engine, strategy.engine_options, **strategy.techniques, checkpoint=True)
     logger.warning("longtrain: the Trainer asks for activation checkpointing (TRL's default): training with "
-                   "strategy %r", taken.name)
+                   "strategy %r", taken.spec)
     return taken
 
 
@@ -559,11 +569,11 @@ def _longtrain_batch(inputs: Mapping) -> dict:
     if inputs.get("labels") is None:
         raise LongtrainError("the batch has no 'labels'; use a collator that sets them (TRL's SFTTrainer does, or "
                              "transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False))")
-    unknown = sorted(set(inputs) - set(_BATCH_KEYS) - _DERIVED_KEYS)
+    unknown = sorted(set(inputs) - set(BATCH_KEYS) - _DERIVED_KEYS)
     if unknown:
         raise LongtrainError(f"batch key {unknown[0]!r} is not read by longtrain's step (it reads "
-                             f"{', '.join(_BATCH_KEYS)}); drop it from the dataset or collator")
-    return {key: inputs[key] for key in _BATCH_KEYS if inputs.get(key) is not None}
+                             f"{', '.join(BATCH_KEYS)}); drop it from the dataset or collator")
+    return {key: inputs[key] for key in BATCH_KEYS if inputs.get(key) is not None}
 
 
 def _as_count(num_items_in_batch) -> int:

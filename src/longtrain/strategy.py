@@ -491,6 +491,18 @@ def engine_context(model, strategy: "Strategy | str") -> EngineContext:
     return context
 
 
+BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")  # what a step reads of a batch
+
+
+def _check_batch_keys(batch: Mapping) -> None:
+    """A key the step does not read (a typo such as ``label``, pre-shifted ``shift_labels``)
+    would change the loss unseen: refused in one line."""
+    unknown = sorted(set(batch) - set(BATCH_KEYS))
+    if unknown:
+        raise LongtrainError(f"batch key {unknown[0]!r} is not read by longtrain.step (it reads {', '.join(BATCH_KEYS)}; "
+                             "labels unshifted, -100 ignored); rename or drop it")
+
+
 def _check_vocabulary(context: EngineContext, batch) -> None:
     """Token ids and labels must index the model's vocabulary (labels may also be -100):
     an id outside it would fail deep in an embedding or loss kernel (an IndexError on
@@ -564,6 +576,7 @@ def step(model, batch: Mapping, strategy: Strategy | None = None, num_label_toke
             f"this model has strategy {context.strategy.spec!r} applied, not {Strategy.parse(strategy).spec!r}; "
             "build a fresh model to step with another strategy"
         )
+    _check_batch_keys(batch)
     _check_vocabulary(context, batch)
     if context.router_balance is not None:
         context.router_balance.weight = aux_loss_weight

@@ -115,6 +115,9 @@ def label_token_count(targets: torch.Tensor, num_label_tokens: int | None) -> in
         num_label_tokens = int((targets != IGNORE_INDEX).sum())
     elif isinstance(num_label_tokens, bool) or not isinstance(num_label_tokens, numbers.Integral):
         raise LongtrainError(f"num_label_tokens must be an integer count of label tokens, got {num_label_tokens!r}")
+    elif num_label_tokens <= 0:
+        raise LongtrainError(f"num_label_tokens={num_label_tokens} divides the loss: pass the positive count of the "
+                             "step's label tokens, or leave it out (this micro-batch's own count)")
     num_label_tokens = int(num_label_tokens)
     if num_label_tokens <= 0:
         raise LongtrainError(

@@ -310,6 +310,12 @@ def check_config(config: TrainConfig, given: frozenset[str] | set[str] = frozens
         for name in _LORA_OPTIONS:
             if name in given or getattr(config, name) != getattr(defaults, name):
                 raise LongtrainError(f"{option(name)} has no effect without --lora; add --lora (or drop {option(name)})")
+    if config.data is not None and ("task_loss" in given or config.task_loss != "all"):
+        raise LongtrainError("--task-loss chooses the loss of the built-in pass-key task; with --data, --loss-on "
+                             "chooses the tokens that carry it: drop --task-loss")
+    if config.data is None and ("packing" in given or config.packing != "auto"):
+        raise LongtrainError("--packing arranges the records of --data into sequences; without --data (the pass-key "
+                             "task) it has no effect: drop it, or pass --data")
     if config.data is None and config.loss_on is not None:
         raise LongtrainError("--loss-on chooses the tokens of --data records that carry the loss; without --data (the "
                              "pass-key task) it has no effect: drop it, or use --task-loss")

@@ -181,6 +181,8 @@ class TokenWindows:
         _check_not_unknown(documents, tokenizer, path)
         self.documents = len(documents)
         self.structured = sum(d.structured for d in documents)  # chat and prompt/completion records among them
+        # Records longer than a window: split, positions restarting, a later piece without its record's start.
+        self.records_split = sum(d.structured and len(d.ids) > seq_len for d in documents)
         self.packing = _packing(packing, documents, path)
         self.labelled = self.positions = None
         if self.packing == "concat":

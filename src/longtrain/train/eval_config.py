@@ -78,8 +78,15 @@ def parse_lengths(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(lengths)))
 
 
-def parse_depths(text: str) -> tuple[float, ...]:
-    """``"0,0.5,1"`` -> ``(0.0, 0.5, 1.0)``: relative depths of the needle, each in [0, 1]."""
+def parse_depths(text: str | None, task: str = "both") -> tuple[float, ...]:
+    """``"0,0.5,1"`` -> ``(0.0, 0.5, 1.0)``: relative depths of the needle, each in [0, 1]
+    (None: the default depths). The pass-key task places its needles at random: depths
+    given for it alone are refused."""
+    if text is None:
+        return DEFAULT_DEPTHS
+    if task == "passkey":
+        raise LongtrainError("--depths places the needle of --task needle (or both); --task passkey places its needles "
+                             "at random: drop --depths, or use --task needle")
     depths = []
     for item in text.split(","):
         try:

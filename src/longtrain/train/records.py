@@ -94,7 +94,7 @@ def read_records(path: Path) -> Iterator[Record]:
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a byte-order mark is no text
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
         raise LongtrainError(f"cannot read data file {path}: {reason}") from None

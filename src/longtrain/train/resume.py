@@ -11,6 +11,7 @@ and reads its own pair of files. The atomic writing and verification are
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -84,6 +85,13 @@ def identity(config: TrainConfig) -> dict:
     return values
 
 
+def _same_path(was, now) -> bool:
+    """Whether two spellings of --model, --data or --tokenizer name one existing file or folder
+    from here (``mdl``, ``./mdl``, ``/abs/mdl``)."""
+    return (isinstance(was, str) and isinstance(now, str) and os.path.exists(now)
+            and os.path.realpath(was) == os.path.realpath(now))
+
+
 def settings(config: TrainConfig, dtype: torch.dtype) -> dict:
     """The settings a resumed run may change (TrainConfig.ADJUSTABLE), as this run has them."""
     values = {k: getattr(config, k) for k in TrainConfig.ADJUSTABLE}
@@ -151,10 +159,11 @@ def check_checkpoint(path: Path, config: TrainConfig, ranks, *, model, data: dic
     defaults = identity(TrainConfig())
     for key, value in identity(config).items():
         was = saved_identity.get(key, defaults[key])  # a setting newer than the checkpoint had its default
-        if was != value:
+        if was != value and not _same_path(was, value):
+            same = " (leave --loss-on out: that is assistant)" if key == "loss_on" and was == "assistant" else ""
             raise LongtrainError(
                 f"checkpoint {path} was written with {key}={was!r} but this run has {key}={value!r}; "
-                "resume with the same settings or start a new --out"
+                f"resume with the same settings{same} or start a new --out"
             )
     if meta.get("parameters") != _fingerprint(model):
         raise LongtrainError(f"checkpoint {path} holds parameters of a different model; resume with the model it was written for")

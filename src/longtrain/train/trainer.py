@@ -146,6 +146,12 @@ class Trainer:
                                                         data=self.data_fingerprint)
         if note and self.ranks.main:
             print(f"longtrain train: {note}", flush=True)
+        split = getattr(self.data, "records_split", 0)
+        if split and self.ranks.main:
+            print(f"longtrain train: {split} chat or prompt/completion record{'s' if split != 1 else ''} of {config.data} "
+                  f"{'are' if split != 1 else 'is'} longer than --seq-len {config.seq_len:,}: split into windows whose "
+                  "positions restart, a later piece without its record's start; a longer --seq-len keeps them whole",
+                  flush=True)
 
         # Only now, with the model, data and checkpoint known to be good, touch the output directory.
         try:

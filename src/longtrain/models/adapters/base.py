@@ -348,7 +348,11 @@ def adapter_for(model: nn.Module) -> DecoderAdapter:
     cls = _ADAPTERS.get(family)
     if cls is None:
         raise LongtrainError(_unsupported(f"{family} models" if family else f"{type(base).__name__} (not a Hugging Face causal LM)"))
-    return cls(model)
+    try:
+        return cls(model)
+    except AttributeError as error:  # e.g. LlamaModel: the decoder without the causal LM around it
+        raise LongtrainError(f"{type(base).__name__} is not laid out as a {family} causal language model ({error}); "
+                             f"pass the model with its LM head (the ...ForCausalLM class)") from None
 
 
 def _unsupported(what: str) -> str:
