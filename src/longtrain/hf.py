@@ -325,15 +325,17 @@ def _wrapped(trainer_cls: type) -> type:
     return type(name, (_LongtrainTraining, trainer_cls), {"__module__": __name__, "__qualname__": name, "__doc__": doc})
 
 
-# Trainers whose compute_loss is next-token cross-entropy (for SFTTrainer, with loss_type="nll",
-# no label smoothing and no compute_loss_func, which the checks below insist on).
-_CROSS_ENTROPY_LOSSES = {("transformers.trainer", "Trainer"), ("trl.trainer.sft_trainer", "SFTTrainer")}
+# The Trainers longtrain's step stands in for exactly: their compute_loss is next-token
+# cross-entropy (for SFTTrainer, with loss_type="nll", no label smoothing and no
+# compute_loss_func, which the checks below insist on), and their training_step adds nothing
+# the step loses (SFTTrainer's only opens its activation offloading, which strategies replace).
+_STOOD_IN_FOR = {("transformers.trainer", "Trainer"), ("trl.trainer.sft_trainer", "SFTTrainer")}
 
 
 def _check_loss_is_cross_entropy(trainer_cls: type) -> None:
     """Refuse a Trainer subclass whose own ``compute_loss`` training would silently skip."""
     owner = next(c for c in trainer_cls.__mro__ if "compute_loss" in vars(c))
-    if (owner.__module__, owner.__qualname__) not in _CROSS_ENTROPY_LOSSES:
+    if (owner.__module__, owner.__qualname__) not in _STOOD_IN_FOR:
         raise LongtrainError(f"{trainer_cls.__name__} computes its loss in {owner.__name__}.compute_loss, which "
                              "longtrain's step replaces with next-token cross-entropy; wrap a trainer whose loss is "
                              "that (transformers.Trainer, trl.SFTTrainer)")
@@ -344,7 +346,7 @@ def _check_no_own_training_step(trainer_cls: type) -> None:
     unseen (TRL's SFTTrainer only wraps the stock step in its activation offloading, which
     longtrain's strategies replace)."""
     owner = next(c for c in trainer_cls.__mro__ if "training_step" in vars(c))
-    if (owner.__module__, owner.__qualname__) not in _CROSS_ENTROPY_LOSSES:
+    if (owner.__module__, owner.__qualname__) not in _STOOD_IN_FOR:
         raise LongtrainError(f"{trainer_cls.__name__} overrides training_step in {owner.__name__}, which longtrain's "
                              "step replaces; move that work to a TrainerCallback, or wrap the class it extends")
 

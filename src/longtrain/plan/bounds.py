@@ -74,10 +74,10 @@ def budgets_for(config, *, device_memory: int, host_memory: int, optimizer: str,
         # LoRA: the adapters' optimizer state is simulated with them (a fraction of a percent of the weights).
         budgets.append(Budget(device_memory, host_memory, weights + state, state, 0, optimizer if lora_rank else "none",
                               step_extra=grads + transient))
-    if optimizer_offload is not False and optimizer == "adamw" and not lora_rank and gpus == 1 and weights <= device_memory:
+    offloadable = optimizer == "adamw" and not lora_rank and gpus == 1
+    if optimizer_offload is not False and offloadable and weights <= device_memory:
         masters = params * 4  # fp32 masters, two fp32 moments, a gradient buffer in the parameters' dtype
         budgets.append(Budget(device_memory, host_memory, weights, 0, 3 * masters + params * item, "adamw-offload"))
-    offloadable = optimizer == "adamw" and not lora_rank and gpus == 1
     if optimizer_offload and not offloadable:
         raise LongtrainError("--optimizer-offload plans AdamW's state in host memory for full fine-tuning on one GPU; "
                              "it needs --optimizer adamw, no --lora and --gpus 1")

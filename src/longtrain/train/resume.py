@@ -85,6 +85,9 @@ def identity(config: TrainConfig) -> dict:
     return values
 
 
+_PATHS = ("model", "data", "tokenizer")  # settings that name a file or folder
+
+
 def _same_path(was, now) -> bool:
     """Whether two spellings of --model, --data or --tokenizer name one existing file or folder
     from here (``mdl``, ``./mdl``, ``/abs/mdl``)."""
@@ -159,7 +162,7 @@ def check_checkpoint(path: Path, config: TrainConfig, ranks, *, model, data: dic
     defaults = identity(TrainConfig())
     for key, value in identity(config).items():
         was = saved_identity.get(key, defaults[key])  # a setting newer than the checkpoint had its default
-        if was != value and not _same_path(was, value):
+        if was != value and not (key in _PATHS and _same_path(was, value)):
             same = " (leave --loss-on out: that is assistant)" if key == "loss_on" and was == "assistant" else ""
             raise LongtrainError(
                 f"checkpoint {path} was written with {key}={was!r} but this run has {key}={value!r}; "
